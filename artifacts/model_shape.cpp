@@ -70,15 +70,24 @@ std::string ModelShape::canonical() const {
   return s.str();
 }
 
-std::string ModelShape::fingerprint() const {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a 64
-  for (unsigned char c : canonical()) {
-    h ^= c;
+uint64_t hash64(const void* data, size_t bytes, uint64_t h) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) {
+    h ^= p[i];
     h *= 1099511628211ull;
   }
+  return h;
+}
+
+std::string hash_hex(uint64_t h) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
   return buf;
+}
+
+std::string ModelShape::fingerprint() const {
+  const std::string c = canonical();
+  return hash_hex(hash64(c.data(), c.size()));
 }
 
 std::string ModelShape::diff(const ModelShape& o) const {

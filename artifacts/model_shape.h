@@ -5,6 +5,8 @@
 // computed here and only here (rope_inv_freq); kernels take the resulting array.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -49,6 +51,12 @@ struct ModelShape {
   // The fields that differ, as "field: this vs other" lines; empty when equal.
   std::string diff(const ModelShape& other) const;
 };
+
+// 64-bit FNV-1a over bytes, continuing from `h`: the one hash of the project (fingerprints,
+// weights hashes). Not cryptographic: it tells models apart, it does not authenticate them.
+constexpr uint64_t kHashSeed = 1469598103934665603ull;
+uint64_t hash64(const void* data, size_t bytes, uint64_t h = kHashSeed);
+std::string hash_hex(uint64_t h);  // 16 lowercase hex digits
 
 // head_dim/2 inverse frequencies after scaling, fp32, as transformers computes them.
 std::vector<float> rope_inv_freq(const RopeParams& rope, int head_dim);
