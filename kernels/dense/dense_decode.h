@@ -23,6 +23,13 @@ namespace kvs::kernels {
 void attend_cpu(const float* q, const PagedKV& kv, int b, int kv_head, const int32_t* tokens,
                 int num_tokens, double scale, double* o, double* lse);
 
+// attend_cpu with a per-token logit shift: token j's logit is q.k * scale + logit_offset[j]
+// (logit_offset null: no shift, which is attend_cpu). Importance-weighted estimators
+// (MagicPIG: -log u_j) attend through it; attend_cpu is this with a null offset.
+void attend_cpu_shifted(const float* q, const PagedKV& kv, int b, int kv_head,
+                        const int32_t* tokens, int num_tokens, double scale,
+                        const double* logit_offset, double* o, double* lse);
+
 // CPU reference: exact dense decode (fp64 accumulation), any head_dim and group size.
 // o [batch, num_q_heads, head_dim] fp32, lse [batch, num_q_heads] fp32 (may be null).
 void dense_decode_cpu(const bf16* q, int num_q_heads, const PagedKV& kv, float scale,

@@ -8,6 +8,12 @@ namespace kvs::kernels {
 
 void attend_cpu(const float* q, const PagedKV& kv, int b, int kv_head, const int32_t* tokens,
                 int num_tokens, double scale, double* o, double* lse) {
+  attend_cpu_shifted(q, kv, b, kv_head, tokens, num_tokens, scale, nullptr, o, lse);
+}
+
+void attend_cpu_shifted(const float* q, const PagedKV& kv, int b, int kv_head,
+                        const int32_t* tokens, int num_tokens, double scale,
+                        const double* logit_offset, double* o, double* lse) {
   const int d = kv.head_dim;
   const int n = tokens ? num_tokens : kv.seq_lens[b];
   for (int i = 0; i < d; ++i) o[i] = 0.0;
@@ -23,7 +29,7 @@ void attend_cpu(const float* q, const PagedKV& kv, int b, int kv_head, const int
     const bf16* k = kv.k + kv.offset(b, t, kv_head);
     double dot = 0.0;
     for (int i = 0; i < d; ++i) dot += double(q[i]) * double(bf16_to_float(k[i]));
-    score[j] = dot * scale;
+    score[j] = dot * scale + (logit_offset ? logit_offset[j] : 0.0);
     m = std::max(m, score[j]);
   }
   double sum = 0.0;

@@ -1,0 +1,70 @@
+// Device side of merge_states.h: merging partial attention states (o, lse) inside kernels.
+//
+// This is the one device version of the formula in merge_states.h. It is split into two
+// pieces so that any kernel layout can use it: LseAccumulator builds the merged lse from
+// the parts' lse values (one at a time, or by combining partial accumulators across lanes
+// and warps), and merge_weight gives each part's weight exp(lse_i - lse) in the result.
+// Then o = sum_i merge_weight(lse_i, lse) * o_i over the parts whose weight is non-zero:
+// an empty part (lse = -inf) must be skipped, not multiplied by 0, because its o may hold
+// anything (NaN included).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+namespace kvs::kernels {
+
+// log(sum_i exp(lse_i)) kept as m + log(sum) with m the largest lse so far, so that adding
+// parts in any order never overflows. Empty parts (lse = -inf) are the identity.
+struct LseAccumulator {
+  float m = -INFINITY;
+  float sum = 0.f;
+
+  __device__ __forceinline__ void add(float lse) {
+    if (lse == -INFINITY) return;
+    if (lse > m) {
+      sum = sum * expf(m - lse) + 1.f;  // first part: sum is 0 and expf(-inf) is 0
+      m = lse;
+    } else {
+      sum += expf(lse - m);
+    }
+  }
+
+  __device__ __forceinline__ void add(const LseAccumulator& other) {
+    if (other.m == -INFINITY) return;
+    if (m == -INFINITY) {
+      *this = other;
+      return;
+    }
+    const float mm = fmaxf(m, other.m);
+    sum = sum * expf(m - mm) + other.sum * expf(other.m - mm);
+    m = mm;
+  }
+
+  // Merged lse; -inf when every part was empty.
+  __device__ __forceinline__ float lse() const {
+    return m == -INFINITY ? -INFINITY : m + logf(sum);
+  }
+};
+
+// Combines the accumulators of the 32 lanes of a warp; every lane gets the total. All 32
+// lanes must call it.
+__device__ __forceinline__ LseAccumulator warp_merge_lse(LseAccumulator acc) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    LseAccumulator other;
+    other.m = __shfl_xor_sync(0xffffffffu, acc.m, offset);
+    other.sum = __shfl_xor_sync(0xffffffffu, acc.sum, offset);
+    acc.add(other);
+  }
+  return acc;
+}
+
+// Weight of a part with log-sum-exp lse in a merge whose merged log-sum-exp is lse_merged.
+// 0 for an empty part; callers skip parts of weight 0 (see the file comment).
+__device__ __forceinline__ float merge_weight(float lse, float lse_merged) {
+  return lse == -INFINITY ? 0.f : expf(lse - lse_merged);
+}
+
+}  // namespace kvs::kernels

@@ -1,0 +1,999 @@
+// CUDA side of Tactic (see tactic.h for the state layout and the k-means definition).
+//
+// Prefill k-means, per batch of (sequence, kv head) problems, `iterations` times:
+//   assign  fused bf16 tensor-core product keys x centroids (WMMA 16x16x16, fp32
+//           accumulate) with the argmin of ||mu||^2 - 2 k.mu in the epilogue: a 64-key tile
+//           streams every centroid through shared memory in 64-centroid chunks, so the
+//           n x C distance matrix never reaches memory. At n = 128K, C = 8192, d = 128 one
+//           iteration is n*C*d = 1.37e11 MACs (2.75e11 FLOP) per kv head, 2.75 TFLOP for
+//           10 iterations, while a materialised fp32 distance matrix would be 4 GiB per
+//           head per iteration: a cuBLAS GEMM + argmin pass would be bound by that traffic
+//           (2d / 4 = 64 FLOP per byte), the fused kernel only by the tensor cores.
+//   csr     one CTA per problem: histogram, scan, and a stable scatter (block radix sort of
+//           each 512-token chunk by label), so members are ascending within a cluster,
+//           exactly as on the CPU, whatever the cluster sizes.
+//   update  one warp per cluster: fp32 mean of its members in member order, rounded to bf16;
+//           an empty cluster keeps its centroid.
+// Decode-time block re-clustering runs the same steps inside one CTA per (sequence, kv head)
+// (SIMT distances: a block is 2048 x 128 x d), sharing the csr and update device code.
+//
+// Decode selection (one launch each, no host sync, graph-safe):
+//   score   q.centroid for the g query heads of a kv head (each centroid read once per group)
+//   sort    descending, per (sequence, query head); with the sorted-position prefix of
+//           cluster sizes. One block radix sort + scan per row up to 8192 clusters (128K
+//           tokens), else a CUB segmented radix sort and a prefix kernel
+//   sample  logits of the exact and window positions (thread per sampled token)
+//   budget  max, exact prefix, window means, fit, K, round up to clusters, bitmap OR (union)
+//   index   compaction of the union's members + recent tokens into the sub-request page table
+// Attention is then the dense split-KV kernel over the sub-request view (tactic.h).
+#include <cuda_bf16.h>
+#include <mma.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cub/cub.cuh>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels/tactic/tactic.h"
+
+namespace kvs::kernels::tactic {
+namespace {
+
+using bf = __nv_bfloat16;
+
+constexpr int kCsrBlock = 512;      // threads of the prefill CSR kernel
+constexpr int kBlockThreads = 256;  // threads of the re-clustering CTA
+constexpr int kTileRows = 64;       // keys per assign tile
+constexpr int kTileCols = 64;       // centroids per assign chunk
+constexpr int kPad = 16;            // bf16 row padding: keeps WMMA rows 32-byte aligned
+constexpr int kScorePad = 4;
+constexpr int kMaxGroup = 8;
+constexpr int kBlockSmemLimit = 160 * 1024;
+
+struct Problem {
+  int b, h, start, n, C, c0;
+  uint64_t stream;
+  int64_t scratch;   // first label of this problem in the label scratch
+  int64_t cscratch;  // first cluster of this problem in the per-cluster scratch
+};
+
+struct MaxOp {
+  __device__ __forceinline__ int operator()(int a, int b) const { return a > b ? a : b; }
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+__device__ __forceinline__ const bf* key_row(const PagedKV& kv, int b, int t, int h) {
+  return reinterpret_cast<const bf*>(kv.k) + kv.offset(b, t, h);
+}
+
+// ---- shared k-means pieces ----------------------------------------------------------------
+
+template <int BLOCK>
+struct CsrTemp {
+  using Scan = cub::BlockScan<int, BLOCK>;
+  using Sort = cub::BlockRadixSort<unsigned, BLOCK, 1, int>;
+  union {
+    typename Scan::TempStorage scan;
+    typename Sort::TempStorage sort;
+  } u;
+  unsigned sorted_label[BLOCK];
+};
+
+// Builds the CSR of one problem from labels [n] (labels < C), by the whole CTA: offsets_out
+// [C + 1] get base + local offsets, members_out [n] get token_base + i, ascending within a
+// cluster. cursor [C] is scratch. Stability comes from sorting each BLOCK-token chunk by
+// label (radix sort is stable) and ranking tokens within runs of equal labels, so the cost
+// does not depend on how uneven the clusters are.
+template <int BLOCK>
+__device__ void cta_build_csr(const int32_t* labels, int n, int C, int32_t* cursor,
+                              int32_t* offsets_out, int base, int32_t* members_out, int token_base,
+                              CsrTemp<BLOCK>& tmp) {
+  using Scan = typename CsrTemp<BLOCK>::Scan;
+  using Sort = typename CsrTemp<BLOCK>::Sort;
+  for (int c = threadIdx.x; c < C; c += BLOCK) cursor[c] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += BLOCK) atomicAdd(&cursor[labels[i]], 1);
+  __syncthreads();
+  int carry = 0;
+  for (int c0 = 0; c0 < C; c0 += BLOCK) {
+    const int c = c0 + threadIdx.x;
+    int excl, total;
+    Scan(tmp.u.scan).ExclusiveSum(c < C ? cursor[c] : 0, excl, total);
+    __syncthreads();
+    if (c < C) {
+      cursor[c] = carry + excl;
+      offsets_out[c] = base + carry + excl;
+    }
+    carry += total;
+  }
+  if (threadIdx.x == 0) offsets_out[C] = base + n;
+  __syncthreads();
+  const int bits = 32 - __clz(C);  // labels and the sentinel C
+  for (int i0 = 0; i0 < n; i0 += BLOCK) {
+    const int i = i0 + threadIdx.x;
+    unsigned key[1] = {i < n ? unsigned(labels[i]) : unsigned(C)};
+    int val[1] = {i};
+    Sort(tmp.u.sort).Sort(key, val, 0, bits);
+    tmp.sorted_label[threadIdx.x] = key[0];
+    __syncthreads();
+    const bool head = threadIdx.x == 0 || tmp.sorted_label[threadIdx.x - 1] != key[0];
+    int run_start;
+    Scan(tmp.u.scan).InclusiveScan(head ? int(threadIdx.x) : 0, run_start, MaxOp());
+    const int rank = int(threadIdx.x) - run_start;
+    const bool valid = key[0] < unsigned(C);
+    if (valid) members_out[cursor[key[0]] + rank] = token_base + val[0];
+    __syncthreads();
+    const bool tail = threadIdx.x == BLOCK - 1 || tmp.sorted_label[threadIdx.x + 1] != key[0];
+    if (valid && tail) cursor[key[0]] += rank + 1;
+    __syncthreads();
+  }
+}
+
+// One warp: centroid <- bf16(mean of keys of members[lo, hi)) unless empty; *norm <-
+// ||centroid||^2 of the stored bf16 values. centroid may be global or shared memory.
+template <int D>
+__device__ void warp_update_centroid(const PagedKV& kv, int b, int h, const int32_t* members,
+                                     int lo, int hi, bf* centroid, float* norm, int lane) {
+  constexpr int kPer = D / 32;
+  if (hi > lo) {
+    float acc[kPer];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) acc[e] = 0.f;
+    for (int m = lo; m < hi; ++m) {
+      const bf* k = key_row(kv, b, members[m], h) + lane * kPer;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) acc[e] += __bfloat162float(k[e]);
+    }
+    const float count = float(hi - lo);
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) centroid[lane * kPer + e] = __float2bfloat16_rn(acc[e] / count);
+  }
+  __syncwarp();
+  float s = 0.f;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const float v = __bfloat162float(centroid[lane * kPer + e]);
+    s += v * v;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (lane == 0) *norm = s;
+}
+
+// One warp: centroid <- key kmeans_init_index(c), and its norm.
+template <int D>
+__device__ void warp_init_centroid(const PagedKV& kv, int b, int h, int start, int n, int C,
+                                   uint64_t stream, int c, bf* centroid, float* norm, int lane) {
+  const int t = start + kmeans_init_index(stream, c, n, C);
+  const bf* k = key_row(kv, b, t, h);
+  for (int e = lane; e < D; e += 32) centroid[e] = k[e];
+  __syncwarp();
+  float s = 0.f;
+  for (int e = lane; e < D; e += 32) {
+    const float v = __bfloat162float(centroid[e]);
+    s += v * v;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (lane == 0) *norm = s;
+}
+
+// ---- prefill k-means ------------------------------------------------------------------------
+
+template <int D>
+__global__ void __launch_bounds__(256)
+    init_kernel(PagedKV kv, const Problem* probs, ClusterState st, float* norms) {
+  const Problem p = probs[blockIdx.y];
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    st.num_clusters[st.slot(p.b, p.h)] = p.c0 + p.C;
+    st.clustered_len[st.slot(p.b, p.h)] = p.start + p.n;
+  }
+  const int c = blockIdx.x * 8 + threadIdx.x / 32;
+  if (c >= p.C) return;
+  warp_init_centroid<D>(kv, p.b, p.h, p.start, p.n, p.C, p.stream, c,
+                        reinterpret_cast<bf*>(st.centroid(p.b, p.h, p.c0 + c)),
+                        norms + p.cscratch + c, threadIdx.x % 32);
+}
+
+template <int D>
+constexpr size_t assign_smem_bytes() {
+  return size_t(kTileRows + kTileCols) * (D + kPad) * sizeof(bf) +
+         size_t(kTileRows) * (kTileCols + kScorePad) * sizeof(float) + kTileCols * sizeof(float);
+}
+
+template <int D>
+__global__ void __launch_bounds__(128)
+    assign_kernel(PagedKV kv, const Problem* probs, ClusterState st, const float* norms,
+                  int32_t* labels) {
+  namespace wmma = nvcuda::wmma;
+  constexpr int LD = D + kPad, LDS = kTileCols + kScorePad, kChunks = D / 8;
+  const Problem p = probs[blockIdx.y];
+  const int i0 = blockIdx.x * kTileRows;
+  if (i0 >= p.n) return;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf* ks = reinterpret_cast<bf*>(smem);
+  bf* cs = ks + kTileRows * LD;
+  float* sc = reinterpret_cast<float*>(cs + kTileCols * LD);
+  float* nrm = sc + kTileRows * LDS;
+
+  for (int x = threadIdx.x; x < kTileRows * kChunks; x += blockDim.x) {
+    const int r = x / kChunks, ch = x % kChunks;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (i0 + r < p.n)
+      v = reinterpret_cast<const uint4*>(key_row(kv, p.b, p.start + i0 + r, p.h))[ch];
+    *reinterpret_cast<uint4*>(ks + r * LD + ch * 8) = v;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = warp * 16 + lane / 2, half = lane % 2;
+  const bf* cbase = reinterpret_cast<const bf*>(st.centroid(p.b, p.h, p.c0));
+  float best = INFINITY;
+  int arg = 0;
+  for (int c0 = 0; c0 < p.C; c0 += kTileCols) {
+    __syncthreads();  // the previous chunk is consumed (and the key tile is in place)
+    for (int x = threadIdx.x; x < kTileCols * kChunks; x += blockDim.x) {
+      const int r = x / kChunks, ch = x % kChunks;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (c0 + r < p.C) v = reinterpret_cast<const uint4*>(cbase + int64_t(c0 + r) * D)[ch];
+      *reinterpret_cast<uint4*>(cs + r * LD + ch * 8) = v;
+    }
+    for (int r = threadIdx.x; r < kTileCols; r += blockDim.x)
+      nrm[r] = c0 + r < p.C ? norms[p.cscratch + c0 + r] : INFINITY;  // padding never wins
+    __syncthreads();
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kTileCols / 16];
+#pragma unroll
+    for (int j = 0; j < kTileCols / 16; ++j) wmma::fill_fragment(acc[j], 0.f);
+#pragma unroll
+    for (int k = 0; k < D; k += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> a;
+      wmma::load_matrix_sync(a, ks + warp * 16 * LD + k, LD);
+#pragma unroll
+      for (int j = 0; j < kTileCols / 16; ++j) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::col_major> bm;
+        wmma::load_matrix_sync(bm, cs + j * 16 * LD + k, LD);
+        wmma::mma_sync(acc[j], a, bm, acc[j]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kTileCols / 16; ++j)
+      wmma::store_matrix_sync(sc + warp * 16 * LDS + j * 16, acc[j], LDS, wmma::mem_row_major);
+    __syncwarp();  // each warp reads back only its own 16 rows
+    for (int cc = half * (kTileCols / 2); cc < (half + 1) * (kTileCols / 2); ++cc) {
+      const float dist = nrm[cc] - 2.f * sc[row * LDS + cc];
+      if (dist < best) {  // strict, ascending c: ties go to the lowest index
+        best = dist;
+        arg = c0 + cc;
+      }
+    }
+  }
+  const float ob = __shfl_xor_sync(0xffffffffu, best, 1);
+  const int oa = __shfl_xor_sync(0xffffffffu, arg, 1);
+  if (ob < best || (ob == best && oa < arg)) arg = oa;
+  if (half == 0 && i0 + row < p.n) labels[p.scratch + i0 + row] = arg;
+}
+
+__global__ void __launch_bounds__(kCsrBlock)
+    csr_kernel(const Problem* probs, ClusterState st, const int32_t* labels, int32_t* cursor) {
+  __shared__ CsrTemp<kCsrBlock> tmp;
+  const Problem p = probs[blockIdx.x];
+  if (p.n == 0) return;
+  cta_build_csr<kCsrBlock>(labels + p.scratch, p.n, p.C, cursor + p.cscratch,
+                           st.offsets_of(p.b, p.h) + p.c0, p.start,
+                           st.members_of(p.b, p.h) + p.start, p.start, tmp);
+}
+
+template <int D>
+__global__ void __launch_bounds__(256)
+    update_kernel(PagedKV kv, const Problem* probs, ClusterState st, float* norms) {
+  const Problem p = probs[blockIdx.y];
+  const int c = blockIdx.x * 8 + threadIdx.x / 32;
+  if (c >= p.C) return;
+  const int32_t* off = st.offsets_of(p.b, p.h) + p.c0;
+  warp_update_centroid<D>(kv, p.b, p.h, st.members_of(p.b, p.h), off[c], off[c + 1],
+                          reinterpret_cast<bf*>(st.centroid(p.b, p.h, p.c0 + c)),
+                          norms + p.cscratch + c, threadIdx.x % 32);
+}
+
+struct PrefillLayout {
+  size_t problems, labels, cursor, norms, total;
+};
+
+PrefillLayout prefill_layout(int batch, int num_kv_heads, int max_len, int cluster_size) {
+  auto up = [](size_t x) { return (x + 255) / 256 * 256; };
+  const size_t P = size_t(batch) * num_kv_heads;
+  const size_t C = size_t(kmeans_num_clusters(max_len, cluster_size));
+  PrefillLayout l;
+  l.problems = 0;
+  l.labels = up(P * sizeof(Problem));
+  l.cursor = l.labels + up(P * size_t(max_len) * sizeof(int32_t));
+  l.norms = l.cursor + up(P * C * sizeof(int32_t));
+  l.total = l.norms + up(P * C * sizeof(float));
+  return l;
+}
+
+template <int D>
+cudaError_t launch_prefill(const PagedKV& kv, const std::vector<Problem>& probs, int max_n,
+                           int max_c, int iterations, const ClusterState& st, char* ws,
+                           const PrefillLayout& l, cudaStream_t stream) {
+  cudaError_t err = prepare_cuda(D);
+  if (err != cudaSuccess) return err;
+  const int P = int(probs.size());
+  auto* d_probs = reinterpret_cast<Problem*>(ws + l.problems);
+  auto* labels = reinterpret_cast<int32_t*>(ws + l.labels);
+  auto* cursor = reinterpret_cast<int32_t*>(ws + l.cursor);
+  auto* norms = reinterpret_cast<float*>(ws + l.norms);
+  err = cudaMemcpyAsync(d_probs, probs.data(), probs.size() * sizeof(Problem),
+                        cudaMemcpyHostToDevice, stream);
+  if (err != cudaSuccess) return err;
+  // probs must outlive the copy: the caller synchronizes before it goes away.
+  const dim3 per_cluster(unsigned(std::max(1, (max_c + 7) / 8)), unsigned(P));
+  init_kernel<D><<<per_cluster, 256, 0, stream>>>(kv, d_probs, st, norms);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (max_n == 0) return cudaSuccess;
+  const dim3 tiles(unsigned((max_n + kTileRows - 1) / kTileRows), unsigned(P));
+  for (int it = 0; it < iterations; ++it) {
+    assign_kernel<D>
+        <<<tiles, 128, assign_smem_bytes<D>(), stream>>>(kv, d_probs, st, norms, labels);
+    csr_kernel<<<P, kCsrBlock, 0, stream>>>(d_probs, st, labels, cursor);
+    update_kernel<D><<<per_cluster, 256, 0, stream>>>(kv, d_probs, st, norms);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+// ---- decode-time block re-clustering ---------------------------------------------------------
+
+template <int D>
+size_t block_smem_bytes(int block_tokens, int cluster_size) {
+  const size_t C = size_t(block_tokens / cluster_size);
+  return C * D * sizeof(bf) + C * sizeof(float) + C * sizeof(int32_t) +
+         size_t(block_tokens) * sizeof(int32_t);
+}
+
+template <int D>
+__global__ void __launch_bounds__(kBlockThreads)
+    recluster_kernel(PagedKV kv, int layer, int T, int cluster_size, int iterations, uint64_t seed,
+                     ClusterState st) {
+  __shared__ CsrTemp<kBlockThreads> tmp;
+  const int b = blockIdx.x / kv.num_kv_heads, h = blockIdx.x % kv.num_kv_heads;
+  const int64_t s = st.slot(b, h);
+  const int start = st.clustered_len[s], c0 = st.num_clusters[s];
+  const int C = T / cluster_size;
+  if (kv.seq_lens[b] - start < T) return;  // nothing due: the common case, one load
+  if (start + T > st.max_tokens || c0 + C > st.max_clusters) return;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf* mu = reinterpret_cast<bf*>(smem);                // [C][D]
+  float* norm = reinterpret_cast<float*>(mu + C * D);  // [C]
+  int32_t* cursor = reinterpret_cast<int32_t*>(norm + C);
+  int32_t* labels = cursor + C;  // [T]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  constexpr int kWarps = kBlockThreads / 32;
+  const uint64_t stream = kmeans_stream(seed, layer, h, start);
+  for (int c = warp; c < C; c += kWarps)
+    warp_init_centroid<D>(kv, b, h, start, T, C, stream, c, mu + c * D, norm + c, lane);
+  int32_t* off = st.offsets_of(b, h) + c0;
+  int32_t* members = st.members_of(b, h);
+  for (int it = 0; it < iterations; ++it) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < T; i += kBlockThreads) {
+      uint32_t k2[D / 2];
+      const uint4* src = reinterpret_cast<const uint4*>(key_row(kv, b, start + i, h));
+#pragma unroll
+      for (int ch = 0; ch < D / 8; ++ch) {
+        const uint4 v = src[ch];
+        k2[ch * 4 + 0] = v.x;
+        k2[ch * 4 + 1] = v.y;
+        k2[ch * 4 + 2] = v.z;
+        k2[ch * 4 + 3] = v.w;
+      }
+      float best = INFINITY;
+      int arg = 0;
+      for (int c = 0; c < C; ++c) {
+        const uint32_t* m2 = reinterpret_cast<const uint32_t*>(mu + c * D);
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < D / 2; ++e) {
+          const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&k2[e]));
+          const float2 mf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&m2[e]));
+          dot = fmaf(kf.x, mf.x, dot);
+          dot = fmaf(kf.y, mf.y, dot);
+        }
+        const float dist = norm[c] - 2.f * dot;
+        if (dist < best) {
+          best = dist;
+          arg = c;
+        }
+      }
+      labels[i] = arg;
+    }
+    __syncthreads();
+    cta_build_csr<kBlockThreads>(labels, T, C, cursor, off, start, members + start, start, tmp);
+    __syncthreads();
+    for (int c = warp; c < C; c += kWarps)
+      warp_update_centroid<D>(kv, b, h, members, off[c], off[c + 1], mu + c * D, norm + c, lane);
+  }
+  __syncthreads();
+  bf* dst = reinterpret_cast<bf*>(st.centroid(b, h, c0));
+  for (int e = threadIdx.x; e < C * D; e += kBlockThreads) dst[e] = mu[e];
+  if (threadIdx.x == 0) {
+    st.num_clusters[s] = c0 + C;
+    st.clustered_len[s] = start + T;
+  }
+}
+
+// ---- decode selection ------------------------------------------------------------------------
+
+struct SelectLayout {
+  size_t keys_a, keys_b, vals_a, vals_b, seg_begin, seg_end, prefix, logits, exact, bitmap, temp,
+      temp_bytes, total;
+  int smax, words;
+};
+
+// max_samples scans every length up to max_tokens; decode calls must not pay that each step.
+int cached_max_samples(int max_tokens, const FitParams& f) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, double, double, double, double, int, double>, int> cache;
+  const auto key = std::make_tuple(max_tokens, f.target, f.exact_fraction, f.centre1, f.centre2,
+                                   f.window_min, f.window_fraction);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, std::max(1, max_samples(max_tokens, f))).first;
+  return it->second;
+}
+
+size_t sort_temp_bytes(int rows, int max_clusters) {
+  size_t bytes = 0;
+  cub::DoubleBuffer<float> keys(nullptr, nullptr);
+  cub::DoubleBuffer<int> vals(nullptr, nullptr);
+  cub::DeviceSegmentedRadixSort::SortPairsDescending(
+      nullptr, bytes, keys, vals, int64_t(rows) * max_clusters, rows, static_cast<int*>(nullptr),
+      static_cast<int*>(nullptr), 0, 32);
+  return bytes;
+}
+
+SelectLayout select_layout(int max_batch, int Hq, int Hkv, int max_clusters, int max_tokens,
+                           const FitParams& fit) {
+  auto up = [](size_t x) { return (x + 255) / 256 * 256; };
+  SelectLayout l;
+  const size_t rows = size_t(max_batch) * Hq;
+  const size_t items = rows * size_t(max_clusters);
+  l.smax = cached_max_samples(max_tokens, fit);
+  l.words = (max_clusters + 31) / 32;
+  size_t o = 0;
+  l.keys_a = o;
+  o += up(items * sizeof(float));
+  l.keys_b = o;
+  o += up(items * sizeof(float));
+  l.vals_a = o;
+  o += up(items * sizeof(int));
+  l.vals_b = o;
+  o += up(items * sizeof(int));
+  l.seg_begin = o;
+  o += up(rows * sizeof(int));
+  l.seg_end = o;
+  o += up(rows * sizeof(int));
+  l.prefix = o;
+  o += up(rows * (size_t(max_clusters) + 1) * sizeof(int));
+  l.logits = o;
+  o += up(rows * size_t(l.smax) * sizeof(float));
+  l.exact = o;
+  o += up(rows * size_t(l.smax) * sizeof(double));
+  l.bitmap = o;
+  o += up(size_t(max_batch) * Hkv * size_t(l.words) * sizeof(uint32_t));
+  l.temp_bytes = sort_temp_bytes(int(rows), max_clusters);
+  l.temp = o;
+  o += up(l.temp_bytes);
+  l.total = o;
+  return l;
+}
+
+struct SelectParams {
+  const bf* q;
+  PagedKV kv;
+  ClusterState st;
+  Selection sel;
+  FitParams fit;
+  float scale;
+  int num_q_heads, group, smax, words;
+  float* keys;        // unsorted scores [rows, max_clusters]
+  int* vals;          // unsorted ids
+  const int* sorted;  // sorted ids (the sort's current buffer)
+  int* seg_begin;
+  int* seg_end;
+  int* prefix;
+  float* logits;
+  double* exact;
+  uint32_t* bitmap;
+  unsigned long long* counters;
+};
+
+template <int D>
+__global__ void __launch_bounds__(128) score_kernel(SelectParams p) {
+  __shared__ float qs[kMaxGroup][D];
+  const int Hkv = p.kv.num_kv_heads;
+  const int b = blockIdx.y / Hkv, h = blockIdx.y % Hkv;
+  const int64_t slot = p.st.slot(b, h);
+  const int C = p.st.num_clusters[slot];
+  const int row0 = b * p.num_q_heads + h * p.group;
+  for (int x = threadIdx.x; x < p.group * D; x += blockDim.x)
+    qs[x / D][x % D] = __bfloat162float(p.q[int64_t(row0) * D + x]);
+  if (blockIdx.x == 0) {
+    if (int(threadIdx.x) < p.group) {
+      const int row = row0 + threadIdx.x;
+      p.seg_begin[row] = row * p.st.max_clusters;
+      p.seg_end[row] = row * p.st.max_clusters + C;
+    }
+    if (threadIdx.x == 0 && p.counters)
+      atomicAdd(&p.counters[1], (unsigned long long)C * D * sizeof(bf));
+  }
+  __syncthreads();
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  if (c % 32 == 0) p.bitmap[slot * p.words + c / 32] = 0u;
+  float dot[kMaxGroup];
+#pragma unroll
+  for (int j = 0; j < kMaxGroup; ++j) dot[j] = 0.f;
+  const uint4* mu = reinterpret_cast<const uint4*>(p.st.centroid(b, h, c));
+  for (int ch = 0; ch < D / 8; ++ch) {
+    const uint4 v = mu[ch];
+    const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(v2[e]);
+#pragma unroll
+      for (int j = 0; j < kMaxGroup; ++j)
+        if (j < p.group) {
+          dot[j] = fmaf(f.x, qs[j][ch * 8 + 2 * e], dot[j]);
+          dot[j] = fmaf(f.y, qs[j][ch * 8 + 2 * e + 1], dot[j]);
+        }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxGroup; ++j)
+    if (j < p.group) {
+      const int64_t at = int64_t(row0 + j) * p.st.max_clusters + c;
+      p.keys[at] = dot[j];
+      p.vals[at] = c;
+    }
+}
+
+constexpr int kRowThreads = 256;
+
+__global__ void __launch_bounds__(kRowThreads) prefix_kernel(SelectParams p) {
+  using Scan = cub::BlockScan<int, kRowThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const int row = blockIdx.x;
+  const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
+  const int C = p.st.num_clusters[p.st.slot(b, h)];
+  const int* ids = p.sorted + int64_t(row) * p.st.max_clusters;
+  const int32_t* off = p.st.offsets_of(b, h);
+  int* prefix = p.prefix + int64_t(row) * (p.st.max_clusters + 1);
+  if (threadIdx.x == 0) prefix[0] = 0;
+  int carry = 0;
+  for (int j0 = 0; j0 < C; j0 += kRowThreads) {
+    const int j = j0 + threadIdx.x;
+    const int size = j < C ? off[ids[j] + 1] - off[ids[j]] : 0;
+    int incl, total;
+    Scan(tmp).InclusiveSum(size, incl, total);
+    __syncthreads();
+    if (j < C) prefix[j + 1] = carry + incl;
+    carry += total;
+  }
+}
+
+// Sort and prefix in one CTA per (sequence, query head) when every cluster list fits one
+// block-wide radix sort (max_clusters <= 8192, i.e. contexts up to 128K at cluster size 16):
+// one launch instead of the segmented sort's passes plus the prefix kernel. The same stable
+// descending order as the CUB path (ties: lower cluster id first).
+constexpr int kSortThreads = 1024;
+constexpr int kSortItems = 8;
+constexpr int kBlockSortMax = kSortThreads * kSortItems;
+
+__global__ void __launch_bounds__(kSortThreads) sort_prefix_kernel(SelectParams p, int* sorted) {
+  using Sort = cub::BlockRadixSort<float, kSortThreads, kSortItems, int>;
+  using Scan = cub::BlockScan<int, kSortThreads>;
+  __shared__ union {
+    typename Sort::TempStorage sort;
+    typename Scan::TempStorage scan;
+  } tmp;
+  const int row = blockIdx.x;
+  const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
+  const int C = p.st.num_clusters[p.st.slot(b, h)];
+  const float* keys = p.keys + int64_t(row) * p.st.max_clusters;
+  const int32_t* off = p.st.offsets_of(b, h);
+  int* ids = sorted + int64_t(row) * p.st.max_clusters;
+  int* prefix = p.prefix + int64_t(row) * (p.st.max_clusters + 1);
+  float k[kSortItems];
+  int v[kSortItems];
+#pragma unroll
+  for (int i = 0; i < kSortItems; ++i) {
+    const int c = threadIdx.x * kSortItems + i;
+    k[i] = c < C ? keys[c] : -INFINITY;  // padding sorts last
+    v[i] = c;
+  }
+  Sort(tmp.sort).SortDescending(k, v);
+  __syncthreads();
+  int size[kSortItems], incl[kSortItems];
+#pragma unroll
+  for (int i = 0; i < kSortItems; ++i) {
+    const int j = threadIdx.x * kSortItems + i;
+    size[i] = j < C ? off[v[i] + 1] - off[v[i]] : 0;
+    if (j < C) ids[j] = v[i];
+  }
+  Scan(tmp.scan).InclusiveSum(size, incl);
+#pragma unroll
+  for (int i = 0; i < kSortItems; ++i) {
+    const int j = threadIdx.x * kSortItems + i;
+    if (j < C) prefix[j + 1] = incl[i];
+  }
+  if (threadIdx.x == 0) prefix[0] = 0;
+}
+
+// Sorted position x (0-based) -> token id, through the prefix of sorted cluster sizes.
+__device__ __forceinline__ int token_at(const int* prefix, const int* ids, const int32_t* off,
+                                        const int32_t* members, int C, int x) {
+  int lo = 0, hi = C;  // largest j with prefix[j] <= x
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (prefix[mid] <= x)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return members[off[ids[lo]] + (x - prefix[lo])];
+}
+
+template <int D>
+__global__ void __launch_bounds__(128) sample_kernel(SelectParams p) {
+  __shared__ float qs[D];
+  const int row = blockIdx.y;
+  const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
+  const int64_t slot = p.st.slot(b, h);
+  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
+  const int S = plan.num_samples();
+  if (int(blockIdx.x) * int(blockDim.x) >= S) return;
+  for (int x = threadIdx.x; x < D; x += blockDim.x)
+    qs[x] = __bfloat162float(p.q[int64_t(row) * D + x]);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.counters)
+    atomicAdd(&p.counters[1], (unsigned long long)S * D * sizeof(bf));
+  __syncthreads();
+  const int s = blockIdx.x * blockDim.x + threadIdx.x;
+  if (s >= S) return;
+  const int C = p.st.num_clusters[slot];
+  const int t = token_at(p.prefix + int64_t(row) * (p.st.max_clusters + 1),
+                         p.sorted + int64_t(row) * p.st.max_clusters, p.st.offsets_of(b, h),
+                         p.st.members_of(b, h), C, plan.position(s) - 1);
+  const uint4* k = reinterpret_cast<const uint4*>(key_row(p.kv, b, t, h));
+  float dot = 0.f;
+#pragma unroll 4
+  for (int ch = 0; ch < D / 8; ++ch) {
+    const uint4 v = k[ch];
+    const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(v2[e]);
+      dot = fmaf(f.x, qs[ch * 8 + 2 * e], dot);
+      dot = fmaf(f.y, qs[ch * 8 + 2 * e + 1], dot);
+    }
+  }
+  p.logits[int64_t(row) * p.smax + s] = dot * p.scale;
+}
+
+__global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
+  using ScanD = cub::BlockScan<double, kRowThreads>;
+  using ReduceF = cub::BlockReduce<float, kRowThreads>;
+  using ReduceD = cub::BlockReduce<double, kRowThreads>;
+  __shared__ union {
+    typename ScanD::TempStorage scan;
+    typename ReduceF::TempStorage rf;
+    typename ReduceD::TempStorage rd;
+  } tmp;
+  __shared__ float s_max;
+  __shared__ int s_clusters;
+  const int row = blockIdx.x;
+  const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
+  const int64_t slot = p.st.slot(b, h);
+  const int C = p.st.num_clusters[slot];
+  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
+  const int S = plan.num_samples();
+  const float* logits = p.logits + int64_t(row) * p.smax;
+  double* exact = p.exact + int64_t(row) * p.smax;
+  const int* prefix = p.prefix + int64_t(row) * (p.st.max_clusters + 1);
+  const int* ids = p.sorted + int64_t(row) * p.st.max_clusters;
+  if (S == 0 || C == 0) {
+    if (threadIdx.x == 0) p.sel.selected[row] = 0;
+    return;
+  }
+  float m = -INFINITY;
+  for (int s = threadIdx.x; s < S; s += kRowThreads) m = fmaxf(m, logits[s]);
+  m = ReduceF(tmp.rf).Reduce(m, MaxOp());
+  if (threadIdx.x == 0) s_max = m;
+  __syncthreads();
+  const double mx = s_max;
+  double carry = 0.0;
+  for (int s0 = 0; s0 < plan.num_exact; s0 += kRowThreads) {
+    const int s = s0 + threadIdx.x;
+    const double e = s < plan.num_exact ? exp(double(logits[s]) - mx) : 0.0;
+    double incl, total;
+    ScanD(tmp.scan).InclusiveSum(e, incl, total);
+    __syncthreads();
+    if (s < plan.num_exact) exact[s] = carry + incl;
+    carry += total;
+  }
+  double w1 = 0.0, w2 = 0.0;
+  for (int i = threadIdx.x; i < plan.w; i += kRowThreads) {
+    w1 += exp(double(logits[plan.num_exact + i]) - mx);
+    w2 += exp(double(logits[plan.num_exact + plan.w + i]) - mx);
+  }
+  w1 = ReduceD(tmp.rd).Sum(w1);
+  __syncthreads();
+  w2 = ReduceD(tmp.rd).Sum(w2);
+  __syncthreads();  // exact[] complete for thread 0
+  if (threadIdx.x == 0) {
+    TailModel tail;
+    if (plan.fitted) tail = fit_tail(w1 / plan.w, w2 / plan.w, plan.x1(), plan.x2(), plan.n);
+    const int K = budget_tokens(plan, tail, p.fit.target, [&](int k) { return exact[k - 1]; });
+    int lo = 1, hi = C;  // smallest J with prefix[J] >= K (spec 8.2: whole clusters)
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (prefix[mid] >= K)
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    s_clusters = lo;
+    p.sel.selected[row] = prefix[lo];
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < s_clusters; j += kRowThreads) {
+    const int c = ids[j];
+    atomicOr(&p.bitmap[slot * p.words + c / 32], 1u << (c % 32));
+  }
+}
+
+__global__ void __launch_bounds__(kRowThreads) index_kernel(SelectParams p) {
+  using Scan = cub::BlockScan<int, kRowThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const int Hkv = p.kv.num_kv_heads;
+  const int b = blockIdx.x / Hkv, h = blockIdx.x % Hkv;
+  const int64_t slot = p.st.slot(b, h);
+  const int C = p.st.num_clusters[slot], clen = p.st.clustered_len[slot];
+  const int len = p.kv.seq_lens[b];
+  const int W = (C + 31) / 32;
+  const int per = (W + kRowThreads - 1) / kRowThreads;
+  const int w0 = threadIdx.x * per, w1 = min(W, w0 + per);
+  const int32_t* off = p.st.offsets_of(b, h);
+  const int32_t* members = p.st.members_of(b, h);
+  const uint32_t* bits = p.bitmap + slot * p.words;
+  int count = 0;
+  for (int w = w0; w < w1; ++w)
+    for (uint32_t m = bits[w]; m; m &= m - 1) {
+      const int c = w * 32 + __ffs(m) - 1;
+      count += off[c + 1] - off[c];
+    }
+  int pos, total;
+  Scan(tmp).ExclusiveSum(count, pos, total);
+  int32_t* tokens = p.sel.tokens + blockIdx.x * int64_t(p.sel.max_tokens);
+  int32_t* rows = p.sel.rows + blockIdx.x * int64_t(p.sel.max_tokens);
+  auto put = [&](int i, int t) {
+    const int64_t page = p.kv.page_table[int64_t(b) * p.kv.max_pages_per_seq + t / p.kv.page_size];
+    tokens[i] = t;
+    rows[i] = int32_t((page * p.kv.page_size + t % p.kv.page_size) * Hkv + h);
+  };
+  for (int w = w0; w < w1; ++w)
+    for (uint32_t m = bits[w]; m; m &= m - 1) {
+      const int c = w * 32 + __ffs(m) - 1;
+      for (int i = off[c]; i < off[c + 1]; ++i) put(pos++, members[i]);
+    }
+  for (int t = clen + threadIdx.x; t < len; t += kRowThreads) put(total + (t - clen), t);
+  if (threadIdx.x == 0) {
+    const int n = total + max(0, len - clen);
+    p.sel.counts[blockIdx.x] = n;
+    if (p.counters) atomicAdd(&p.counters[0], (unsigned long long)n);
+  }
+}
+
+template <int D>
+cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int batch,
+                          cudaStream_t stream) {
+  const int rows = batch * p.num_q_heads;
+  const int subs = batch * p.kv.num_kv_heads;
+  const int M = p.st.max_clusters;
+  score_kernel<D><<<dim3(unsigned((M + 127) / 128), unsigned(subs)), 128, 0, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  if (M <= kBlockSortMax) {
+    int* sorted = reinterpret_cast<int*>(ws + l.vals_b);
+    sort_prefix_kernel<<<rows, kSortThreads, 0, stream>>>(p, sorted);
+    p.sorted = sorted;
+  } else {
+    cub::DoubleBuffer<float> keys(p.keys, reinterpret_cast<float*>(ws + l.keys_b));
+    cub::DoubleBuffer<int> vals(p.vals, reinterpret_cast<int*>(ws + l.vals_b));
+    size_t temp_bytes = 0;
+    err = cub::DeviceSegmentedRadixSort::SortPairsDescending(nullptr, temp_bytes, keys, vals,
+                                                             int64_t(rows) * M, rows, p.seg_begin,
+                                                             p.seg_end, 0, 32, stream);
+    if (err != cudaSuccess) return err;
+    if (temp_bytes > l.temp_bytes) return cudaErrorInvalidValue;
+    err = cub::DeviceSegmentedRadixSort::SortPairsDescending(ws + l.temp, temp_bytes, keys, vals,
+                                                             int64_t(rows) * M, rows, p.seg_begin,
+                                                             p.seg_end, 0, 32, stream);
+    if (err != cudaSuccess) return err;
+    p.sorted = vals.Current();
+    prefix_kernel<<<rows, kRowThreads, 0, stream>>>(p);
+  }
+  sample_kernel<D><<<dim3(unsigned((p.smax + 127) / 128), unsigned(rows)), 128, 0, stream>>>(p);
+  budget_kernel<<<rows, kRowThreads, 0, stream>>>(p);
+  index_kernel<<<subs, kRowThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t prepare_cuda(int head_dim) {
+  if (head_dim != 64 && head_dim != 128) return cudaErrorInvalidValue;
+  static std::once_flag once[2];
+  static cudaError_t result[2] = {cudaSuccess, cudaSuccess};
+  const int i = head_dim == 64 ? 0 : 1;
+  std::call_once(once[i], [&] {
+    auto set = [](const void* f, int bytes) {
+      return cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    };
+    cudaError_t e =
+        i == 0
+            ? set(reinterpret_cast<const void*>(assign_kernel<64>), int(assign_smem_bytes<64>()))
+            : set(reinterpret_cast<const void*>(assign_kernel<128>), int(assign_smem_bytes<128>()));
+    if (e == cudaSuccess)
+      e = i == 0 ? set(reinterpret_cast<const void*>(recluster_kernel<64>), kBlockSmemLimit)
+                 : set(reinterpret_cast<const void*>(recluster_kernel<128>), kBlockSmemLimit);
+    result[i] = e;
+  });
+  return result[i];
+}
+
+size_t cluster_prefill_workspace_bytes(int batch, int num_kv_heads, int max_len, int cluster_size) {
+  if (batch < 1 || num_kv_heads < 1 || max_len < 0 || cluster_size < 1)
+    throw std::invalid_argument("cluster_prefill_workspace_bytes: batch " + std::to_string(batch) +
+                                ", num_kv_heads " + std::to_string(num_kv_heads) + ", max_len " +
+                                std::to_string(max_len) + ", cluster_size " +
+                                std::to_string(cluster_size) + " out of range");
+  return prefill_layout(batch, num_kv_heads, max_len, cluster_size).total;
+}
+
+cudaError_t cluster_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host, int layer,
+                                 const KMeansParams& km, const ClusterState& st, void* workspace,
+                                 size_t workspace_bytes, cudaStream_t stream) {
+  const int d = kv.head_dim;
+  if ((d != 64 && d != 128) || st.head_dim != d || kv.batch < 1 || kv.batch > st.max_batch ||
+      kv.num_kv_heads != st.num_kv_heads || km.cluster_size < 1 || km.iterations < 1 ||
+      !seq_lens_host || !workspace)
+    return cudaErrorInvalidValue;
+  int max_n = 0, max_c = 0;
+  std::vector<Problem> probs;
+  int64_t scratch = 0, cscratch = 0;
+  for (int b = 0; b < kv.batch; ++b) {
+    const int n = seq_lens_host[b];
+    const int C = kmeans_num_clusters(n, km.cluster_size);
+    if (n < 0 || n > st.max_tokens || C > st.max_clusters) return cudaErrorInvalidValue;
+    max_n = std::max(max_n, n);
+    max_c = std::max(max_c, C);
+    for (int h = 0; h < kv.num_kv_heads; ++h) {
+      probs.push_back(
+          Problem{b, h, 0, n, C, 0, kmeans_stream(km.seed, layer, h, 0), scratch, cscratch});
+      scratch += n;
+      cscratch += C;
+    }
+  }
+  const PrefillLayout l = prefill_layout(kv.batch, kv.num_kv_heads, max_n, km.cluster_size);
+  if (workspace_bytes < l.total) return cudaErrorInvalidValue;
+  char* ws = static_cast<char*>(workspace);
+  const cudaError_t err =
+      d == 64 ? launch_prefill<64>(kv, probs, max_n, max_c, km.iterations, st, ws, l, stream)
+              : launch_prefill<128>(kv, probs, max_n, max_c, km.iterations, st, ws, l, stream);
+  if (err != cudaSuccess) return err;
+  return cudaStreamSynchronize(stream);  // probs (host) is read by the async copy
+}
+
+int recluster_block_max_tokens(int head_dim, int cluster_size) {
+  int best = 0;
+  for (int t = cluster_size; t <= (1 << 16); t += cluster_size) {
+    const size_t bytes = head_dim == 64 ? block_smem_bytes<64>(t, cluster_size)
+                                        : block_smem_bytes<128>(t, cluster_size);
+    if (bytes > size_t(kBlockSmemLimit)) break;
+    best = t;
+  }
+  return best;
+}
+
+cudaError_t recluster_blocks_cuda(const PagedKV& kv, int layer, int block_tokens,
+                                  const KMeansParams& km, const ClusterState& st,
+                                  cudaStream_t stream) {
+  const int d = kv.head_dim;
+  if ((d != 64 && d != 128) || st.head_dim != d || kv.batch > st.max_batch ||
+      kv.num_kv_heads != st.num_kv_heads || km.cluster_size < 1 || km.iterations < 1 ||
+      block_tokens < km.cluster_size || block_tokens % km.cluster_size != 0 ||
+      block_tokens > recluster_block_max_tokens(d, km.cluster_size))
+    return cudaErrorInvalidValue;
+  if (kv.batch <= 0) return cudaSuccess;
+  const cudaError_t err = prepare_cuda(d);
+  if (err != cudaSuccess) return err;
+  const unsigned grid = unsigned(kv.batch * kv.num_kv_heads);
+  if (d == 64)
+    recluster_kernel<64>
+        <<<grid, kBlockThreads, block_smem_bytes<64>(block_tokens, km.cluster_size), stream>>>(
+            kv, layer, block_tokens, km.cluster_size, km.iterations, km.seed, st);
+  else
+    recluster_kernel<128>
+        <<<grid, kBlockThreads, block_smem_bytes<128>(block_tokens, km.cluster_size), stream>>>(
+            kv, layer, block_tokens, km.cluster_size, km.iterations, km.seed, st);
+  return cudaGetLastError();
+}
+
+PagedKV subrequest_view(const PagedKV& kv, const Selection& sel) {
+  PagedKV v = kv;
+  v.page_table = sel.rows;
+  v.seq_lens = sel.counts;
+  v.batch = kv.batch * kv.num_kv_heads;
+  v.num_pages = kv.num_pages * kv.page_size * kv.num_kv_heads;
+  v.page_size = 1;
+  v.num_kv_heads = 1;
+  v.max_pages_per_seq = sel.max_tokens;
+  return v;
+}
+
+size_t select_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
+                              int max_clusters, int max_tokens, const FitParams& fit) {
+  if (max_batch < 1 || num_q_heads < 1 || num_kv_heads < 1 || head_dim < 1 || max_clusters < 1 ||
+      max_tokens < 1)
+    throw std::invalid_argument("select_workspace_bytes: every size must be >= 1 (max_batch " +
+                                std::to_string(max_batch) + ", max_clusters " +
+                                std::to_string(max_clusters) + ", max_tokens " +
+                                std::to_string(max_tokens) + ")");
+  return select_layout(max_batch, num_q_heads, num_kv_heads, max_clusters, max_tokens, fit).total;
+}
+
+cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, float scale,
+                               const FitParams& fit, const ClusterState& st, const Selection& sel,
+                               unsigned long long* counters, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream) {
+  const int d = kv.head_dim;
+  if ((d != 64 && d != 128) || st.head_dim != d || kv.num_kv_heads != st.num_kv_heads ||
+      kv.batch > st.max_batch || num_q_heads % kv.num_kv_heads != 0 ||
+      num_q_heads / kv.num_kv_heads > kMaxGroup || !q || !workspace || !sel.rows || !sel.tokens ||
+      !sel.counts || !sel.selected || sel.max_tokens < st.max_tokens)
+    return cudaErrorInvalidValue;
+  if (kv.batch <= 0) return cudaSuccess;
+  const SelectLayout l = select_layout(st.max_batch, num_q_heads, st.num_kv_heads, st.max_clusters,
+                                       st.max_tokens, fit);
+  if (workspace_bytes < l.total) return cudaErrorInvalidValue;
+  char* ws = static_cast<char*>(workspace);
+  SelectParams p;
+  p.q = reinterpret_cast<const bf*>(q);
+  p.kv = kv;
+  p.st = st;
+  p.sel = sel;
+  p.fit = fit;
+  p.scale = scale;
+  p.num_q_heads = num_q_heads;
+  p.group = num_q_heads / kv.num_kv_heads;
+  p.smax = l.smax;
+  p.words = l.words;
+  p.keys = reinterpret_cast<float*>(ws + l.keys_a);
+  p.vals = reinterpret_cast<int*>(ws + l.vals_a);
+  p.sorted = nullptr;
+  p.seg_begin = reinterpret_cast<int*>(ws + l.seg_begin);
+  p.seg_end = reinterpret_cast<int*>(ws + l.seg_end);
+  p.prefix = reinterpret_cast<int*>(ws + l.prefix);
+  p.logits = reinterpret_cast<float*>(ws + l.logits);
+  p.exact = reinterpret_cast<double*>(ws + l.exact);
+  p.bitmap = reinterpret_cast<uint32_t*>(ws + l.bitmap);
+  p.counters = counters;
+  return d == 64 ? launch_select<64>(p, l, ws, kv.batch, stream)
+                 : launch_select<128>(p, l, ws, kv.batch, stream);
+}
+
+}  // namespace kvs::kernels::tactic

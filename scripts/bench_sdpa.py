@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Times torch.nn.functional.scaled_dot_product_attention decode the way kvs-bench times
+dense_decode_cuda, so that the two tables join on (context, batch).
+
+Per (context, batch): q [B, Hq, 1, d], K/V [B, Hkv, L, d] bf16 (GQA through enable_gqa, or
+repeat_interleave where this torch lacks it). N calls are captured in one CUDA graph, call i
+reading KV set i % S, the S sets together larger than twice the L2; CUDA events around each
+replay, warm-up first, median over --iters replays, time per call = median / N. GB/s counts
+the KV bytes plus q and o; frac_copy divides it by a device-to-device copy bandwidth (bytes
+read + written) measured in the same run.
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def parse_list(text, option):
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        mult = 1
+        if item[-1] in "kK":
+            mult, item = 1024, item[:-1]
+        elif item[-1] in "mM":
+            mult, item = 1024 * 1024, item[:-1]
+        if not item.isdigit() or int(item) <= 0:
+            sys.exit(f"bench_sdpa.py: --{option}: '{item}' is not a positive count (e.g. 8K,32K)")
+        out.append(int(item) * mult)
+    if not out:
+        sys.exit(f"bench_sdpa.py: --{option} is empty")
+    return out
+
+
+def time_events(fn, warmup, iters):
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps():
+    free, _ = torch.cuda.mem_get_info()
+    nbytes = min(1 << 30, free // 4)
+    a = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = time_events(lambda: b.copy_(a), 3, 20)
+    return 2.0 * nbytes / (ms * 1e-3) / 1e9
+
+
+def gqa_call(mode, hq, hkv):
+    group = hq // hkv
+    if mode == "enable_gqa":
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return lambda q, k, v: F.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
+
+
+def pick_mode(hq, hkv, d):
+    q = torch.randn(1, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, hkv, 64, d, device="cuda", dtype=torch.bfloat16)
+    try:
+        gqa_call("enable_gqa", hq, hkv)(q, k, k)
+        return "enable_gqa"
+    except (TypeError, RuntimeError):
+        return "repeat_interleave"
+
+
+def bench_one(args, mode, context, batch, l2_bytes, copy_gbps):
+    d, hq, hkv = args.head_dim, args.hq, args.hkv
+    set_bytes = 2 * batch * context * hkv * d * 2
+    sets = int(2 * l2_bytes // set_bytes) + 1
+    calls = sets * math.ceil(8 / sets)
+    need = sets * set_bytes + 4 * batch * hq * d * 2 * calls
+    free, _ = torch.cuda.mem_get_info()
+    if need + (1 << 30) > free:
+        return None, (f"skipped context {context} batch {batch}: needs {need >> 20} MiB for "
+                      f"{sets} KV set(s), {free >> 20} MiB free")
+    ks = [torch.empty(batch, hkv, context, d, device="cuda", dtype=torch.bfloat16).uniform_(-2, 2)
+          for _ in range(sets)]
+    vs = [torch.empty_like(ks[0]).uniform_(-2, 2) for _ in range(sets)]
+    q = torch.empty(batch, hq, 1, d, device="cuda", dtype=torch.bfloat16).uniform_(-2, 2)
+    call = gqa_call(mode, hq, hkv)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            call(q, ks[i % sets], vs[i % sets])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    outs = []
+    with torch.cuda.graph(graph):
+        for c in range(calls):
+            outs.append(call(q, ks[c % sets], vs[c % sets]))
+    ms = time_events(graph.replay, 3, args.iters)
+    del graph, outs, ks, vs
+    torch.cuda.empty_cache()
+    us = ms * 1e3 / calls
+    nbytes = set_bytes + batch * hq * d * 2 * 2
+    gbps = nbytes / (us * 1e-6) / 1e9
+    return {"context": context, "batch": batch, "us": us, "gbps": gbps,
+            "frac_copy": gbps / copy_gbps, "sets": sets, "calls": calls}, None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="8K,32K,128K,512K")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--hq", type=int, default=32)
+    p.add_argument("--hkv", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--json", help="also write the table as JSON to this path")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_sdpa.py: no CUDA device")
+    if args.hkv < 1 or args.hq % args.hkv:
+        sys.exit(f"bench_sdpa.py: --hq ({args.hq}) must be a positive multiple of --hkv ({args.hkv})")
+    contexts = parse_list(args.contexts, "contexts")
+    batches = parse_list(args.batches, "batches")
+    prop = torch.cuda.get_device_properties(0)
+    l2_bytes = prop.L2_cache_size
+    copy_gbps = copy_bandwidth_gbps()
+    mode = pick_mode(args.hq, args.hkv, args.head_dim)
+    print(f"torch SDPA decode ({mode}): {prop.name}, torch {torch.__version__}, "
+          f"L2 {l2_bytes / 2**20:.0f} MiB; Hq {args.hq} Hkv {args.hkv} d {args.head_dim}")
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
+    print(f"{'context':>8} {'batch':>6} {'us/call':>12} {'GB/s':>10} {'frac_copy':>10} {'sets':>5} {'calls':>6}")
+    rows, skipped = [], []
+    for context in contexts:
+        for batch in batches:
+            row, note = bench_one(args, mode, context, batch, l2_bytes, copy_gbps)
+            if row is None:
+                print(note)
+                skipped.append(note)
+                continue
+            print(f"{context:>8} {batch:>6} {row['us']:>12.1f} {row['gbps']:>10.0f} "
+                  f"{row['frac_copy']:>10.3f} {row['sets']:>5} {row['calls']:>6}", flush=True)
+            rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"impl": "torch_sdpa", "mode": mode, "device": prop.name,
+                       "torch": torch.__version__, "copy_gbps": copy_gbps, "hq": args.hq,
+                       "hkv": args.hkv, "head_dim": args.head_dim, "rows": rows,
+                       "skipped": skipped}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

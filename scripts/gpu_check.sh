@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The one script to run on the GPU machine as it is (see /work/shared/DEVICE.md): builds
+# with the staged deps (.deps, made by scripts/stage_gpu_deps.sh), runs the CPU and CUDA
+# tests, compute-sanitizer memcheck and racecheck on a subset of the CUDA tests, kvs-bench
+# and scripts/bench_sdpa.py, and prints a short summary and the joined benchmark table last.
+#   scripts/gpu_check.sh            (logs and JSON under ${OUT:-out}/)
+# Environment: KVS_GPU_BUILD (build folder, default build-gpu), KVS_BENCH_ARGS (extra
+# arguments for both benchmarks, e.g. "--contexts 8K,128K --batches 1").
+# Each step has a time cap so that the whole stays under about 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-out}
+BUILD=${KVS_GPU_BUILD:-build-gpu}
+BENCH_ARGS=${KVS_BENCH_ARGS:-}
+mkdir -p "$OUT"
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+t0=$SECONDS
+
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader \
+  > "$OUT/build.log" 2>&1
+if ! cmake -S . -B "$BUILD" -G Ninja -DKVS_WITH_TORCH=OFF -DKVS_DEPS_PREFIX="$PWD/.deps" \
+    -DCMAKE_CUDA_ARCHITECTURES=90 >> "$OUT/build.log" 2>&1; then
+  note "configure FAILED (see build.log)"; tail -30 "$OUT/build.log"; exit 1
+fi
+# -k 0: a broken target elsewhere must not stop the ones this check needs.
+if ninja -C "$BUILD" -k 0 >> "$OUT/build.log" 2>&1; then
+  note "build ok ($((SECONDS - t0)) s)"
+else
+  note "build had failures (see build.log): $(grep -c FAILED "$OUT/build.log") targets"
+  grep -A5 FAILED "$OUT/build.log" | head -40
+fi
+
+run_step() {  # name, seconds, log, command...
+  local name=$1 secs=$2 log=$3; shift 3
+  local t=$SECONDS
+  echo "== $name: $*" >> "$OUT/$log"
+  timeout "$secs" "$@" >> "$OUT/$log" 2>&1
+  local rc=$?
+  if [ $rc -eq 0 ]; then note "$name ok ($((SECONDS - t)) s)";
+  elif [ $rc -eq 124 ]; then note "$name TIMED OUT after $secs s (see $log)";
+  else note "$name FAILED rc=$rc (see $log)"; fi
+  return $rc
+}
+
+tests_cpu=$BUILD/tests/kvs_tests_cpu
+tests_cuda=$BUILD/tests/kvs_tests_cuda
+if [ -x "$tests_cpu" ]; then run_step "kvs_tests_cpu" 120 tests.log "$tests_cpu"; else note "kvs_tests_cpu missing"; fi
+if [ -x "$tests_cuda" ]; then
+  run_step "kvs_tests_cuda" 150 tests.log "$tests_cuda"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/tests.log" | sort | uniq -c | sed 's/^/   /'
+  grep -E "^\[  FAILED  \]" "$OUT/tests.log" | sort -u | head -20
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  # A subset covering every kernel (paged and contiguous, both head dims, splits and the
+  # merge kernel, the graph replay); the full grid is slow under the tools.
+  memcheck_filter='Grid/DenseCuda.*b3_*:Grid/DenseCuda.*b17_ragged_p64_g4_d64:Grid/DenseCuda.*b1_len17_*:DenseCudaGraph.*:DenseCudaArgs.*:*MergeState*:*Rope*'
+  racecheck_filter='Grid/DenseCuda.*b3_with_empty_p16_g2_d128:Grid/DenseCuda.*b1_len4097_p16_g8_d64:Shapes/MergeStatesCuda.*states7*:HeadDims/RopeCuda.*'
+  run_step "memcheck" 120 sanitizer.log "$sanitizer" --tool memcheck --error-exitcode 3 \
+    "$tests_cuda" --gtest_filter="$memcheck_filter"
+  run_step "racecheck" 90 sanitizer.log "$sanitizer" --tool racecheck --error-exitcode 3 \
+    "$tests_cuda" --gtest_filter="$racecheck_filter"
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard" "$OUT/sanitizer.log" | sort | uniq -c | head -10
+else
+  note "kvs_tests_cuda missing"
+fi
+
+if [ -x "$BUILD/tools/kvs-bench" ]; then
+  # shellcheck disable=SC2086
+  run_step "kvs-bench" 120 bench.log "$BUILD/tools/kvs-bench" --json "$OUT/kvs_bench.json" $BENCH_ARGS
+  # shellcheck disable=SC2086
+  run_step "kvs-bench shuffled pages" 120 bench.log "$BUILD/tools/kvs-bench" --page-order shuffled \
+    --json "$OUT/kvs_bench_shuffled.json" $BENCH_ARGS
+  # One kv head: token rows are contiguous, as in SDPA's layout (bench.log only).
+  run_step "kvs-bench one kv head" 60 bench.log "$BUILD/tools/kvs-bench" --hq 8 --hkv 1 \
+    --contexts 128K,512K --batches 1,8
+else
+  note "kvs-bench missing"
+fi
+# shellcheck disable=SC2086
+PYTHONUNBUFFERED=1 run_step "bench_sdpa.py" 150 bench.log python3 scripts/bench_sdpa.py \
+  --json "$OUT/sdpa_bench.json" $BENCH_ARGS
+
+{
+  echo "gpu_check summary ($((SECONDS - t0)) s):"
+  for s in "${summary[@]}"; do echo "  $s"; done
+  if [ -f "$OUT/kvs_bench.json" ] && [ -f "$OUT/sdpa_bench.json" ]; then
+    shuffled_json=()
+    [ -f "$OUT/kvs_bench_shuffled.json" ] && shuffled_json=("$OUT/kvs_bench_shuffled.json")
+    python3 scripts/bench_table.py "$OUT/kvs_bench.json" "$OUT/sdpa_bench.json" "${shuffled_json[@]}"
+  elif [ -f "$OUT/kvs_bench.json" ]; then
+    grep -A30 "us/call" "$OUT/bench.log" | head -20
+  fi
+} | tee "$OUT/summary.txt"

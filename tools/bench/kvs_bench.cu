@@ -1,0 +1,364 @@
+// kvs-bench: dense decode latency and bandwidth on the GPU.
+//
+// For each (context, batch): N dense_decode_cuda calls are captured in one CUDA graph, call
+// i reading KV set i % S, where the S sets together exceed twice the L2 so that no replay
+// finds its KV in cache. CUDA events around each replay, warm-up first, median over
+// --iters replays; the time per call is the median replay time / N. Effective bandwidth
+// counts the KV bytes read plus q and o; it is also given as a fraction of the
+// device-to-device copy bandwidth (bytes read + written) measured in the same run.
+// scripts/bench_sdpa.py times torch SDPA the same way with the same columns and JSON keys.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/common/cuda_check.h"
+#include "kernels/dense/dense_decode.h"
+#include "tools/bench/bench_tactic.h"
+
+namespace po = boost::program_options;
+
+namespace kvs {
+namespace {
+
+// Uniform in [-2, 2) from a per-element hash: cheap to fill many GB, and never zeros.
+__global__ void fill_random_bf16(__nv_bfloat16* x, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 0x9E3779B1u ^ uint32_t(i >> 32) * 0x85EBCA77u ^ seed;
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x846CA68Bu;
+    h ^= h >> 16;
+    x[i] = __float2bfloat16_rn(float(h) * (4.f / 4294967296.f) - 2.f);
+  }
+}
+
+void fill_random(bf16* x, size_t n, uint32_t seed) {
+  fill_random_bf16<<<2048, 256>>>(reinterpret_cast<__nv_bfloat16*>(x), n, seed);
+  KVS_CUDA_CHECK(cudaGetLastError());
+}
+
+// Parses "8K,32K,1M,1000" (K = 1024, M = 1024 * 1024).
+std::vector<int> parse_list(const std::string& text, const char* option) {
+  std::vector<int> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    int64_t mult = 1;
+    const char suffix = item.back();
+    if (suffix == 'K' || suffix == 'k') mult = 1024;
+    if (suffix == 'M' || suffix == 'm') mult = 1024 * 1024;
+    if (mult != 1) item.pop_back();
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || v <= 0 || v * mult > (1LL << 30))
+      throw std::invalid_argument(std::string("--") + option + ": '" + item +
+                                  "' is not a positive count (e.g. 8K,32K or 1,8)");
+    out.push_back(int(v * mult));
+  }
+  if (out.empty()) throw std::invalid_argument(std::string("--") + option + " is empty");
+  return out;
+}
+
+template <typename T>
+struct DeviceArray {
+  T* p = nullptr;
+  explicit DeviceArray(size_t n) {
+    KVS_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+  }
+  ~DeviceArray() { cudaFree(p); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+};
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Device-to-device copy of a large buffer; GB/s counting bytes read + written.
+double copy_bandwidth_gbps(cudaStream_t stream) {
+  size_t free_bytes = 0, total = 0;
+  KVS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+  const size_t bytes = std::min<size_t>(size_t(1) << 30, free_bytes / 4);
+  DeviceArray<char> a(bytes), b(bytes);
+  KVS_CUDA_CHECK(cudaMemsetAsync(a.p, 1, bytes, stream));
+  cudaEvent_t e0, e1;
+  KVS_CUDA_CHECK(cudaEventCreate(&e0));
+  KVS_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int i = 0; i < 23; ++i) {
+    KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
+    KVS_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, stream));
+    KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
+    KVS_CUDA_CHECK(cudaEventSynchronize(e1));
+    float t = 0.f;
+    KVS_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    if (i >= 3) ms.push_back(t);  // the first copies warm up
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return 2.0 * double(bytes) / (median(ms) * 1e-3) / 1e9;
+}
+
+struct Shape {
+  int hq, hkv, d, page_size, iters;
+  bool shuffled_pages;
+};
+
+struct Row {
+  int context, batch, sets, calls;
+  double us, gbps, frac;
+};
+
+// Times one (context, batch); returns false (with a note) when it does not fit.
+bool bench_one(const Shape& s, int context, int batch, size_t l2_bytes, double copy_gbps,
+               cudaStream_t stream, Row* row, std::string* note) {
+  const int pages_per_seq = (context + s.page_size - 1) / s.page_size;
+  const int64_t num_pages = int64_t(batch) * pages_per_seq;
+  const size_t kv_elems = size_t(num_pages) * s.page_size * s.hkv * s.d;
+  const size_t set_bytes = 2 * kv_elems * sizeof(bf16);
+  const int sets = int(2 * l2_bytes / set_bytes) + 1;
+  const int calls = sets * ((8 + sets - 1) / sets);
+  const size_t ws_bytes = kernels::dense_decode_workspace_bytes(batch, s.hq, s.d);
+  const size_t need = size_t(sets) * (set_bytes + num_pages * sizeof(int32_t)) + ws_bytes +
+                      size_t(batch) * s.hq * (2 * s.d * sizeof(bf16) + sizeof(float));
+  size_t free_bytes = 0, total = 0;
+  KVS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+  if (num_pages * s.page_size * s.hkv >= (int64_t(1) << 31) || need + (512u << 20) > free_bytes) {
+    std::ostringstream os;
+    os << "skipped context " << context << " batch " << batch << ": needs " << need / (1 << 20)
+       << " MiB for " << sets << " KV set(s), " << free_bytes / (1 << 20) << " MiB free";
+    *note = os.str();
+    return false;
+  }
+
+  std::vector<std::unique_ptr<DeviceArray<bf16>>> k, v;
+  std::vector<std::unique_ptr<DeviceArray<int32_t>>> tables;
+  std::mt19937_64 rng(1234 + context + batch);
+  for (int i = 0; i < sets; ++i) {
+    k.push_back(std::make_unique<DeviceArray<bf16>>(kv_elems));
+    v.push_back(std::make_unique<DeviceArray<bf16>>(kv_elems));
+    fill_random(k.back()->p, kv_elems, 2 * i + 1);
+    fill_random(v.back()->p, kv_elems, 2 * i + 2);
+    // Sequential pages lay each sequence out contiguously, as SDPA's tensors are; shuffled
+    // pages are what a paged allocator leaves after a while (random 2 MiB TLB pages too).
+    std::vector<int32_t> table(static_cast<size_t>(num_pages));
+    std::iota(table.begin(), table.end(), 0);
+    if (s.shuffled_pages) std::shuffle(table.begin(), table.end(), rng);
+    tables.push_back(std::make_unique<DeviceArray<int32_t>>(table.size()));
+    KVS_CUDA_CHECK(cudaMemcpy(tables.back()->p, table.data(), table.size() * sizeof(int32_t),
+                              cudaMemcpyHostToDevice));
+  }
+  const std::vector<int32_t> lens_host(batch, context);
+  DeviceArray<int32_t> lens(batch);
+  KVS_CUDA_CHECK(
+      cudaMemcpy(lens.p, lens_host.data(), batch * sizeof(int32_t), cudaMemcpyHostToDevice));
+  DeviceArray<bf16> q(size_t(batch) * s.hq * s.d), o(size_t(batch) * s.hq * s.d);
+  DeviceArray<float> lse(size_t(batch) * s.hq);
+  DeviceArray<char> ws(ws_bytes);
+  fill_random(q.p, size_t(batch) * s.hq * s.d, 99);
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+
+  auto view = [&](int i) {
+    PagedKV kv;
+    kv.k = k[i]->p;
+    kv.v = v[i]->p;
+    kv.page_table = tables[i]->p;
+    kv.seq_lens = lens.p;
+    kv.batch = batch;
+    kv.num_pages = int(num_pages);
+    kv.page_size = s.page_size;
+    kv.num_kv_heads = s.hkv;
+    kv.head_dim = s.d;
+    kv.max_pages_per_seq = pages_per_seq;
+    return kv;
+  };
+  const float scale = 1.f / std::sqrt(float(s.d));
+  // One eager call first: reports a bad shape as an error rather than a broken capture.
+  KVS_CUDA_CHECK(
+      kernels::dense_decode_cuda(q.p, s.hq, view(0), scale, o.p, lse.p, ws.p, ws_bytes, stream));
+  KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int c = 0; c < calls; ++c)
+    KVS_CUDA_CHECK(kernels::dense_decode_cuda(q.p, s.hq, view(c % sets), scale, o.p, lse.p, ws.p,
+                                              ws_bytes, stream));
+  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  cudaEvent_t e0, e1;
+  KVS_CUDA_CHECK(cudaEventCreate(&e0));
+  KVS_CUDA_CHECK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  std::vector<float> ms;
+  for (int i = 0; i < s.iters; ++i) {
+    KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
+    KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
+    KVS_CUDA_CHECK(cudaEventSynchronize(e1));
+    float t = 0.f;
+    KVS_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+
+  const double us = median(ms) * 1e3 / calls;
+  const double bytes = double(set_bytes) + double(batch) * s.hq * s.d * sizeof(bf16) * 2;
+  *row = Row{context, batch, sets, calls, us, bytes / (us * 1e-6) / 1e9, 0.0};
+  row->frac = row->gbps / copy_gbps;
+  return true;
+}
+
+int run(int argc, char** argv) {
+  std::string contexts_text, batches_text, json_path, page_order;
+  std::string method = "dense";  // --method tactic: tools/bench/bench_tactic.cu
+  TacticBenchArgs tactic;
+  Shape s;
+  po::options_description desc(
+      "kvs-bench: dense decode (split-KV, paged bf16 KV) timed as CUDA-graph replays over\n"
+      "rotating KV sets larger than 2x L2; median per call, effective GB/s and fraction of\n"
+      "the device-to-device copy bandwidth measured in the same run.\nOptions");
+  desc.add_options()("help,h", "this text")(
+      "contexts", po::value(&contexts_text)->default_value("8K,32K,128K,512K"),
+      "context lengths (tokens per sequence), K = 1024")(
+      "batches", po::value(&batches_text)->default_value("1,8,32"), "batch sizes")(
+      "hq", po::value(&s.hq)->default_value(32), "query heads")(
+      "hkv", po::value(&s.hkv)->default_value(8), "kv heads")(
+      "head-dim", po::value(&s.d)->default_value(128), "head dim (64 or 128)")(
+      "page-size", po::value(&s.page_size)->default_value(16), "tokens per KV page")(
+      "page-order", po::value(&page_order)->default_value("sequential"),
+      "sequential (each sequence's pages in order) or shuffled (random page table)")(
+      "iters", po::value(&s.iters)->default_value(50), "timed graph replays (median)")(
+      "json", po::value(&json_path), "also write the table as JSON to this path")(
+      "method", po::value(&method)->default_value("dense"),
+      "dense, or tactic (Tactic selection + sparse attention vs dense, and prefill clustering)")(
+      "p", po::value(&tactic.p)->default_value(0.9), "tactic: target attention mass P")(
+      "layers", po::value(&tactic.layers)->default_value(4),
+      "tactic: KV sets (layers) decoded per graph replay")(
+      "components", po::value(&tactic.components)->default_value(512),
+      "tactic: Gaussian key components per sequence and kv head");
+  po::variables_map vm;
+  po::store(po::parse_command_line(argc, argv, desc), vm);
+  if (vm.count("help")) {
+    std::cout << desc << "\n";
+    return 0;
+  }
+  po::notify(vm);
+  const std::vector<int> contexts = parse_list(contexts_text, "contexts");
+  const std::vector<int> batches = parse_list(batches_text, "batches");
+  if (page_order != "sequential" && page_order != "shuffled")
+    throw std::invalid_argument("--page-order must be sequential or shuffled, not '" + page_order +
+                                "'");
+  s.shuffled_pages = page_order == "shuffled";
+  if (s.iters < 1) throw std::invalid_argument("--iters must be >= 1");
+  if (s.page_size < 1) throw std::invalid_argument("--page-size must be >= 1");
+  if (s.hkv < 1 || s.hq % s.hkv != 0)
+    throw std::invalid_argument("--hq (" + std::to_string(s.hq) +
+                                ") must be a positive multiple of --hkv (" + std::to_string(s.hkv) +
+                                ")");
+  if (!cuda_device_available()) throw std::runtime_error("kvs-bench needs a CUDA device");
+  if (method == "tactic") {
+    tactic.contexts = contexts;
+    tactic.batches = batches;
+    tactic.hq = s.hq;
+    tactic.hkv = s.hkv;
+    tactic.d = s.d;
+    tactic.page_size = s.page_size;
+    tactic.iters = s.iters;
+    tactic.json_path = json_path;
+    return run_tactic_bench(tactic);
+  }
+  if (method != "dense")
+    throw std::invalid_argument("--method must be dense or tactic, got '" + method + "'");
+
+  int dev = 0;
+  KVS_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop;
+  KVS_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  cudaStream_t stream;
+  KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const double copy_gbps = copy_bandwidth_gbps(stream);
+  std::printf("kvs-bench dense decode: %s, %d SMs, L2 %.0f MiB; Hq %d Hkv %d d %d page %d (%s)\n",
+              prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0, s.hq, s.hkv, s.d,
+              s.page_size, page_order.c_str());
+  std::printf("device-to-device copy: %.0f GB/s (read + write)\n", copy_gbps);
+  std::printf("%8s %6s %12s %10s %10s %5s %6s\n", "context", "batch", "us/call", "GB/s",
+              "frac_copy", "sets", "calls");
+  std::vector<Row> rows;
+  std::vector<std::string> notes;
+  for (int context : contexts) {
+    for (int batch : batches) {
+      Row row;
+      std::string note;
+      if (!bench_one(s, context, batch, size_t(prop.l2CacheSize), copy_gbps, stream, &row, &note)) {
+        std::printf("%s\n", note.c_str());
+        notes.push_back(note);
+        continue;
+      }
+      std::printf("%8d %6d %12.1f %10.0f %10.3f %5d %6d\n", row.context, row.batch, row.us,
+                  row.gbps, row.frac, row.sets, row.calls);
+      std::fflush(stdout);
+      rows.push_back(row);
+    }
+  }
+  cudaStreamDestroy(stream);
+
+  if (!json_path.empty()) {
+    std::ofstream js(json_path);
+    if (!js) throw std::runtime_error("cannot write --json file " + json_path);
+    js << "{\n  \"impl\": \"kvs_dense\",\n  \"device\": \"" << prop.name
+       << "\",\n  \"copy_gbps\": " << copy_gbps << ",\n  \"hq\": " << s.hq << ", \"hkv\": " << s.hkv
+       << ", \"head_dim\": " << s.d << ", \"page_size\": " << s.page_size << ", \"page_order\": \""
+       << page_order << "\",\n  \"rows\": [";
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      js << (i ? ",\n" : "\n") << "    {\"context\": " << r.context << ", \"batch\": " << r.batch
+         << ", \"us\": " << r.us << ", \"gbps\": " << r.gbps << ", \"frac_copy\": " << r.frac
+         << ", \"sets\": " << r.sets << ", \"calls\": " << r.calls << "}";
+    }
+    js << "\n  ],\n  \"skipped\": [";
+    for (size_t i = 0; i < notes.size(); ++i) js << (i ? ", " : "") << "\"" << notes[i] << "\"";
+    js << "]\n}\n";
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvs
+
+int main(int argc, char** argv) {
+  try {
+    return kvs::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "kvs-bench: " << e.what() << "\n";
+    return 1;
+  }
+}
