@@ -1,0 +1,79 @@
+#include "runtime/engine.h"
+
+#include <stdexcept>
+
+#include "runtime/dense_engine.h"
+#include "runtime/tactic_engine.h"
+
+namespace kvs {
+
+const char* to_string(Method m) {
+  switch (m) {
+    case Method::Dense: return "dense";
+    case Method::Tactic: return "tactic";
+  }
+  return "?";
+}
+
+const char* to_string(Backend b) { return b == Backend::Cpu ? "cpu" : "cuda"; }
+
+Method method_from_string(const std::string& name) {
+  if (name == "dense") return Method::Dense;
+  if (name == "tactic") return Method::Tactic;
+  throw std::invalid_argument("unknown method '" + name + "' (known: dense, tactic)");
+}
+
+Backend backend_from_string(const std::string& name) {
+  if (name == "cpu") return Backend::Cpu;
+  if (name == "cuda") return Backend::Cuda;
+  throw std::invalid_argument("unknown backend '" + name + "' (known: cpu, cuda)");
+}
+
+Engine::Engine(const ModelShape& shape, const EngineConfig& config)
+    : shape_(shape), config_(config) {
+  shape_.validate();
+  if (config_.max_batch <= 0)
+    throw std::invalid_argument("EngineConfig: max_batch must be > 0, got " +
+                                std::to_string(config_.max_batch));
+}
+
+void Engine::bind_workspace(Workspace ws) {
+  const size_t need = workspace_bytes();
+  if (need > 0 && (ws.ptr == nullptr || ws.bytes < need))
+    throw std::invalid_argument(std::string(to_string(method())) + " engine: workspace of " +
+                                std::to_string(ws.bytes) + " bytes, needs " +
+                                std::to_string(need) + " for max_batch " +
+                                std::to_string(config_.max_batch));
+  workspace_ = ws;
+}
+
+void Engine::check_decode_args(int layer, const PagedKV& kv, const bf16* q,
+                               const bf16* out) const {
+  const std::string who = std::string(to_string(method())) + " engine decode: ";
+  if (layer < 0 || layer >= shape_.num_layers)
+    throw std::out_of_range(who + "layer " + std::to_string(layer) + " outside [0, " +
+                            std::to_string(shape_.num_layers) + ")");
+  if (kv.batch <= 0 || kv.batch > config_.max_batch)
+    throw std::invalid_argument(who + "batch " + std::to_string(kv.batch) + " outside [1, " +
+                                std::to_string(config_.max_batch) + "] (EngineConfig.max_batch)");
+  if (kv.num_kv_heads != shape_.num_kv_heads || kv.head_dim != shape_.head_dim)
+    throw std::invalid_argument(who + "KV cache has " + std::to_string(kv.num_kv_heads) +
+                                " kv heads of dim " + std::to_string(kv.head_dim) +
+                                ", the model has " + std::to_string(shape_.num_kv_heads) +
+                                " of dim " + std::to_string(shape_.head_dim));
+  if (!q || !out || !kv.k || !kv.v || !kv.page_table || !kv.seq_lens)
+    throw std::invalid_argument(who + "null q, out or KV pointer");
+  if (workspace_bytes() > 0 && workspace_.ptr == nullptr)
+    throw std::logic_error(who + "no workspace bound (call bind_workspace)");
+}
+
+std::unique_ptr<Engine> make_engine(Method method, const ModelShape& shape,
+                                    const EngineConfig& config) {
+  switch (method) {
+    case Method::Dense: return std::make_unique<DenseEngine>(shape, config);
+    case Method::Tactic: return std::make_unique<TacticEngine>(shape, config);
+  }
+  throw std::invalid_argument("make_engine: unknown method");
+}
+
+}  // namespace kvs

@@ -1,0 +1,101 @@
+// One interface for every attention method (DESIGN.md, "The runtime API shape").
+//
+// Plan/run with caller-owned workspace: bind_workspace() once (size from workspace_bytes()),
+// then prefill() per layer after the prompt's K/V are in the cache, and decode() per layer
+// and step after the new token's K/V were appended. decode() on the CUDA backend does no
+// host sync, no allocation and no device-to-host copy, so a whole step can be captured in a
+// CUDA graph. The CPU backend (exact, simple) is the oracle for tests and runs where there
+// is no GPU: its pointers are host pointers and the stream is ignored.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "artifacts/model_shape.h"
+#include "kernels/common/bf16.h"
+#include "kernels/common/paged_kv.h"
+#include "runtime/tactic_config.h"
+
+namespace kvs {
+
+enum class Method { Dense, Tactic };
+enum class Backend { Cpu, Cuda };
+
+const char* to_string(Method m);
+const char* to_string(Backend b);
+Method method_from_string(const std::string& name);    // throws, listing the known names
+Backend backend_from_string(const std::string& name);  // "cpu" or "cuda"
+
+struct EngineConfig {
+  Backend backend = Backend::Cuda;
+  int max_batch = 1;           ///< largest batch decode() will see
+  bool collect_stats = false;  ///< count KV rows read on the device (one extra tiny kernel)
+  TacticConfig tactic;         ///< Method::Tactic knobs (runtime/tactic_config.h)
+};
+
+// Counters since construction or reset_stats(). A "row" is one token of one KV head, K and V
+// together: 2 * head_dim * 2 bytes.
+struct EngineStats {
+  uint64_t decode_calls = 0;     ///< decode() calls (one layer of one step each)
+  uint64_t kv_rows_read = 0;     ///< rows the method read
+  uint64_t kv_rows_context = 0;  ///< rows a dense read of the same calls would read
+  /// Bytes a method reads to decide what to attend, apart from kv_rows_read (Tactic:
+  /// centroids and the sampled keys of the budget fit). 0 for dense.
+  uint64_t selection_bytes_read = 0;
+  double kv_read_fraction() const {
+    return kv_rows_context ? double(kv_rows_read) / double(kv_rows_context) : 0.0;
+  }
+};
+
+struct Workspace {
+  void* ptr = nullptr;  ///< device memory for Backend::Cuda, host memory for Backend::Cpu
+  size_t bytes = 0;
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual Method method() const = 0;
+  virtual Backend backend() const = 0;
+  const ModelShape& shape() const { return shape_; }
+
+  // Workspace decode() needs for up to config.max_batch sequences; bind it before decode().
+  virtual size_t workspace_bytes() const = 0;
+  void bind_workspace(Workspace ws);
+
+  // Builds the method's per-layer state from the prompt in kv (all tokens so far).
+  virtual void prefill(int layer, const PagedKV& kv, cudaStream_t stream) = 0;
+
+  // q [batch, Hq, d]: post-RoPE queries; q_pre: the same before RoPE (methods that match
+  // or classify queries use it; may be null for methods that do not); out [batch, Hq, d];
+  // lse [batch, Hq] (may be null). kv holds the new token already.
+  virtual void decode(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv,
+                      bf16* out, float* lse, cudaStream_t stream) = 0;
+
+  virtual EngineStats stats() const = 0;
+  virtual void reset_stats() = 0;
+
+  // For evaluation: the tokens each query head of sequence b attended in the last decode()
+  // of `layer`, ascending ([Hq][...]). Empty means every token (a dense read). On the CUDA
+  // backend this copies from the device and synchronizes: never call it inside a step.
+  virtual std::vector<std::vector<int32_t>> last_read(int layer, int b) const { return {}; }
+
+ protected:
+  Engine(const ModelShape& shape, const EngineConfig& config);
+  // Throws, naming the mismatch, when kv or the batch do not fit this engine.
+  void check_decode_args(int layer, const PagedKV& kv, const bf16* q, const bf16* out) const;
+
+  ModelShape shape_;
+  EngineConfig config_;
+  Workspace workspace_;
+};
+
+std::unique_ptr<Engine> make_engine(Method method, const ModelShape& shape,
+                                    const EngineConfig& config);
+
+}  // namespace kvs
