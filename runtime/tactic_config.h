@@ -1,0 +1,31 @@
+// Knobs of Method::Tactic (spec shared/specs/tactic.md), reachable as EngineConfig::tactic.
+// Defaults are the paper's settings and the spec's recommended resolutions (section 8).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace kvs {
+
+struct TacticConfig {
+  double target = 0.9;         ///< P, cumulative attention mass per query head, (0, 1]; 1 = dense
+  int cluster_size = 16;       ///< average tokens per k-means cluster: C = ceil(n / 16)
+  int kmeans_iterations = 10;  ///< Lloyd iterations (>= 1)
+  uint64_t seed = 0x7AC71C;    ///< k-means initialisation seed
+  double exact_fraction = 0.015;  ///< leading sorted tokens with exact exponentials (N)
+  double window_centre1 = 0.10;   ///< fit window centres, fractions of the sorted list
+  double window_centre2 = 0.60;
+  int window_min = 32;  ///< fit window width w = max(window_min, window_fraction * n)
+  double window_fraction = 0.005;
+  /// Tokens decoded since the last clustering that trigger clustering them on their own as
+  /// one block (recluster_interval / cluster_size clusters appended to the CSR; spec 8.3).
+  /// Until then they are attended in full. 0 disables re-clustering (recent tokens are then
+  /// always attended in full). A multiple of cluster_size.
+  int recluster_interval = 2048;
+  /// Longest sequence (tokens) the engine must serve; sizes the cluster state and the
+  /// workspace. 0: the model's max_position.
+  int max_context = 0;
+  std::vector<int> dense_layers;  ///< layers attended densely (none by default; spec 8.6)
+};
+
+}  // namespace kvs

@@ -1,0 +1,466 @@
+// Tactic on the GPU against the CPU reference: k-means (same init: same partition on
+// separated data, WCSS within 1% in general), selection and attention on the same cluster
+// state (ragged batches, GQA 4 and 8, head dims 64 and 128), P = 1 as dense, and a CUDA-graph
+// replay of decode steps during which a recent block is re-clustered inside the graph.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "kernels/dense/dense_decode.h"
+#include "kernels/tactic/tactic.h"
+#include "runtime/engine.h"
+#include "runtime/kv_cache.h"
+#include "runtime/tactic_engine.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace kvs {
+namespace {
+
+namespace tk = kernels::tactic;
+using test::DeviceBuffer;
+
+ModelShape shape(int hq, int hkv, int d) {
+  ModelShape s;
+  s.num_layers = 2;
+  s.num_q_heads = hq;
+  s.num_kv_heads = hkv;
+  s.head_dim = d;
+  s.max_position = 8192;
+  return s;
+}
+
+KVCacheConfig cache_config(const ModelShape& s, int batch, int capacity, Device dev) {
+  KVCacheConfig c;
+  c.num_layers = s.num_layers;
+  c.num_kv_heads = s.num_kv_heads;
+  c.head_dim = s.head_dim;
+  c.page_size = 16;
+  c.max_batch = batch;
+  c.max_seq_len = capacity;
+  c.device = dev;
+  return c;
+}
+
+// The same keys in a CPU and a GPU cache: per (sequence, kv head) a mixture of 64 Gaussian
+// centres (spread 0.3) with a per-centre scale, so that query scores spread over several
+// units; interleaved reservations make the page tables non-contiguous.
+struct Pair {
+  ModelShape s;
+  std::vector<int> lens;
+  KVCache cpu, gpu;
+  std::vector<bf16> q;
+  std::mt19937 gen;
+
+  Pair(const ModelShape& shape_, const std::vector<int>& lens_, int capacity, uint32_t seed)
+      : s(shape_),
+        lens(lens_),
+        cpu(cache_config(shape_, int(lens_.size()), capacity, Device::Cpu)),
+        gpu(cache_config(shape_, int(lens_.size()), capacity, Device::Cuda)),
+        gen(seed) {
+    std::normal_distribution<float> N01(0.f, 1.f);
+    const int B = int(lens.size()), d = s.head_dim, row = s.num_kv_heads * d;
+    for (int b = 0; b < B; ++b) {
+      cpu.reserve(b, capacity / 2);
+      gpu.reserve(b, capacity / 2);
+    }
+    for (int b = 0; b < B; ++b) {
+      cpu.reserve(b, capacity);
+      gpu.reserve(b, capacity);
+    }
+    for (int b = 0; b < B; ++b) {
+      const int n = lens[size_t(b)];
+      std::vector<float> centres(size_t(64) * d), scale(64);
+      std::uniform_int_distribution<int> pick(0, 63);
+      for (int l = 0; l < s.num_layers; ++l) {
+        std::vector<bf16> k(size_t(n) * row), v(k.size());
+        for (int h = 0; h < s.num_kv_heads; ++h) {
+          for (auto& x : centres) x = N01(gen);
+          for (auto& x : scale) x = 0.5f + 1.5f * std::abs(N01(gen));
+          for (int t = 0; t < n; ++t) {
+            const int c = pick(gen);
+            for (int j = 0; j < d; ++j) {
+              k[size_t(t) * row + h * d + j] =
+                  float_to_bf16(scale[size_t(c)] * centres[size_t(c) * d + j] + 0.3f * N01(gen));
+              v[size_t(t) * row + h * d + j] = float_to_bf16(N01(gen));
+            }
+          }
+        }
+        cpu.write(l, b, 0, n, k.data(), v.data());
+        DeviceBuffer<bf16> dk(k), dv(v);
+        gpu.write(l, b, 0, n, dk.get(), dv.get());
+      }
+    }
+    cpu.set_lengths(lens);
+    gpu.set_lengths(lens);
+    q.resize(size_t(B) * s.num_q_heads * d);
+    for (auto& x : q) x = float_to_bf16(0.8f * N01(gen));
+  }
+};
+
+struct HostState {
+  std::vector<bf16> cent;
+  std::vector<int32_t> off, mem, nc, cl;
+  tk::ClusterState view;
+};
+
+HostState download(const tk::ClusterState& d) {
+  HostState h;
+  const size_t slots = size_t(d.max_batch) * d.num_kv_heads;
+  h.cent.resize(slots * d.max_clusters * d.head_dim);
+  h.off.resize(slots * (size_t(d.max_clusters) + 1));
+  h.mem.resize(slots * d.max_tokens);
+  h.nc.resize(slots);
+  h.cl.resize(slots);
+  auto get = [](auto& v, const void* src) {
+    KVS_CUDA_CHECK(cudaMemcpy(v.data(), src, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost));
+  };
+  get(h.cent, d.centroids);
+  get(h.off, d.offsets);
+  get(h.mem, d.members);
+  get(h.nc, d.num_clusters);
+  get(h.cl, d.clustered_len);
+  h.view = d;
+  h.view.centroids = h.cent.data();
+  h.view.offsets = h.off.data();
+  h.view.members = h.mem.data();
+  h.view.num_clusters = h.nc.data();
+  h.view.clustered_len = h.cl.data();
+  return h;
+}
+
+// WCSS of the clusters [c0, c1) of (b, h) over the keys of kv (host).
+double wcss(const PagedKV& kv, const tk::ClusterState& st, int b, int h, int c0, int c1) {
+  double sum = 0.0;
+  const int32_t* off = st.offsets_of(b, h);
+  const int32_t* mem = st.members_of(b, h);
+  for (int c = c0; c < c1; ++c) {
+    const bf16* mu = st.centroid(b, h, c);
+    for (int m = off[c]; m < off[c + 1]; ++m) {
+      const bf16* k = kv.k + kv.offset(b, mem[m], h);
+      for (int j = 0; j < kv.head_dim; ++j) {
+        const double diff = double(bf16_to_float(k[j])) - bf16_to_float(mu[j]);
+        sum += diff * diff;
+      }
+    }
+  }
+  return sum;
+}
+
+// Same clustering up to rare near-ties: equal sizes, WCSS within 1%, most members equal.
+void expect_same_clustering(const PagedKV& kv, const tk::ClusterState& ref,
+                            const tk::ClusterState& got, int b, int h, int c0, int c1,
+                            const std::string& where) {
+  ASSERT_EQ(ref.num_clusters[ref.slot(b, h)], got.num_clusters[got.slot(b, h)]) << where;
+  ASSERT_EQ(ref.clustered_len[ref.slot(b, h)], got.clustered_len[got.slot(b, h)]) << where;
+  const int lo = ref.offsets_of(b, h)[c0], hi = ref.offsets_of(b, h)[c1];
+  ASSERT_EQ(got.offsets_of(b, h)[c0], lo) << where;
+  ASSERT_EQ(got.offsets_of(b, h)[c1], hi) << where;
+  // A valid partition of [lo, hi), ascending within each cluster.
+  std::vector<int> seen(size_t(hi - lo), 0);
+  for (int c = c0; c < c1; ++c)
+    for (int m = got.offsets_of(b, h)[c]; m < got.offsets_of(b, h)[c + 1]; ++m) {
+      const int t = got.members_of(b, h)[m];
+      ASSERT_TRUE(t >= lo && t < hi) << where << " token " << t;
+      ++seen[size_t(t - lo)];
+      if (m > got.offsets_of(b, h)[c]) {
+        ASSERT_LT(got.members_of(b, h)[m - 1], t) << where;
+      }
+    }
+  for (int i = 0; i < hi - lo; ++i) ASSERT_EQ(seen[size_t(i)], 1) << where << " token " << lo + i;
+  int same = 0;
+  for (int m = lo; m < hi; ++m) same += ref.members_of(b, h)[m] == got.members_of(b, h)[m];
+  EXPECT_GE(same, 0.9 * (hi - lo)) << where;
+  const double w_ref = wcss(kv, ref, b, h, c0, c1), w_got = wcss(kv, got, b, h, c0, c1);
+  EXPECT_NEAR(w_got, w_ref, 0.01 * w_ref) << where;
+}
+
+std::unique_ptr<Engine> make(const ModelShape& s, Backend backend, int batch, double P,
+                             int interval = 2048, int max_context = 4096) {
+  EngineConfig c;
+  c.backend = backend;
+  c.max_batch = batch;
+  c.collect_stats = true;
+  c.tactic.target = P;
+  c.tactic.max_context = max_context;
+  c.tactic.recluster_interval = interval;
+  return make_engine(Method::Tactic, s, c);
+}
+
+TEST(TacticCuda, PrefillKMeansMatchesCpu) {
+  KVS_SKIP_WITHOUT_CUDA();
+  for (int d : {64, 128}) {
+    Pair p(shape(8, 2, d), {1000, 333, 2048}, 2100, 11 + d);
+    auto ge = make(p.s, Backend::Cuda, 3, 0.9), ce = make(p.s, Backend::Cpu, 3, 0.9);
+    ge->prefill(0, p.gpu.view(0), nullptr);
+    ce->prefill(0, p.cpu.view(0), nullptr);
+    const HostState got = download(dynamic_cast<TacticEngine&>(*ge).cluster_state(0));
+    const tk::ClusterState& ref = dynamic_cast<TacticEngine&>(*ce).cluster_state(0);
+    for (int b = 0; b < 3; ++b)
+      for (int h = 0; h < 2; ++h)
+        expect_same_clustering(
+            p.cpu.view(0), ref, got.view, b, h, 0, ref.num_clusters[ref.slot(b, h)],
+            "d " + std::to_string(d) + " b " + std::to_string(b) + " h " + std::to_string(h));
+  }
+}
+
+// Selection, union and attention of the GPU against the CPU reference run on the GPU's own
+// cluster state (so that only the selection and attention arithmetic is compared).
+void check_decode(int hq, int hkv, int d, const std::vector<int>& lens, double P, uint32_t seed,
+                  int max_context = 4096) {
+  const ModelShape s = shape(hq, hkv, d);
+  const int B = int(lens.size()), g = hq / hkv;
+  Pair p(s, lens, 4096, seed);
+  auto ge = make(s, Backend::Cuda, B, P, 2048, max_context);
+  auto& te = dynamic_cast<TacticEngine&>(*ge);
+  DeviceBuffer<char> ws(ge->workspace_bytes());
+  ge->bind_workspace({ws.get(), ws.size()});
+  ge->prefill(1, p.gpu.view(1), nullptr);
+  DeviceBuffer<bf16> dq(p.q), dout(p.q.size());
+  DeviceBuffer<float> dlse(size_t(B) * hq);
+  dout.poison();
+  ge->decode(1, dq.get(), nullptr, p.gpu.view(1), dout.get(), dlse.get(), nullptr);
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<bf16> out = dout.download();
+  const std::vector<float> lse = dlse.download();
+  const HostState st = download(te.cluster_state(1));
+  const tk::Selection sel = te.last_selection();
+  std::vector<int32_t> counts(size_t(B) * hkv);
+  KVS_CUDA_CHECK(cudaMemcpy(counts.data(), sel.counts, counts.size() * 4, cudaMemcpyDeviceToHost));
+  const PagedKV kv = p.cpu.view(1);
+  tk::FitParams fit;
+  fit.target = P;
+  const std::string tag =
+      "hq " + std::to_string(hq) + " d " + std::to_string(d) + " P " + std::to_string(P);
+  int exact_sets = 0;
+  uint64_t rows = 0;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < hkv; ++h) {
+      const int slot = b * hkv + h;
+      std::vector<int32_t> tokens(static_cast<size_t>(counts[size_t(slot)]));
+      KVS_CUDA_CHECK(cudaMemcpy(tokens.data(), sel.tokens + int64_t(slot) * sel.max_tokens,
+                                tokens.size() * 4, cudaMemcpyDeviceToHost));
+      rows += tokens.size();
+      std::vector<uint8_t> flags(size_t(st.nc[size_t(slot)]), 0);
+      for (int j = 0; j < g; ++j) {
+        std::vector<float> qf(static_cast<size_t>(d));
+        for (int i = 0; i < d; ++i)
+          qf[size_t(i)] = bf16_to_float(p.q[(size_t(b) * hq + h * g + j) * d + i]);
+        tk::select_clusters_cpu(qf.data(), kv, b, h, s.scale(), fit, st.view, flags.data(),
+                                nullptr);
+      }
+      const std::vector<int32_t> want = tk::selected_tokens_cpu(kv, b, h, st.view, flags.data());
+      const std::set<int32_t> a(tokens.begin(), tokens.end()), e(want.begin(), want.end());
+      ASSERT_EQ(a.size(), tokens.size()) << tag << ": duplicate tokens in the selection";
+      if (a == e) ++exact_sets;
+      // A near-tie of scores or budgets may move the cut by a cluster or two, never more.
+      std::vector<int32_t> diff;
+      std::set_symmetric_difference(a.begin(), a.end(), e.begin(), e.end(),
+                                    std::back_inserter(diff));
+      EXPECT_LE(diff.size(), 96u) << tag << " b " << b << " h " << h;
+      for (int t = st.cl[size_t(slot)]; t < lens[size_t(b)]; ++t) EXPECT_TRUE(a.count(t));
+      // Attention over exactly the GPU's tokens.
+      for (int j = 0; j < g; ++j) {
+        const size_t row = size_t(b) * hq + h * g + j;
+        std::vector<float> qf(static_cast<size_t>(d));
+        for (int i = 0; i < d; ++i) qf[size_t(i)] = bf16_to_float(p.q[row * d + i]);
+        std::vector<double> o(static_cast<size_t>(d));
+        double l;
+        kernels::attend_cpu(qf.data(), kv, b, h, tokens.data(), int(tokens.size()), s.scale(),
+                            o.data(), &l);
+        double num = 0.0, den = 0.0;
+        for (int i = 0; i < d; ++i) {
+          const double x = bf16_to_float(out[row * d + i]);
+          ASSERT_FALSE(std::isnan(x)) << tag << " row " << row;
+          num += (x - o[size_t(i)]) * (x - o[size_t(i)]);
+          den += o[size_t(i)] * o[size_t(i)];
+        }
+        EXPECT_LT(std::sqrt(num / den), 2e-2) << tag << " row " << row;
+        EXPECT_NEAR(lse[row], l, 2e-3 * std::max(1.0, std::abs(l))) << tag << " row " << row;
+      }
+    }
+  EXPECT_GE(exact_sets, (B * hkv * 9) / 10) << tag;
+  const EngineStats stats = ge->stats();
+  EXPECT_EQ(stats.kv_rows_read, rows);
+  uint64_t ctx = 0;
+  for (int n : lens) ctx += uint64_t(n) * hkv;
+  EXPECT_EQ(stats.kv_rows_context, ctx);
+  EXPECT_GT(stats.selection_bytes_read, 0u);
+}
+
+TEST(TacticCuda, SelectionAndAttentionMatchCpuGqa4) {
+  KVS_SKIP_WITHOUT_CUDA();
+  check_decode(8, 2, 128, {1500, 200, 777}, 0.9, 21);
+  check_decode(8, 2, 64, {3000, 65}, 0.5, 22);
+}
+
+TEST(TacticCuda, SelectionAndAttentionMatchCpuGqa8) {
+  KVS_SKIP_WITHOUT_CUDA();
+  check_decode(16, 2, 128, {2500, 1, 900}, 0.9, 23);
+  check_decode(32, 4, 64, {1200}, 0.75, 24);
+}
+
+// Cluster capacities above 8192 (contexts beyond 128K) sort with the CUB segmented radix
+// sort instead of the one-CTA block sort; both must give the CPU's order.
+TEST(TacticCuda, SegmentedSortPathForLongContexts) {
+  KVS_SKIP_WITHOUT_CUDA();
+  check_decode(8, 2, 128, {2000, 300}, 0.9, 25, 140000);
+}
+
+TEST(TacticCuda, TargetOneIsDenseAttention) {
+  KVS_SKIP_WITHOUT_CUDA();
+  const ModelShape s = shape(8, 2, 128);
+  Pair p(s, {1234, 50}, 2000, 31);
+  auto ge = make(s, Backend::Cuda, 2, 1.0);
+  DeviceBuffer<char> ws(ge->workspace_bytes());
+  ge->bind_workspace({ws.get(), ws.size()});
+  ge->prefill(0, p.gpu.view(0), nullptr);
+  DeviceBuffer<bf16> dq(p.q), dout(p.q.size());
+  dout.poison();
+  ge->decode(0, dq.get(), nullptr, p.gpu.view(0), dout.get(), nullptr, nullptr);
+  const std::vector<bf16> out = dout.download();
+  std::vector<float> ref(p.q.size());
+  kernels::dense_decode_cpu(p.q.data(), 8, p.cpu.view(0), float(s.scale()), ref.data(), nullptr);
+  for (int r = 0; r < 16; ++r) {
+    double num = 0.0, den = 0.0;
+    for (int i = 0; i < 128; ++i) {
+      const double x = bf16_to_float(out[size_t(r) * 128 + i]), e = ref[size_t(r) * 128 + i];
+      num += (x - e) * (x - e);
+      den += e * e;
+    }
+    EXPECT_LT(std::sqrt(num / den), 2e-2) << "row " << r;
+  }
+  EXPECT_DOUBLE_EQ(ge->stats().kv_read_fraction(), 1.0);
+}
+
+// Decode steps captured once in a CUDA graph (begin step, append, decode for both layers)
+// and replayed; the re-clustering interval is 32, so blocks are clustered inside replays.
+TEST(TacticCuda, GraphReplayWithReclusteringMatchesCpu) {
+  KVS_SKIP_WITHOUT_CUDA();
+  const ModelShape s = shape(8, 2, 128);
+  const std::vector<int> prompt{700, 301};
+  const int B = 2, d = 128, row = s.num_kv_heads * d, steps = 70, interval = 32;
+  Pair p(s, prompt, 800, 41);
+  auto ge = make(s, Backend::Cuda, B, 0.9, interval);
+  auto& te = dynamic_cast<TacticEngine&>(*ge);
+  DeviceBuffer<char> ws(ge->workspace_bytes());
+  ge->bind_workspace({ws.get(), ws.size()});
+  for (int l = 0; l < s.num_layers; ++l) ge->prefill(l, p.gpu.view(l), nullptr);
+  const size_t qn = size_t(B) * s.num_q_heads * d, kn = size_t(B) * row;
+  DeviceBuffer<bf16> dq(qn), dk(kn * s.num_layers), dv(kn * s.num_layers), dout(qn * s.num_layers);
+  cudaStream_t stream;
+  KVS_CUDA_CHECK(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  p.gpu.enqueue_step(stream);
+  for (int l = 0; l < s.num_layers; ++l) {
+    p.gpu.append(l, dk.get() + l * kn, dv.get() + l * kn, stream);
+    ge->decode(l, dq.get(), nullptr, p.gpu.view(l), dout.get() + l * qn, nullptr, stream);
+  }
+  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  std::normal_distribution<float> N01(0.f, 1.f);
+  const int layer = s.num_layers - 1;  // the selection buffer holds the last layer's
+  for (int step = 1; step <= steps; ++step) {
+    std::vector<bf16> q(qn), k(kn * s.num_layers), v(kn * s.num_layers);
+    for (auto& x : q) x = float_to_bf16(0.8f * N01(p.gen));
+    for (auto& x : k) x = float_to_bf16(N01(p.gen));
+    for (auto& x : v) x = float_to_bf16(N01(p.gen));
+    dq.upload(q);
+    dk.upload(k);
+    dv.upload(v);
+    dout.poison();
+    p.gpu.commit_step();
+    KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    p.cpu.begin_step(nullptr);
+    for (int l = 0; l < s.num_layers; ++l)
+      p.cpu.append(l, k.data() + l * kn, v.data() + l * kn, nullptr);
+    KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const HostState st = download(te.cluster_state(layer));
+    const PagedKV kv = p.cpu.view(layer);
+    for (int b = 0; b < B; ++b) {
+      const int len = prompt[size_t(b)] + step;
+      // Blocks of 32 are clustered as soon as 32 tokens are unclustered.
+      const int blocks = step / interval;
+      const int C0 = (prompt[size_t(b)] + 15) / 16;
+      for (int h = 0; h < 2; ++h) {
+        const int slot = b * 2 + h;
+        ASSERT_EQ(st.cl[size_t(slot)], prompt[size_t(b)] + blocks * interval) << "step " << step;
+        ASSERT_EQ(st.nc[size_t(slot)], C0 + blocks * (interval / 16)) << "step " << step;
+      }
+      if (step % interval == 0) {
+        // The new block against the CPU k-means of its keys, same init.
+        const int start = prompt[size_t(b)] + step - interval;
+        for (int h = 0; h < 2; ++h) {
+          std::vector<float> keys(size_t(interval) * d);
+          for (int i = 0; i < interval; ++i)
+            for (int j = 0; j < d; ++j)
+              keys[size_t(i) * d + j] = bf16_to_float(kv.k[kv.offset(b, start + i, h) + j]);
+          std::vector<bf16> cent(size_t(2) * d);
+          std::vector<int32_t> off(3), mem(static_cast<size_t>(interval));
+          tk::kmeans_cpu(keys.data(), interval, d, 2, 10,
+                         tk::kmeans_stream(te.tactic_config().seed, layer, h, start), cent.data(),
+                         off.data(), mem.data());
+          const double w_ref =
+              tk::kmeans_wcss_cpu(keys.data(), interval, d, 2, cent.data(), off.data(), mem.data());
+          const int c0 = st.nc[size_t(b * 2 + h)] - 2;
+          EXPECT_NEAR(wcss(kv, st.view, b, h, c0, c0 + 2), w_ref, 0.01 * w_ref) << "step " << step;
+        }
+      }
+      // Output of the last layer against attention over the GPU's selection of that layer.
+      const tk::Selection sel = te.last_selection();
+      const std::vector<bf16> out = [&] {
+        std::vector<bf16> o(qn);
+        KVS_CUDA_CHECK(
+            cudaMemcpy(o.data(), dout.get() + layer * qn, qn * 2, cudaMemcpyDeviceToHost));
+        return o;
+      }();
+      for (int h = 0; h < 2; ++h) {
+        const int slot = b * 2 + h;
+        int count = 0;
+        KVS_CUDA_CHECK(cudaMemcpy(&count, sel.counts + slot, 4, cudaMemcpyDeviceToHost));
+        std::vector<int32_t> tokens(static_cast<size_t>(count));
+        KVS_CUDA_CHECK(cudaMemcpy(tokens.data(), sel.tokens + int64_t(slot) * sel.max_tokens,
+                                  tokens.size() * 4, cudaMemcpyDeviceToHost));
+        const std::set<int32_t> a(tokens.begin(), tokens.end());
+        for (int t = st.cl[size_t(slot)]; t < len; ++t) ASSERT_TRUE(a.count(t)) << "recent " << t;
+        for (int j = 0; j < 4; ++j) {
+          const size_t r = size_t(b) * 8 + h * 4 + j;
+          std::vector<float> qf(static_cast<size_t>(d));
+          for (int i = 0; i < d; ++i) qf[size_t(i)] = bf16_to_float(q[r * d + i]);
+          std::vector<double> o(static_cast<size_t>(d));
+          double l;
+          kernels::attend_cpu(qf.data(), kv, b, h, tokens.data(), count, s.scale(), o.data(), &l);
+          double num = 0.0, den = 0.0;
+          for (int i = 0; i < d; ++i) {
+            const double x = bf16_to_float(out[r * d + i]);
+            num += (x - o[size_t(i)]) * (x - o[size_t(i)]);
+            den += o[size_t(i)] * o[size_t(i)];
+          }
+          ASSERT_LT(std::sqrt(num / den), 2e-2) << "step " << step << " row " << r;
+        }
+      }
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(TacticCuda, RejectsBadArguments) {
+  KVS_SKIP_WITHOUT_CUDA();
+  const ModelShape s = shape(8, 2, 96);
+  EngineConfig c;
+  c.tactic.max_context = 1024;
+  EXPECT_THROW(make_engine(Method::Tactic, s, c), std::invalid_argument);  // head_dim 96
+  c.tactic.recluster_interval = 1 << 16;
+  EXPECT_THROW(make_engine(Method::Tactic, shape(8, 2, 128), c), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace kvs

@@ -1,0 +1,397 @@
+// kvs-bench --method tactic.
+//
+// Synthetic but realistically skewed scene per (sequence, kv head): keys from `components`
+// Gaussian components; component c sits at logit L_c = -2 ln(rank_c) along the query
+// direction u (ranks a permutation), plus unit-variance parts orthogonal-ish to u and a small
+// per-token noise. exp(L) ~ rank^-2 puts ~90 % of the attention mass on the top ~8 of 512
+// components, i.e. ~1.5 % of the tokens, while the rest forms a long tail, as in the paper's
+// sorted score curves. Queries are sqrt(d) * u plus a little per-head noise.
+//
+// Per (context, batch): the prefill clustering of one layer (all sequences and kv heads) is
+// timed with events and set against a dense causal prefill attention estimate (4 n^2 d Hq / 2
+// FLOP per sequence at --prefill-tflops). Decode: `layers` KV sets (each with its clusters)
+// are decoded in sequence inside one CUDA graph (as a model step would, and so that the L2
+// never holds the next layer's data); median replay time / layers is the per-layer time of:
+//   tactic  = re-cluster check + selection + sparse attention (the engine's decode path)
+//   select  = selection only,  attn = sparse attention only (over the selection made)
+//   dense   = dense_decode_cuda over the same KV
+// Tokens: the union per (sequence, kv head) and the per-query-head selection, as a percent of
+// the context. Mass: exp(lse_tactic - lse_dense) per (sequence, query head): the attention
+// mass the selection achieved (mean and min).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/common/cuda_check.h"
+#include "kernels/dense/dense_decode.h"
+#include "kernels/tactic/tactic.h"
+#include "tools/bench/bench_tactic.h"
+
+namespace kvs {
+namespace {
+
+namespace tk = kernels::tactic;
+
+__device__ __forceinline__ uint32_t mix(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x7FEB352Du;
+  h ^= h >> 15;
+  h *= 0x846CA68Bu;
+  h ^= h >> 16;
+  return h;
+}
+__device__ __forceinline__ float unit(uint32_t h) {  // uniform in [-sqrt3, sqrt3): variance 1
+  return (float(mix(h)) * (2.f / 4294967296.f) - 1.f) * 1.7320508f;
+}
+__device__ __forceinline__ float sign_u(int h, int j, int d) {
+  return (mix(0xA5A5u ^ uint32_t(h) * 7919u ^ uint32_t(j) * 104729u) & 1u ? 1.f : -1.f) *
+         rsqrtf(float(d));
+}
+
+// One thread per (b, t, h, j) element of K and V, through the page table.
+__global__ void fill_scene(__nv_bfloat16* k, __nv_bfloat16* v, const int32_t* table, int max_pages,
+                           int page_size, int batch, int n, int hkv, int d, int components,
+                           uint32_t seed) {
+  const int64_t total = int64_t(batch) * n * hkv * d;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int j = int(i % d);
+    const int h = int((i / d) % hkv);
+    const int t = int((i / (int64_t(d) * hkv)) % n);
+    const int b = int(i / (int64_t(d) * hkv * n));
+    const uint32_t sh = seed * 0x9E3779B1u ^ uint32_t(b) * 0x85EBCA77u ^ uint32_t(h) * 0xC2B2AE3Du;
+    const int c = int(mix(sh ^ uint32_t(t) * 0x27D4EB2Fu) % uint32_t(components));
+    // rank = (a c + o) mod components + 1 with a odd: a permutation for power-of-two counts,
+    // and close to one otherwise.
+    const uint32_t a = mix(sh ^ 0x1234u) | 1u, o = mix(sh ^ 0x5678u);
+    const int rank = int((a * uint32_t(c) + o) % uint32_t(components)) + 1;
+    const float logit = -2.f * logf(float(rank));
+    const float key = logit * sign_u(h, j, d) +
+                      0.5f * unit(sh ^ uint32_t(c) * 0x165667B1u ^ uint32_t(j) * 0xD3A2646Cu) +
+                      0.1f * unit(sh ^ uint32_t(t) * 0xFD7046C5u ^ uint32_t(j) * 0xB55A4F09u);
+    const int64_t page = table[int64_t(b) * max_pages + t / page_size];
+    const int64_t at = ((page * page_size + t % page_size) * hkv + h) * int64_t(d) + j;
+    k[at] = __float2bfloat16_rn(key);
+    v[at] = __float2bfloat16_rn(unit(sh ^ uint32_t(t) * 0x94D049BBu ^ uint32_t(j) * 0x2545F491u));
+  }
+}
+
+__global__ void fill_queries(__nv_bfloat16* q, int batch, int hq, int hkv, int d, uint32_t seed) {
+  const int total = batch * hq * d;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+    const int j = i % d, head = (i / d) % hq;
+    const int h = head / (hq / hkv);
+    q[i] = __float2bfloat16_rn(sqrtf(float(d)) * sign_u(h, j, d) +
+                               0.2f * unit(seed ^ uint32_t(i) * 0x9E3779B1u));
+  }
+}
+
+template <typename T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t count) : n(count) {
+    KVS_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
+  }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    KVS_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+float median_of(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5f * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// Median ms of `iters` launches of a graph captured from `body` (after 3 warm-up launches).
+template <typename Body>
+float time_graph(cudaStream_t stream, int iters, Body body) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  body();
+  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t e0, e1;
+  KVS_CUDA_CHECK(cudaEventCreate(&e0));
+  KVS_CUDA_CHECK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) {
+    KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
+    KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
+    KVS_CUDA_CHECK(cudaEventSynchronize(e1));
+    float t = 0.f;
+    KVS_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return median_of(ms);
+}
+
+struct Layer {
+  std::unique_ptr<Dev<bf16>> k, v;
+  std::unique_ptr<Dev<int32_t>> table;
+  std::unique_ptr<Dev<bf16>> cent;
+  std::unique_ptr<Dev<int32_t>> off, mem, nc, cl;
+  std::unique_ptr<Dev<int32_t>> rows, tokens, counts, selected;
+  tk::ClusterState st;
+  tk::Selection sel;
+};
+
+struct Result {
+  int context, batch, layers;
+  double cluster_ms, prefill_est_ms, kmeans_tflop;
+  double dense_us, tactic_us, select_us, attn_us;
+  double union_pct, head_pct, mass_mean, mass_min, sel_mb;
+};
+
+bool bench_one(const TacticBenchArgs& a, int n, int B, cudaStream_t stream, Result* r,
+               std::string* note) {
+  const int pages = (n + a.page_size - 1) / a.page_size;
+  const int64_t num_pages = int64_t(B) * pages;
+  const size_t kv_elems = size_t(num_pages) * a.page_size * a.hkv * a.d;
+  tk::KMeansParams km;
+  tk::FitParams fit;
+  fit.target = a.p;
+  const int C = tk::max_clusters_for(n, km.cluster_size);
+  const size_t subs = size_t(B) * a.hkv;
+  const size_t per_layer = 2 * kv_elems * sizeof(bf16) + subs * C * a.d * sizeof(bf16) +
+                           subs * (size_t(C) + 1 + 3 * size_t(n)) * sizeof(int32_t);
+  const size_t sel_ws = tk::select_workspace_bytes(B, a.hq, a.hkv, a.d, C, n, fit);
+  const size_t sub_ws = kernels::dense_decode_workspace_bytes(B * a.hkv, a.hq / a.hkv, a.d);
+  const size_t dense_ws = kernels::dense_decode_workspace_bytes(B, a.hq, a.d);
+  const size_t pre_ws = tk::cluster_prefill_workspace_bytes(B, a.hkv, n, km.cluster_size);
+  const size_t need = a.layers * per_layer + sel_ws + sub_ws + dense_ws + pre_ws;
+  size_t free_bytes = 0, total = 0;
+  KVS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+  if (need + (1u << 30) > free_bytes || num_pages * a.page_size * a.hkv >= (int64_t(1) << 31)) {
+    std::ostringstream os;
+    os << "skipped context " << n << " batch " << B << ": needs " << need / (1 << 20) << " MiB for "
+       << a.layers << " layers, " << free_bytes / (1 << 20) << " MiB free";
+    *note = os.str();
+    return false;
+  }
+  std::mt19937_64 rng(77 + n + B);
+  std::vector<Layer> L(size_t(a.layers));
+  Dev<int32_t> lens(static_cast<size_t>(B));
+  const std::vector<int32_t> lens_host(size_t(B), n);
+  KVS_CUDA_CHECK(cudaMemcpy(lens.p, lens_host.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
+  auto view = [&](const Layer& l) {
+    PagedKV kv;
+    kv.k = l.k->p;
+    kv.v = l.v->p;
+    kv.page_table = l.table->p;
+    kv.seq_lens = lens.p;
+    kv.batch = B;
+    kv.num_pages = int(num_pages);
+    kv.page_size = a.page_size;
+    kv.num_kv_heads = a.hkv;
+    kv.head_dim = a.d;
+    kv.max_pages_per_seq = pages;
+    return kv;
+  };
+  Dev<char> pre(pre_ws);
+  cudaEvent_t e0, e1;
+  KVS_CUDA_CHECK(cudaEventCreate(&e0));
+  KVS_CUDA_CHECK(cudaEventCreate(&e1));
+  float cluster_ms = 0.f;
+  for (int li = 0; li < a.layers; ++li) {
+    Layer& l = L[size_t(li)];
+    l.k = std::make_unique<Dev<bf16>>(kv_elems);
+    l.v = std::make_unique<Dev<bf16>>(kv_elems);
+    std::vector<int32_t> table(static_cast<size_t>(num_pages));
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), rng);
+    l.table = std::make_unique<Dev<int32_t>>(table.size());
+    KVS_CUDA_CHECK(cudaMemcpy(l.table->p, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+    fill_scene<<<4096, 256, 0, stream>>>(
+        reinterpret_cast<__nv_bfloat16*>(l.k->p), reinterpret_cast<__nv_bfloat16*>(l.v->p),
+        l.table->p, pages, a.page_size, B, n, a.hkv, a.d, a.components, uint32_t(1000 + li));
+    KVS_CUDA_CHECK(cudaGetLastError());
+    l.cent = std::make_unique<Dev<bf16>>(subs * C * a.d);
+    l.off = std::make_unique<Dev<int32_t>>(subs * (size_t(C) + 1));
+    l.mem = std::make_unique<Dev<int32_t>>(subs * n);
+    l.nc = std::make_unique<Dev<int32_t>>(subs);
+    l.cl = std::make_unique<Dev<int32_t>>(subs);
+    l.rows = std::make_unique<Dev<int32_t>>(subs * n);
+    l.tokens = std::make_unique<Dev<int32_t>>(subs * n);
+    l.counts = std::make_unique<Dev<int32_t>>(subs);
+    l.selected = std::make_unique<Dev<int32_t>>(size_t(B) * a.hq);
+    l.st = tk::ClusterState{l.cent->p, l.off->p, l.mem->p, l.nc->p, l.cl->p, B, a.hkv, a.d, C, n};
+    l.sel = tk::Selection{l.rows->p, l.tokens->p, l.counts->p, l.selected->p, n};
+    // Cluster every layer; time layer 0 (its second run: the first pays one-time setup).
+    for (int rep = 0; rep < (li == 0 ? 2 : 1); ++rep) {
+      KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
+      KVS_CUDA_CHECK(
+          tk::cluster_prefill_cuda(view(l), lens_host.data(), li, km, l.st, pre.p, pre_ws, stream));
+      KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
+      KVS_CUDA_CHECK(cudaEventSynchronize(e1));
+      if (li == 0) KVS_CUDA_CHECK(cudaEventElapsedTime(&cluster_ms, e0, e1));
+    }
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+
+  Dev<bf16> q(size_t(B) * a.hq * a.d), o(size_t(B) * a.hq * a.d), od(size_t(B) * a.hq * a.d);
+  Dev<float> lse(size_t(B) * a.hq), lse_dense(size_t(B) * a.hq);
+  Dev<char> ws_sel(sel_ws), ws_sub(sub_ws), ws_dense(dense_ws);
+  fill_queries<<<256, 256, 0, stream>>>(reinterpret_cast<__nv_bfloat16*>(q.p), B, a.hq, a.hkv, a.d,
+                                        4242u);
+  KVS_CUDA_CHECK(cudaGetLastError());
+  const float scale = 1.f / std::sqrt(float(a.d));
+  const int g = a.hq / a.hkv;
+  auto select = [&](Layer& l, int li) {
+    KVS_CUDA_CHECK(tk::recluster_blocks_cuda(view(l), li, 2048, km, l.st, stream));
+    KVS_CUDA_CHECK(tk::select_tokens_cuda(q.p, a.hq, view(l), scale, fit, l.st, l.sel, nullptr,
+                                          ws_sel.p, sel_ws, stream));
+  };
+  auto attend = [&](Layer& l) {
+    KVS_CUDA_CHECK(kernels::dense_decode_cuda(q.p, g, tk::subrequest_view(view(l), l.sel), scale,
+                                              o.p, lse.p, ws_sub.p, sub_ws, stream));
+  };
+  // Eager run first: errors surface here rather than as a broken capture.
+  for (int li = 0; li < a.layers; ++li) {
+    select(L[size_t(li)], li);
+    attend(L[size_t(li)]);
+  }
+  KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const float t_tactic = time_graph(stream, a.iters, [&] {
+    for (int li = 0; li < a.layers; ++li) {
+      select(L[size_t(li)], li);
+      attend(L[size_t(li)]);
+    }
+  });
+  const float t_select = time_graph(stream, a.iters, [&] {
+    for (int li = 0; li < a.layers; ++li) select(L[size_t(li)], li);
+  });
+  const float t_attn = time_graph(stream, a.iters, [&] {
+    for (int li = 0; li < a.layers; ++li) attend(L[size_t(li)]);
+  });
+  const float t_dense = time_graph(stream, a.iters, [&] {
+    for (int li = 0; li < a.layers; ++li)
+      KVS_CUDA_CHECK(kernels::dense_decode_cuda(q.p, a.hq, view(L[size_t(li)]), scale, od.p,
+                                                lse_dense.p, ws_dense.p, dense_ws, stream));
+  });
+  // Mass and token counts of the last layer (o / lse hold its results after the replays).
+  KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<float> ls = lse.get(), ld = lse_dense.get();
+  const std::vector<int32_t> counts = L.back().counts->get(), selected = L.back().selected->get();
+  double mass_sum = 0.0, mass_min = 1.0;
+  for (size_t i = 0; i < ls.size(); ++i) {
+    const double m = std::exp(double(ls[i]) - double(ld[i]));
+    mass_sum += m;
+    mass_min = std::min(mass_min, m);
+  }
+  const double union_tokens = std::accumulate(counts.begin(), counts.end(), 0.0) / counts.size();
+  const double head_tokens =
+      std::accumulate(selected.begin(), selected.end(), 0.0) / selected.size();
+  const tk::FitPlan plan = tk::make_fit_plan(n, fit);
+  r->context = n;
+  r->batch = B;
+  r->layers = a.layers;
+  r->cluster_ms = cluster_ms;
+  r->prefill_est_ms = 4.0 * double(n) * n * a.d * a.hq / 2.0 * B / (a.prefill_tflops * 1e12) * 1e3;
+  r->kmeans_tflop = 2.0 * double(n) * C * a.d * km.iterations * subs / 1e12;
+  r->dense_us = t_dense * 1e3 / a.layers;
+  r->tactic_us = t_tactic * 1e3 / a.layers;
+  r->select_us = t_select * 1e3 / a.layers;
+  r->attn_us = t_attn * 1e3 / a.layers;
+  r->union_pct = 100.0 * union_tokens / n;
+  r->head_pct = 100.0 * head_tokens / n;
+  r->mass_mean = mass_sum / ls.size();
+  r->mass_min = mass_min;
+  r->sel_mb = (double(subs) * C * a.d * 2 + double(B) * a.hq * plan.num_samples() * a.d * 2) / 1e6;
+  return true;
+}
+
+}  // namespace
+
+int run_tactic_bench(const TacticBenchArgs& a) {
+  if (!cuda_device_available()) throw std::runtime_error("kvs-bench needs a CUDA device");
+  if (!(a.p > 0.0 && a.p <= 1.0)) throw std::invalid_argument("--p must be in (0, 1]");
+  if (a.hq / a.hkv > 8) throw std::invalid_argument("--method tactic supports GQA groups up to 8");
+  if (a.layers < 1 || a.components < 1)
+    throw std::invalid_argument("--layers and --components must be >= 1");
+  int dev = 0;
+  KVS_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop;
+  KVS_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  KVS_CUDA_CHECK(tk::prepare_cuda(a.d));
+  cudaStream_t stream;
+  KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::printf(
+      "kvs-bench tactic decode: %s, %d SMs; Hq %d Hkv %d d %d page %d; P %.2f; %d layers "
+      "per replay; %d key components\n",
+      prop.name, prop.multiProcessorCount, a.hq, a.hkv, a.d, a.page_size, a.p, a.layers,
+      a.components);
+  std::printf("%8s %5s | %9s %9s %7s %8s | %9s %9s %9s %9s %7s | %7s %7s %6s %6s %7s\n", "context",
+              "batch", "clust_ms", "pfill_ms", "ratio", "km_TFLOP", "dense_us", "tactic_us",
+              "select_us", "attn_us", "speedup", "union%", "head%", "mass", "m_min", "sel_MB");
+  std::vector<Result> rows;
+  std::vector<std::string> notes;
+  for (int n : a.contexts)
+    for (int B : a.batches) {
+      Result r;
+      std::string note;
+      if (!bench_one(a, n, B, stream, &r, &note)) {
+        std::printf("%s\n", note.c_str());
+        notes.push_back(note);
+        continue;
+      }
+      std::printf(
+          "%8d %5d | %9.2f %9.2f %7.3f %8.2f | %9.1f %9.1f %9.1f %9.1f %7.2f | %7.2f "
+          "%7.2f %6.3f %6.3f %7.1f\n",
+          r.context, r.batch, r.cluster_ms, r.prefill_est_ms, r.cluster_ms / r.prefill_est_ms,
+          r.kmeans_tflop, r.dense_us, r.tactic_us, r.select_us, r.attn_us, r.dense_us / r.tactic_us,
+          r.union_pct, r.head_pct, r.mass_mean, r.mass_min, r.sel_mb);
+      std::fflush(stdout);
+      rows.push_back(r);
+    }
+  cudaStreamDestroy(stream);
+  if (!a.json_path.empty()) {
+    std::ofstream js(a.json_path);
+    if (!js) throw std::runtime_error("cannot write --json file " + a.json_path);
+    js << "{\n  \"impl\": \"kvs_tactic\",\n  \"device\": \"" << prop.name << "\",\n  \"p\": " << a.p
+       << ", \"hq\": " << a.hq << ", \"hkv\": " << a.hkv << ", \"head_dim\": " << a.d
+       << ", \"page_size\": " << a.page_size << ", \"layers\": " << a.layers
+       << ", \"components\": " << a.components << ",\n  \"rows\": [";
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Result& r = rows[i];
+      js << (i ? ",\n" : "\n") << "    {\"context\": " << r.context << ", \"batch\": " << r.batch
+         << ", \"cluster_ms\": " << r.cluster_ms << ", \"prefill_est_ms\": " << r.prefill_est_ms
+         << ", \"kmeans_tflop\": " << r.kmeans_tflop << ", \"dense_us\": " << r.dense_us
+         << ", \"tactic_us\": " << r.tactic_us << ", \"select_us\": " << r.select_us
+         << ", \"attn_us\": " << r.attn_us << ", \"union_pct\": " << r.union_pct
+         << ", \"head_pct\": " << r.head_pct << ", \"mass_mean\": " << r.mass_mean
+         << ", \"mass_min\": " << r.mass_min << ", \"selection_mb\": " << r.sel_mb << "}";
+    }
+    js << "\n  ],\n  \"skipped\": [";
+    for (size_t i = 0; i < notes.size(); ++i) js << (i ? ", " : "") << "\"" << notes[i] << "\"";
+    js << "]\n}\n";
+  }
+  return 0;
+}
+
+}  // namespace kvs

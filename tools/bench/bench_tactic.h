@@ -1,0 +1,25 @@
+// kvs-bench --method tactic: Tactic decode (selection + sparse attention) against dense decode
+// in the same run, and the prefill clustering time; see bench_tactic.cu.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace kvs {
+
+struct TacticBenchArgs {
+  std::vector<int> contexts;
+  std::vector<int> batches;
+  int hq = 32, hkv = 8, d = 128, page_size = 16;
+  int iters = 50;               ///< timed graph replays (median)
+  double p = 0.9;               ///< target cumulative attention mass P
+  int layers = 4;               ///< KV sets (layers) per replay, rotated to defeat the L2
+  int components = 512;         ///< Gaussian key components per (sequence, kv head)
+  double prefill_tflops = 500;  ///< assumed dense prefill attention throughput (estimate)
+  std::string json_path;
+};
+
+// Prints the table (and writes JSON when json_path is set); returns the process exit code.
+int run_tactic_bench(const TacticBenchArgs& args);
+
+}  // namespace kvs
