@@ -12,6 +12,7 @@ find_package(CUDAToolkit REQUIRED)
 find_package(HDF5 REQUIRED COMPONENTS C)
 find_package(Eigen3 3.3 REQUIRED NO_MODULE)
 find_package(Threads REQUIRED)
+find_package(ZLIB REQUIRED)  # gzip'd corpus text; HDF5's deflate uses it too
 
 # OpenMP before Faiss: Faiss's exported target links OpenMP::OpenMP_CXX.
 find_package(OpenMP REQUIRED COMPONENTS CXX)

@@ -1,0 +1,228 @@
+#include "runtime/eval/replay.h"
+
+#include <algorithm>
+#include <memory>
+#include <numeric>
+#include <stdexcept>
+
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/rope.h"
+#include "runtime/kv_cache.h"
+
+namespace kvs::eval {
+namespace {
+
+// Device or host buffer of bytes for the engines' backend.
+class Buffer {
+ public:
+  Buffer(Backend backend, size_t bytes) : backend_(backend), bytes_(bytes) {
+    if (bytes == 0) return;
+    if (backend == Backend::Cuda) {
+      KVS_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+    } else {
+      host_.resize(bytes);
+      ptr_ = host_.data();
+    }
+  }
+  ~Buffer() {
+    if (backend_ == Backend::Cuda && ptr_) cudaFree(ptr_);
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  void* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+  void upload(const void* src, size_t n) {
+    if (backend_ == Backend::Cuda) {
+      KVS_CUDA_CHECK(cudaMemcpy(ptr_, src, n, cudaMemcpyHostToDevice));
+    } else {
+      std::memcpy(ptr_, src, n);
+    }
+  }
+  void download(void* dst, size_t n) const {
+    if (backend_ == Backend::Cuda) {
+      KVS_CUDA_CHECK(cudaMemcpy(dst, ptr_, n, cudaMemcpyDeviceToHost));
+    } else {
+      std::memcpy(dst, ptr_, n);
+    }
+  }
+
+ private:
+  Backend backend_;
+  size_t bytes_;
+  void* ptr_ = nullptr;
+  std::vector<unsigned char> host_;
+};
+
+std::vector<float> to_float(const bf16* x, size_t n) {
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(x[i]);
+  return out;
+}
+
+// Every token for every query head: what a dense read attends.
+Selection all_tokens(int num_q_heads, int len) {
+  Selection s;
+  s.tokens.assign(size_t(num_q_heads), std::vector<int32_t>(size_t(len)));
+  for (auto& t : s.tokens) std::iota(t.begin(), t.end(), 0);
+  return s;
+}
+
+}  // namespace
+
+Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config,
+                          const ReplayProgress& progress) {
+  const ModelShape& shape = capture.meta().shape;
+  const int hq = shape.num_q_heads, hkv = shape.num_kv_heads, d = shape.head_dim;
+  std::vector<int> layers = config.layers.empty() ? capture.meta().layers : config.layers;
+  for (int l : layers)
+    if (!capture.has_layer(l))
+      throw std::invalid_argument(capture.path() + ": layer " + std::to_string(l) +
+                                  " was not captured (captured layers are in its 'layers' attribute)");
+  const Backend backend = config.engine.backend;
+  EngineConfig ecfg = config.engine;
+  ecfg.max_batch = 1;
+
+  struct Run {
+    std::string name;
+    std::unique_ptr<Engine> engine;
+    std::unique_ptr<Buffer> workspace;
+  };
+  std::vector<Run> runs;
+  for (const std::string& name : config.methods) {
+    Run r;
+    r.name = name;
+    r.engine = make_engine(method_from_string(name), shape, ecfg);
+    r.workspace = std::make_unique<Buffer>(backend, r.engine->workspace_bytes());
+    r.engine->bind_workspace({r.workspace->get(), r.workspace->bytes()});
+    runs.push_back(std::move(r));
+  }
+
+  const std::vector<float> inv_freq = rope_inv_freq(shape.rope, d);
+  const double scale = shape.scale();
+  Buffer q_dev(backend, size_t(hq) * d * sizeof(bf16));
+  Buffer qpre_dev(backend, size_t(hq) * d * sizeof(bf16));
+  Buffer out_dev(backend, size_t(hq) * d * sizeof(bf16));
+  Aggregator agg;
+
+  const int num_seq = config.max_sequences > 0
+                          ? std::min<int>(config.max_sequences, int(capture.sequences().size()))
+                          : int(capture.sequences().size());
+  for (int si = 0; si < num_seq; ++si) {
+    const CaptureSequence& seq = capture.sequences()[size_t(si)];
+    const int T = seq.num_tokens;
+    const int steps = config.max_steps > 0 ? std::min(config.max_steps, seq.num_steps())
+                                           : seq.num_steps();
+    KVCacheConfig cc;
+    cc.num_layers = shape.num_layers;
+    cc.num_kv_heads = hkv;
+    cc.head_dim = d;
+    cc.page_size = 16;
+    cc.max_batch = 1;
+    cc.max_seq_len = T;
+    cc.device = backend == Backend::Cuda ? Device::Cuda : Device::Cpu;
+    KVCache cache(cc);
+    cache.reserve(0, T);
+    std::vector<int32_t> positions(static_cast<size_t>(T));
+    std::iota(positions.begin(), positions.end(), 0);
+
+    for (int layer : layers) {
+      if (progress)
+        progress(seq.name + " layer " + std::to_string(layer) + ": " + std::to_string(steps) +
+                 " steps at context " + std::to_string(seq.decode_start) + ".." +
+                 std::to_string(seq.decode_start + steps));
+      const std::vector<bf16> q_pre = capture.q_pre(si, layer);
+      const std::vector<bf16> k_pre = capture.k_pre(si, layer);
+      const std::vector<bf16> v = capture.v(si, layer);
+      // The cache holds post-RoPE keys rounded to bf16, as a model's KV cache does.
+      std::vector<float> kf = to_float(k_pre.data(), k_pre.size());
+      kernels::rope_cpu(kf.data(), T, hkv, d, positions.data(), inv_freq.data(), false);
+      std::vector<bf16> k(kf.size());
+      for (size_t i = 0; i < kf.size(); ++i) k[i] = float_to_bf16(kf[i]);
+      {
+        Buffer kb(backend, k.size() * sizeof(bf16)), vb(backend, v.size() * sizeof(bf16));
+        kb.upload(k.data(), k.size() * sizeof(bf16));
+        vb.upload(v.data(), v.size() * sizeof(bf16));
+        cache.write(layer, 0, 0, T, static_cast<const bf16*>(kb.get()),
+                    static_cast<const bf16*>(vb.get()));
+      }
+      // The fp64 references read a host view of the same keys: one contiguous page.
+      const int32_t table = 0;
+      int32_t host_len = 0;
+      PagedKV host_kv;
+      host_kv.k = k.data();
+      host_kv.v = v.data();
+      host_kv.page_table = &table;
+      host_kv.seq_lens = &host_len;
+      host_kv.batch = 1;
+      host_kv.num_pages = 1;
+      host_kv.page_size = T;
+      host_kv.num_kv_heads = hkv;
+      host_kv.head_dim = d;
+      host_kv.max_pages_per_seq = 1;
+
+      cache.set_lengths({seq.decode_start});
+      for (Run& r : runs) r.engine->prefill(layer, cache.view(layer), nullptr);
+
+      for (int s = 0; s < steps; ++s) {
+        const int p = seq.decode_start + s;
+        cache.set_lengths({p + 1});
+        host_len = p + 1;
+        // The step's query, rotated at its position and rounded to bf16 like the engines'.
+        std::vector<float> qf = to_float(q_pre.data() + size_t(p) * hq * d, size_t(hq) * d);
+        kernels::rope_cpu(qf.data(), 1, hq, d, &p, inv_freq.data(), false);
+        std::vector<bf16> qb(qf.size());
+        for (size_t i = 0; i < qf.size(); ++i) {
+          qb[i] = float_to_bf16(qf[i]);
+          qf[i] = bf16_to_float(qb[i]);
+        }
+        StepInput step;
+        step.q = qf.data();
+        step.num_q_heads = hq;
+        step.kv = host_kv;
+        step.seq = 0;
+        step.scale = scale;
+        const DenseReference dense = dense_reference(step);
+
+        auto baselines = [&](const std::string& suffix, const std::string& knob,
+                             const Budget& budget) {
+          const int tokens = budget.resolve(p + 1);
+          if (tokens >= config.streaming.sink_tokens)
+            agg.add("streaming" + suffix, knob, layer,
+                    evaluate_selection(step, dense, select_streaming(step, budget, config.streaming)));
+          if (tokens >= config.quest.page_tokens)
+            agg.add("quest" + suffix, knob, layer,
+                    evaluate_selection(step, dense, select_quest(step, budget, config.quest)));
+          agg.add("topk" + suffix, knob, layer,
+                  evaluate_selection(step, dense, select_topk(dense, budget)));
+        };
+
+        q_dev.upload(qb.data(), qb.size() * sizeof(bf16));
+        qpre_dev.upload(q_pre.data() + size_t(p) * hq * d, size_t(hq) * d * sizeof(bf16));
+        for (Run& r : runs) {
+          r.engine->decode(layer, static_cast<const bf16*>(q_dev.get()),
+                           static_cast<const bf16*>(qpre_dev.get()), cache.view(layer),
+                           static_cast<bf16*>(out_dev.get()), nullptr, nullptr);
+          std::vector<bf16> ob(size_t(hq) * d);
+          out_dev.download(ob.data(), ob.size() * sizeof(bf16));
+          const std::vector<float> of = to_float(ob.data(), ob.size());
+          Selection read;
+          read.tokens = r.engine->last_read(layer, 0);
+          if (read.tokens.empty()) read = all_tokens(hq, p + 1);
+          const StepMetrics m = evaluate_output(step, dense, of.data(), read);
+          agg.add(r.name, "default", layer, m);
+          if (config.baselines_at_method_read && r.engine->method() != Method::Dense) {
+            const int per_head = int(std::max<int64_t>(1, m.rows_read / hkv));
+            baselines("@" + r.name, "default", Budget::of_tokens(per_head));
+          }
+        }
+        for (double f : config.budget_fractions) {
+          const Budget b = Budget::of_fraction(f);
+          baselines("", b.describe(), b);
+        }
+      }
+    }
+  }
+  return agg;
+}
+
+}  // namespace kvs::eval
