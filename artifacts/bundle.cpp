@@ -1,6 +1,7 @@
 #include "artifacts/bundle.h"
 
 #include <algorithm>
+#include <stdexcept>
 
 #include "artifacts/model_io.h"
 
@@ -35,6 +36,11 @@ BundleWriter::BundleWriter(const std::string& path, const ModelShape& shape) : w
   write_model_shape(root, shape);
   root.set_attr_string("fingerprint", shape.fingerprint());
   root.set_attr_string("created_by", kvsparse_created_by());
+}
+
+void BundleWriter::copy_method_group(const std::string& method, const h5::Group& source) {
+  check_method_name(writer_.final_path(), method);
+  h5::copy_object(source, writer_.root(), method);
 }
 
 h5::Group BundleWriter::method_group(const std::string& method) {

@@ -42,6 +42,10 @@ class BundleWriter {
   // the valid names, for a name not in bundle_method_names().
   h5::Group method_group(const std::string& method);
 
+  // Copies a method group made elsewhere (a trainer's output, artifacts/trained_file.h) into
+  // the bundle as /<method>, arrays, knobs and all. Same name checks as method_group.
+  void copy_method_group(const std::string& method, const h5::Group& source);
+
   void commit();
   const std::string& path() const { return writer_.final_path(); }
 

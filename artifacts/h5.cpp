@@ -667,6 +667,14 @@ Group Group::create_group(const std::string& name) const {
   return Group(std::move(g), file_);
 }
 
+void copy_object(const Object& src, const Group& dst_parent, const std::string& name) {
+  if (dst_parent.exists(name))
+    throw Error(dst_parent.file_name() + ": " + dst_parent.child_path(name) + " already exists");
+  if (H5Ocopy(src.id(), ".", dst_parent.id(), name.c_str(), H5P_DEFAULT, H5P_DEFAULT) < 0)
+    throw Error("cannot copy " + src.describe() + " to " + dst_parent.file_name() + ": " +
+                dst_parent.child_path(name));
+}
+
 Group Group::open_group(const std::string& name) const {
   const H5I_type_t kind = object_kind(*this, name);
   if (kind == H5I_BADID) throw Error(file_ + ": no group " + child_path(name));

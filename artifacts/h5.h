@@ -293,6 +293,10 @@ Dataset write_dataset(const Group& group, const std::string& name, const std::ve
   return write_dataset(group, name, dtype_of<T>(), data.data(), shape, options);
 }
 
+// Copies `src` (a group or dataset, with everything under it and its attributes) to
+// `dst_parent`/`name`, which must not exist; the files may differ.
+void copy_object(const Object& src, const Group& dst_parent, const std::string& name);
+
 // An empty dataset of shape [0, row_shape...] whose axis 0 grows with Dataset::append.
 // Always chunked (HDF5 needs it for an unlimited axis); options.chunked is ignored.
 Dataset create_appendable(const Group& group, const std::string& name, DType dtype,

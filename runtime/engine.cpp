@@ -67,8 +67,30 @@ void Engine::check_decode_args(int layer, const PagedKV& kv, const bf16* q,
     throw std::logic_error(who + "no workspace bound (call bind_workspace)");
 }
 
+void validate_stored_parts(Method method, const h5::Group& group, const ModelShape& shape) {
+  switch (method) {
+    default:
+      break;
+  }
+  throw std::invalid_argument(group.describe() + ": method '" + to_string(method) +
+                              "' has no stored parts to put in a bundle");
+}
+
+h5::Group require_bundle_group(const Bundle* bundle, const std::string& method,
+                               const ModelShape& shape) {
+  if (bundle == nullptr)
+    throw std::invalid_argument("method '" + method +
+                                "' needs a bundle with its stored parts (make one with "
+                                "kvs-indexbuild; pass it to make_engine / kvs-eval --bundle)");
+  bundle->check_model(shape);
+  if (!bundle->has_method(method))
+    throw std::invalid_argument("bundle " + bundle->path() + " has no '" + method +
+                                "' group (rebuild it with kvs-indexbuild including " + method + ")");
+  return bundle->method_group(method);
+}
+
 std::unique_ptr<Engine> make_engine(Method method, const ModelShape& shape,
-                                    const EngineConfig& config) {
+                                    const EngineConfig& config, const Bundle* bundle) {
   switch (method) {
     case Method::Dense: return std::make_unique<DenseEngine>(shape, config);
     case Method::Tactic: return std::make_unique<TacticEngine>(shape, config);

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "artifacts/bundle.h"
 #include "artifacts/model_shape.h"
 #include "kernels/common/bf16.h"
 #include "kernels/common/paged_kv.h"
@@ -95,7 +96,21 @@ class Engine {
   Workspace workspace_;
 };
 
+// Methods with trained or stored parts (SAAP, AttentionPredictor; MagicPIG's projection)
+// read them from `bundle` (artifacts/bundle.h), which must have been made for `shape`: the
+// bundle's fingerprint is checked here, and a missing method group is an error that says
+// how to make one (kvs-indexbuild). Methods without stored parts ignore it.
 std::unique_ptr<Engine> make_engine(Method method, const ModelShape& shape,
-                                    const EngineConfig& config);
+                                    const EngineConfig& config, const Bundle* bundle = nullptr);
+
+// Checks that `group` holds stored parts `method` can load for `shape` (kvs-indexbuild
+// calls it before a trained file's group goes into a bundle). Throws naming the group and
+// what is wrong; methods without stored parts throw saying so.
+void validate_stored_parts(Method method, const h5::Group& group, const ModelShape& shape);
+
+// The bundle group `method` of `bundle`, after checking the bundle belongs to `shape`;
+// throws naming the method and the bundle when it is absent or made for another model.
+h5::Group require_bundle_group(const Bundle* bundle, const std::string& method,
+                               const ModelShape& shape);
 
 }  // namespace kvs

@@ -87,11 +87,13 @@ Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config
     std::unique_ptr<Engine> engine;
     std::unique_ptr<Buffer> workspace;
   };
+  std::unique_ptr<Bundle> bundle;
+  if (!config.bundle.empty()) bundle = std::make_unique<Bundle>(Bundle::open(config.bundle));
   std::vector<Run> runs;
   for (const std::string& name : config.methods) {
     Run r;
     r.name = name;
-    r.engine = make_engine(method_from_string(name), shape, ecfg);
+    r.engine = make_engine(method_from_string(name), shape, ecfg, bundle.get());
     r.workspace = std::make_unique<Buffer>(backend, r.engine->workspace_bytes());
     r.engine->bind_workspace({r.workspace->get(), r.workspace->bytes()});
     runs.push_back(std::move(r));

@@ -26,6 +26,7 @@ struct ReplayConfig {
   int max_steps = 0;               ///< recorded steps per sequence; 0: all
   std::vector<std::string> methods{"dense"};  ///< engines, by name (make_engine)
   EngineConfig engine;             ///< backend and per-method knobs for every engine
+  std::string bundle;              ///< bundle for methods with stored parts ("" = none)
   std::vector<double> budget_fractions{0.05, 0.1, 0.2};  ///< fixed baseline budgets
   bool baselines_at_method_read = true;  ///< baselines again at each method's read per step
   StreamingConfig streaming;

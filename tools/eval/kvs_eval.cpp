@@ -25,7 +25,7 @@ void write_file(const std::string& path, void (*writer)(std::ostream&, const std
 }  // namespace
 
 int main(int argc, char** argv) try {
-  std::string capture_path, methods, backend, layers, budgets, json, csv, plot;
+  std::string capture_path, methods, backend, bundle, layers, budgets, json, csv, plot;
   int steps = 0, sequences = 0;
   po::options_description opts("kvs-eval: method fidelity on captured decode steps");
   opts.add_options()
@@ -33,6 +33,7 @@ int main(int argc, char** argv) try {
       ("capture", po::value(&capture_path)->required(), "capture file from kvs-capture")
       ("methods", po::value(&methods)->default_value("dense"), "engines to run, comma-separated")
       ("backend", po::value(&backend)->default_value("cpu"), "cpu (exact reference) or cuda")
+      ("bundle", po::value(&bundle), "bundle from kvs-indexbuild (methods with stored parts)")
       ("layers", po::value(&layers)->default_value(""), "layers to replay (default: all captured)")
       ("steps", po::value(&steps)->default_value(0), "decode steps per sequence (0: all recorded)")
       ("sequences", po::value(&sequences)->default_value(0), "sequences (0: all)")
@@ -59,6 +60,7 @@ int main(int argc, char** argv) try {
   cfg.engine.backend = kvs::backend_from_string(backend);
   if (cfg.engine.backend == kvs::Backend::Cuda && !kvs::cuda_device_available())
     throw std::invalid_argument("--backend cuda: no CUDA device on this machine");
+  cfg.bundle = bundle;
   cfg.budget_fractions = kvs::cli::parse_double_list(budgets, "budgets");
   cfg.baselines_at_method_read = vm.count("no-matched-baselines") == 0;
 
