@@ -9,9 +9,9 @@
 // one wave of CTAs (SMs x CTAs per SM), so that batch 1 fills the chip and large batches do
 // not split needlessly.
 //
-// Inside a CTA, 4 warps take 16-token tiles of the chunk round-robin. Each warp streams its
-// tiles through its own 3-stage cp.async ring in shared memory (16-byte copies, swizzled
-// rows), so warps never wait for each other until the end. Scores and P.V use the bf16
+// Inside a CTA, 4 warps (two CTAs per SM) take 16-token tiles of the chunk round-robin. Each warp
+// streams its tiles through its own 3-stage cp.async ring in shared memory (16-byte copies,
+// swizzled rows), so warps never wait for each other until the end. Scores and P.V use the bf16
 // tensor cores (mma.m16n8k16): the query heads of the group are the M rows (up to 8 of 16),
 // tokens and head dims are N and K. Softmax is online in fp32 in the log2 domain.
 //
@@ -23,10 +23,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "kernels/common/merge_states.cuh"
@@ -36,12 +38,8 @@
 namespace kvs::kernels {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 16;     // tokens per warp step: the K extent of one P.V mma
-constexpr int kStages = 3;    // cp.async ring depth per warp
 constexpr int kMaxGroup = 8;  // query heads per kv head: mma rows 0..7; rows 8..15 are zero
-constexpr int kChunkAlign = kWarps * kTile;  // chunks start on whole rounds of tiles
 // Chunks per (sequence set, kv head) are capped so that the workspace size depends only on
 // (max_batch, num_q_heads, head_dim): items <= kMaxChunksPerHead + batch (see plan_chunk).
 constexpr int kMaxChunksPerHead = 512;
@@ -100,33 +98,33 @@ struct WorkItem {
   int begin, end;  // token range of this chunk
 };
 
-// Tokens per chunk: total / chunks_per_head rounded up to whole rounds of tiles. Then
-// sum_b max(1, ceil(len_b / chunk)) <= total / chunk + batch <= chunks_per_head + batch,
-// which bounds the item count (grid.x) and the workspace.
-__device__ __forceinline__ int64_t plan_chunk(int64_t total_tokens, int chunks_per_head) {
+// Tokens per chunk: total / chunks_per_head rounded up to whole rounds of tiles (align).
+// Then sum_b max(1, ceil(len_b / chunk)) <= total / chunk + batch
+// <= chunks_per_head + batch, which bounds the item count (grid.x) and the workspace.
+__device__ __forceinline__ int64_t plan_chunk(int64_t total_tokens, int chunks_per_head,
+                                              int align) {
   const int64_t c = (total_tokens + chunks_per_head - 1) / chunks_per_head;
-  const int64_t aligned = (c + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-  return aligned > kChunkAlign ? aligned : kChunkAlign;
+  const int64_t aligned = (c + align - 1) / align * align;
+  return aligned > align ? aligned : align;
 }
 
 // Maps work item `item` to its sequence and token range. Called by whole warps; every warp
 // of every CTA derives the same plan from seq_lens. An empty sequence gets one item (it
 // writes o = 0, lse = -inf), so every sequence has a chunk 0.
-__device__ WorkItem find_work_item(const int32_t* seq_lens, int batch, int chunks_per_head,
-                                   int item, int lane) {
+__device__ WorkItem find_work_item(const DecodeParams& p, int align, int item, int lane) {
   int64_t total = 0;
-  for (int i = lane; i < batch; i += 32) total += seq_lens[i];
+  for (int i = lane; i < p.batch; i += 32) total += p.seq_lens[i];
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-  const int64_t chunk = plan_chunk(total, chunks_per_head);
+  const int64_t chunk = plan_chunk(total, p.chunks_per_head, align);
 
   WorkItem w{};
   w.valid = false;
   int base = 0;  // items of the sequences before this round of 32
-  for (int i0 = 0; i0 < batch; i0 += 32) {
+  for (int i0 = 0; i0 < p.batch; i0 += 32) {
     const int i = i0 + lane;
-    const int len = i < batch ? seq_lens[i] : 0;
-    const int n = i < batch ? int(len > 0 ? (len + chunk - 1) / chunk : 1) : 0;
+    const int len = i < p.batch ? p.seq_lens[i] : 0;
+    const int n = i < p.batch ? int(len > 0 ? (len + chunk - 1) / chunk : 1) : 0;
     int incl = n;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
@@ -152,13 +150,44 @@ __device__ WorkItem find_work_item(const int32_t* seq_lens, int batch, int chunk
   return w;
 }
 
+// The structural knobs of the decode kernel (docs/gpu.md says how they were chosen).
+//   Warps:  warps per CTA; each streams its own 16-token tiles of one kv head.
+//   Stages: depth of each warp's cp.async ring of K+V tiles in shared memory.
+template <int D, int Warps, int Stages>
+struct DecodeConfig {
+  static constexpr int kWarps = Warps;
+  static constexpr int kStages = Stages;
+  static constexpr int kThreads = Warps * 32;
+  static constexpr int kPieces = D / 8;               // 16-byte pieces per row
+  static constexpr int kTileSlots = kTile * kPieces;  // one K (or V) tile, in uint4
+  static constexpr int kStageSlots = 2 * kTileSlots;  // K and V of one tile
+  static constexpr int kChunkAlign = Warps * kTile;   // chunks start on whole rounds of tiles
+  static constexpr size_t ring_bytes() {
+    return size_t(Warps) * Stages * kStageSlots * sizeof(uint4);
+  }
+  static constexpr size_t merge_bytes() {
+    return (size_t(Warps) * kMaxGroup * D + Warps * kMaxGroup) * sizeof(float);
+  }
+  static constexpr size_t smem_bytes() {
+    return ring_bytes() > merge_bytes() ? ring_bytes() : merge_bytes();
+  }
+};
+
+// Rows are stored swizzled: piece c of row r at c ^ (r & 7), so that the 8 rows an
+// ldmatrix phase reads hit 8 different 16-byte bank groups.
 template <int D>
-__global__ void __launch_bounds__(kThreads)
+__device__ __forceinline__ int smem_slot(int r, int piece) {
+  return r * (D / 8) + (piece ^ (r & 7));
+}
+
+template <int D, class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads)
     dense_decode_kernel(const __grid_constant__ DecodeParams p) {
-  constexpr int kPieces = D / 8;                // 16-byte pieces per token row
-  constexpr int kTilePieces = kTile * kPieces;  // per K (or V) tile
-  constexpr int kCopies = kTilePieces / 32;     // 16-byte copies per lane per tile
-  constexpr int kKSteps = D / 16;               // mma K steps over the head dim
+  constexpr int kWarps = Cfg::kWarps, kStages = Cfg::kStages, kThreads = Cfg::kThreads;
+  constexpr int kPieces = Cfg::kPieces;
+  constexpr int kTileSlots = Cfg::kTileSlots;
+  constexpr int kCopies = kTile * kPieces / 32;  // 16-byte copies per lane per tile
+  constexpr int kKSteps = D / 16;                // mma K steps over the head dim
   extern __shared__ uint4 smem[];
 
   // Let the merge kernel get resident now; it waits (griddepcontrol.wait) for this whole
@@ -167,30 +196,30 @@ __global__ void __launch_bounds__(kThreads)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kvh = blockIdx.y;
-  const WorkItem w = find_work_item(p.seq_lens, p.batch, p.chunks_per_head, blockIdx.x, lane);
+  const WorkItem w = find_work_item(p, Cfg::kChunkAlign, blockIdx.x, lane);
   if (!w.valid) return;  // the same for every thread of the CTA
   if (blockIdx.y == 0 && threadIdx.x == 0 && blockIdx.x == w.first_item)
     p.plan[w.b] = SequencePlan{w.first_item, w.num_items};
 
   const int num_tiles = (w.end - w.begin + kTile - 1) / kTile;
   const int my_tiles = warp < num_tiles ? (num_tiles - 1 - warp) / kWarps + 1 : 0;
-  uint4* ring = smem + warp * (kStages * 2 * kTilePieces);
+  uint4* ring = smem + warp * (kStages * Cfg::kStageSlots);
+  // Warp w takes tiles w, w + kWarps, ... of the chunk.
+  auto tile_begin_of = [&](int i) { return w.begin + (warp + i * kWarps) * kTile; };
 
   // KV row (page slot * Hkv + kv head) of this lane's token (lane % 16) in the warp's i-th
   // tile; -1 past the chunk. Rows fit in int32 (checked on the host).
   const int32_t* table = p.page_table + int64_t(w.b) * p.max_pages_per_seq;
   auto tile_row = [&](int i) -> int {
     if (i >= my_tiles) return -1;
-    const int t = w.begin + (warp + i * kWarps) * kTile + lane % kTile;
+    const int t = tile_begin_of(i) + lane % kTile;
     if (t >= w.end) return -1;
     const int page = table[t / p.page_size];
     return (page * p.page_size + t % p.page_size) * p.num_kv_heads + kvh;
   };
-  // Rows are stored swizzled: piece c of row r at c ^ (r & 7), so that the 8 rows an
-  // ldmatrix phase reads hit 8 different 16-byte bank groups.
   auto issue = [&](int i, int row_of_lane) {
-    uint4* ks = ring + (i % kStages) * 2 * kTilePieces;
-    uint4* vs = ks + kTilePieces;
+    uint4* ks = ring + (i % kStages) * Cfg::kStageSlots;
+    uint4* vs = ks + kTileSlots;
 #pragma unroll
     for (int c = 0; c < kCopies; ++c) {
       const int j = lane + 32 * c;
@@ -198,7 +227,7 @@ __global__ void __launch_bounds__(kThreads)
       const int row = __shfl_sync(0xffffffffu, row_of_lane, r);
       const bool valid = row >= 0;
       const int64_t off = valid ? int64_t(row) * D + piece * 8 : 0;
-      const int slot = r * kPieces + (piece ^ (r & 7));
+      const int slot = smem_slot<D>(r, piece);
       ptx::cp_async_16(ptx::smem_addr(ks + slot), p.k + off, valid);
       ptx::cp_async_16(ptx::smem_addr(vs + slot), p.v + off, valid);
     }
@@ -242,9 +271,9 @@ __global__ void __launch_bounds__(kThreads)
     ptx::cp_async_wait<kStages - 1>();
     __syncwarp();
 
-    const uint4* ks = ring + (i % kStages) * 2 * kTilePieces;
-    const uint4* vs = ks + kTilePieces;
-    const int tile_begin = w.begin + (warp + i * kWarps) * kTile;
+    const uint4* ks = ring + (i % kStages) * Cfg::kStageSlots;
+    const uint4* vs = ks + kTileSlots;
+    const int tile_begin = tile_begin_of(i);
 
     // S^T = Q K^T: 16 head rows x 16 tokens as two n-tiles of 8 tokens.
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -253,13 +282,12 @@ __global__ void __launch_bounds__(kThreads)
       uint32_t kb[4];
       const int r = ((lane >> 4) << 3) + (lane & 7);
       const int piece = 2 * kk + ((lane >> 3) & 1);
-      ptx::ldmatrix_x4(kb, ptx::smem_addr(ks + r * kPieces + (piece ^ (r & 7))));
+      ptx::ldmatrix_x4(kb, ptx::smem_addr(ks + smem_slot<D>(r, piece)));
       const uint32_t a[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
       const uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
       ptx::mma_bf16_16816(s[0], a, b0, s[0]);
       ptx::mma_bf16_16816(s[1], a, b1, s[1]);
     }
-
     // Online softmax over this lane's 4 token columns of its head row. The tile's first
     // token is always valid, so the quad's max is finite and exp2(-inf - m) never sees
     // -inf - (-inf).
@@ -302,7 +330,7 @@ __global__ void __launch_bounds__(kThreads)
       uint32_t vb[4];
       const int r = (((lane >> 3) & 1) << 3) + (lane & 7);
       const int piece = 2 * np + (lane >> 4);
-      ptx::ldmatrix_x4_trans(vb, ptx::smem_addr(vs + r * kPieces + (piece ^ (r & 7))));
+      ptx::ldmatrix_x4_trans(vb, ptx::smem_addr(vs + smem_slot<D>(r, piece)));
       const uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
       float c0[4] = {acc[2 * np][0] * alpha, acc[2 * np][1] * alpha, 0.f, 0.f};
       float c1[4] = {acc[2 * np + 1][0] * alpha, acc[2 * np + 1][1] * alpha, 0.f, 0.f};
@@ -424,29 +452,63 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   if (lane == 0 && p.lse) p.lse[row] = lse;
 }
 
-template <int D>
-constexpr size_t decode_smem_bytes() {
-  constexpr size_t ring = size_t(kWarps) * kStages * 2 * kTile * D * sizeof(__nv_bfloat16);
-  constexpr size_t merge = (size_t(kWarps) * kMaxGroup * D + kWarps * kMaxGroup) * sizeof(float);
-  return ring > merge ? ring : merge;
+// The decode kernels: w4.s3 (4 warps, 2 CTAs per SM) serves every call; w8.s3 (8 warps,
+// 1 CTA per SM: the same warps, ring depth and bytes in flight per SM) is selectable for
+// benchmarks only. It streams 3-5% faster at batch 8, but its 16 chunks per kv head split
+// most batch sizes into a second, mostly empty wave (docs/gpu.md, "Dense decode kernel").
+using DecodeKernel = void (*)(DecodeParams);
+
+struct KernelInfo {
+  DecodeKernel fn;
+  int warps;
+  int smem_bytes;
+};
+
+template <int D, int Warps, int Stages>
+KernelInfo kernel_info() {
+  using Cfg = DecodeConfig<D, Warps, Stages>;
+  return {dense_decode_kernel<D, Cfg>, Warps, int(Cfg::smem_bytes())};
 }
 
-// Per device: SM count and resident CTAs per SM of the decode kernel, read once (the
-// attribute and occupancy calls are not stream work, so a captured call may also do it).
+enum Variant { kW4S3 = 0, kW8S3 = 1, kNumVariants = 2 };
+
+template <int D>
+const KernelInfo& variant_kernel(int variant) {
+  static const KernelInfo table[kNumVariants] = {kernel_info<D, 4, 3>(), kernel_info<D, 8, 3>()};
+  return table[variant];
+}
+
+// Benchmarks select the kernel through the environment variable KVS_DENSE_VARIANT=w4.s3 or
+// w8.s3 (read once per process; scripts/dense_sweep.sh). Unset: w4.s3.
+int selected_variant() {
+  static const int selected = [] {
+    const char* text = std::getenv("KVS_DENSE_VARIANT");
+    if (!text || !*text) return int(kW4S3);
+    const std::string s(text);
+    if (s == "w4.s3") return int(kW4S3);
+    if (s == "w8.s3") return int(kW8S3);
+    throw std::invalid_argument("KVS_DENSE_VARIANT='" + s + "': expected w4.s3 or w8.s3");
+  }();
+  return selected;
+}
+
+// Per (device, head dim, variant): SM count and resident CTAs per SM of the decode kernel,
+// read once (the attribute and occupancy calls are not stream work, so a captured call may
+// also do it).
 struct DeviceInfo {
   int sms = 0;
   int ctas_per_sm = 0;
 };
 
-template <int D>
-cudaError_t device_info(DeviceInfo* out) {
+cudaError_t device_info(const KernelInfo& kernel, int head_dim, int variant, DeviceInfo* out) {
   static std::mutex mu;
-  static std::map<int, DeviceInfo> cache;
+  static std::map<std::tuple<int, int, int>, DeviceInfo> cache;
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(dev);
+  const auto key = std::make_tuple(dev, head_dim, variant);
+  auto it = cache.find(key);
   if (it != cache.end()) {
     *out = it->second;
     return cudaSuccess;
@@ -454,15 +516,14 @@ cudaError_t device_info(DeviceInfo* out) {
   DeviceInfo info;
   err = cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, dev);
   if (err != cudaSuccess) return err;
-  constexpr int smem = int(decode_smem_bytes<D>());
-  err = cudaFuncSetAttribute(dense_decode_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             smem);
+  err = cudaFuncSetAttribute(kernel.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             kernel.smem_bytes);
   if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&info.ctas_per_sm, dense_decode_kernel<D>,
-                                                      kThreads, smem);
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&info.ctas_per_sm, kernel.fn,
+                                                      kernel.warps * 32, kernel.smem_bytes);
   if (err != cudaSuccess) return err;
   if (info.ctas_per_sm < 1) return cudaErrorInvalidConfiguration;
-  cache.emplace(dev, info);
+  cache.emplace(key, info);
   *out = info;
   return cudaSuccess;
 }
@@ -470,11 +531,16 @@ cudaError_t device_info(DeviceInfo* out) {
 template <int D>
 cudaError_t launch_dense_decode(const bf16* q, int num_q_heads, const PagedKV& kv, float scale,
                                 bf16* o, float* lse, void* workspace, cudaStream_t stream) {
+  const int variant = selected_variant();
+  const KernelInfo& kernel = variant_kernel<D>(variant);
   DeviceInfo info;
-  cudaError_t err = device_info<D>(&info);
+  cudaError_t err = device_info(kernel, D, variant, &info);
   if (err != cudaSuccess) return err;
+  // About one wave of CTAs over the whole batch, rounded down: with 1 CTA per SM, 132 SMs
+  // and 8 kv heads, 17 chunks per head would leave 4 CTAs alone in a second wave (twice the
+  // time); 16 leave 4 SMs idle instead.
   const int wave = info.sms * info.ctas_per_sm;
-  int chunks_per_head = (wave + kv.num_kv_heads - 1) / kv.num_kv_heads;
+  int chunks_per_head = wave / kv.num_kv_heads > 1 ? wave / kv.num_kv_heads : 1;
   if (chunks_per_head > kMaxChunksPerHead) chunks_per_head = kMaxChunksPerHead;
 
   const WorkspaceLayout layout = workspace_layout(kv.batch, num_q_heads, D);
@@ -500,7 +566,7 @@ cudaError_t launch_dense_decode(const bf16* q, int num_q_heads, const PagedKV& k
   p.partial_o = reinterpret_cast<float*>(ws + layout.o_offset);
 
   const dim3 grid(unsigned(chunks_per_head + kv.batch), unsigned(kv.num_kv_heads));
-  dense_decode_kernel<D><<<grid, kThreads, decode_smem_bytes<D>(), stream>>>(p);
+  kernel.fn<<<grid, kernel.warps * 32, kernel.smem_bytes, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 

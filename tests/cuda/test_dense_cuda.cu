@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -301,6 +302,59 @@ TEST(DenseCudaDeterminism, RepeatedCallsAreBitwiseIdentical) {
     for (size_t i = 0; i < o.size(); ++i) ASSERT_EQ(o[i].bits, first_o[i].bits) << "o[" << i << "]";
     for (size_t i = 0; i < lse.size(); ++i) ASSERT_EQ(lse[i], first_lse[i]) << "lse[" << i << "]";
   }
+}
+
+// Calls queued back to back on one stream share the workspace: a call must not overwrite
+// the split states (or the plan) before the previous call's merge has read them, however
+// the kernels overlap (the decode kernel may be launched with programmatic dependent launch).
+TEST(DenseCudaStream, BackToBackCallsShareWorkspace) {
+  KVS_SKIP_WITHOUT_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int hq = 32, hkv = 8, d = 128;
+  const std::vector<std::vector<int>> lens = {{30000, 700}, {5000, 1, 20000, 64}};
+  std::vector<HostCache> caches;
+  std::vector<std::unique_ptr<DeviceCache>> device;
+  std::vector<std::vector<bf16>> qs;
+  std::vector<std::unique_ptr<DeviceBuffer<bf16>>> dq, d_o;
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> d_lse;
+  size_t ws_bytes = 0;
+  for (const auto& l : lens) {
+    caches.push_back(make_cache(l, 16, hkv, d, rng));
+    caches.back().lens = l;
+    device.push_back(std::make_unique<DeviceCache>(caches.back()));
+    const int batch = int(l.size());
+    qs.push_back(random_q(batch, hq, d, rng));
+    dq.push_back(std::make_unique<DeviceBuffer<bf16>>(qs.back()));
+    ws_bytes = std::max(ws_bytes, kernels::dense_decode_workspace_bytes(batch, hq, d));
+  }
+  DeviceBuffer<char> ws(ws_bytes);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const float scale = 1.f / std::sqrt(float(d));
+  // Six calls alternating between the two inputs, each into its own output buffers.
+  const int calls = 6;
+  for (int c = 0; c < calls; ++c) {
+    const int batch = int(lens[c % 2].size());
+    d_o.push_back(std::make_unique<DeviceBuffer<bf16>>(size_t(batch) * hq * d));
+    d_lse.push_back(std::make_unique<DeviceBuffer<float>>(size_t(batch) * hq));
+    d_o.back()->poison();
+    d_lse.back()->poison();
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int c = 0; c < calls; ++c)
+    ASSERT_EQ(
+        kernels::dense_decode_cuda(dq[c % 2]->get(), hq, device[c % 2]->view(caches[c % 2]), scale,
+                                   d_o[c]->get(), d_lse[c]->get(), ws.get(), ws_bytes, stream),
+        cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  for (int c = 0; c < calls; ++c) {
+    SCOPED_TRACE("call " + std::to_string(c));
+    expect_matches_reference(caches[c % 2], qs[c % 2], hq, scale, d_o[c]->download(),
+                             d_lse[c]->download());
+  }
+  cudaStreamDestroy(stream);
 }
 
 TEST(DenseCudaArgs, RejectsUnsupportedShapesAndSmallWorkspace) {
