@@ -50,7 +50,7 @@ void attend_range(const bf16* q_row, const PagedKV& kv, int b, int kv_head, int 
     *lse = -std::numeric_limits<double>::infinity();
     return;
   }
-  std::vector<float> qf(size_t(kv.head_dim));
+  std::vector<float> qf(static_cast<size_t>(kv.head_dim));
   for (int i = 0; i < kv.head_dim; ++i) qf[size_t(i)] = bf16_to_float(q_row[i]);
   const std::vector<int32_t> tokens = token_range(begin, end);
   attend_cpu(qf.data(), kv, b, kv_head, tokens.data(), int(tokens.size()), scale, o.data(), lse);
@@ -110,8 +110,8 @@ void decode_cpu(const RingState& st, const MatchParams& p, const bf16* q, const 
   const int d = st.head_dim, W = st.window, Hq = num_q_heads;
   const int group = Hq / kv.num_kv_heads;
   const double neg_inf = -std::numeric_limits<double>::infinity();
-  std::vector<MatchResult> match(size_t(Hq));
-  std::vector<double> o_new(size_t(d)), o_part(size_t(d)), o_entry(size_t(d));
+  std::vector<MatchResult> match(static_cast<size_t>(Hq));
+  std::vector<double> o_new(static_cast<size_t>(d)), o_part(o_new), o_entry(o_new);
   for (int b = 0; b < kv.batch; ++b) {
     const int len = kv.seq_lens[b];
     st.last_len[b] = len;
@@ -183,7 +183,7 @@ void fill_entries_cpu(const RingState& st, const MatchParams& p, int b, const bf
   const int d = st.head_dim, W = st.window;
   const int group = num_q_heads / kv.num_kv_heads;
   const int p0 = kv.seq_lens[b] - n;
-  std::vector<double> o(size_t(d));
+  std::vector<double> o(static_cast<size_t>(d));
   for (int i = 0; i < n; ++i) {
     const int pos = p0 + i;
     for (int h = 0; h < num_q_heads; ++h) {
