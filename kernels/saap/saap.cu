@@ -1,0 +1,646 @@
+// CUDA side of SAAP (see saap.h for the index layout and the selection rule).
+//
+// Prefill, per sequence: gather the keys to a contiguous scratch, de-RoPE them with
+// rope_cuda (the one RoPE of the project), assign [sink, n - recent) with a tiled SIMT kernel
+// (32 keys x 32 centroids per shared-memory tile, 4 centroids per thread in registers; at
+// n = 128K, C = 1024, d = 128 that is 1.4e10 MACs per kv head, prefill-time work), then a
+// stable CUB radix sort of (cluster, token) pairs gives the CSR with members ascending.
+//
+// Decode (fixed grids, lengths read on the device, no host sync: capturable):
+//   index   one CTA per (b, h): the token that just left the window is de-RoPE'd (rope_cuda
+//           on a [B*Hkv, d] scratch) and assigned, threads over centroids
+//   mlp     two bf16-weight GEMV launches over all query heads of the batch (a warp per
+//           output row, 16-byte loads, every batch row of x reused from shared memory): the
+//           router's cost is one read of its weights per step whatever the batch
+//   route   one CTA per (b, h): softmax per query head, group sum (or mean-query centroid
+//           scores), bitonic sort of the C scores in shared memory, top-l ids
+//   gather  one CTA per (b, h): sink, the selected clusters' CSR members, the scanned
+//           post-prefill assignments and the unindexed tail, written as the sub-request page
+//           table dense_decode_cuda attends (kernels/tactic/tactic.h subrequest_view)
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+#include <cub/cub.cuh>
+
+#include "kernels/common/rope.h"
+#include "kernels/saap/saap.h"
+
+namespace kvs::kernels::saap {
+namespace {
+
+using bf = __nv_bfloat16;
+
+constexpr int kAssignTokens = 32;    // keys per tile of the prefill assignment
+constexpr int kAssignCents = 32;     // centroids per shared-memory tile
+constexpr int kAssignThreads = 256;  // 8 warps x 4 centroids of a tile
+constexpr int kStepThreads = 256;    // decode-time assignment CTA
+constexpr int kGemvThreads = 256;
+constexpr int kGemvRowsPerWarp = 8;
+constexpr int kGemvMaxBatch = 8;  // batch rows per pass over the weights
+constexpr int kRouteThreads = 1024;
+constexpr int kGatherThreads = 256;
+
+size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
+__device__ __forceinline__ bool better(float s, int c, float best_s, int best_c) {
+  return s > best_s || (s == best_s && c < best_c);
+}
+
+// ---- prefill -----------------------------------------------------------------------------
+
+__global__ void gather_keys_kernel(PagedKV kv, int b, int n, bf16* out) {
+  const int d = kv.head_dim, hkv = kv.num_kv_heads;
+  const int64_t vecs = int64_t(n) * hkv * (d / 8);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vecs;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / (d / 8);
+    const int part = int(i % (d / 8));
+    const int t = int(row / hkv), h = int(row % hkv);
+    const uint4* src = reinterpret_cast<const uint4*>(kv.k + kv.offset(b, t, h)) + part;
+    reinterpret_cast<uint4*>(out + row * d)[part] = *src;
+  }
+}
+
+__global__ void iota_kernel(int32_t* x, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] = i;
+}
+
+// keys [n, Hkv, d] pre-RoPE bf16; assigns tokens [start, end) of head blockIdx.y.
+__global__ void __launch_bounds__(kAssignThreads)
+    assign_tiled_kernel(const bf* keys, int hkv, int d, int start, int end, const float* centroids,
+                        const float* norms, int C, IndexState st, int b) {
+  extern __shared__ float smem[];
+  const int h = blockIdx.y;
+  float* key_s = smem;                                    // [32][d + 1]
+  float* cent_s = key_s + kAssignTokens * (d + 1);        // [32][d]
+  float* best_s = cent_s + kAssignCents * d;              // [8][32]
+  int* best_c = reinterpret_cast<int*>(best_s + 8 * 32);  // [8][32]
+  const int t0 = start + blockIdx.x * kAssignTokens;
+  for (int i = threadIdx.x; i < kAssignTokens * d; i += blockDim.x) {
+    const int r = i / d, k = i % d;
+    const int t = t0 + r;
+    key_s[r * (d + 1) + k] =
+        t < end ? __bfloat162float(keys[(int64_t(t) * hkv + h) * d + k]) : 0.0f;
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float my_best = -FLT_MAX;
+  int my_c = 0x7fffffff;
+  const float* cent_h = centroids + int64_t(h) * C * d;
+  for (int c0 = 0; c0 < C; c0 += kAssignCents) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < kAssignCents * d; i += blockDim.x) {
+      const int c = c0 + i / d;
+      cent_s[i] = c < C ? cent_h[int64_t(c) * d + i % d] : 0.0f;
+    }
+    __syncthreads();
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const float* kr = key_s + lane * (d + 1);
+    const float* cr = cent_s + warp * 4 * d;
+    for (int k = 0; k < d; ++k) {
+      const float kv = kr[k];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[j] = fmaf(kv, cr[j * d + k], acc[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c = c0 + warp * 4 + j;
+      if (c < C) {
+        const float s = centroid_score(acc[j], norms[int64_t(h) * C + c]);
+        if (better(s, c, my_best, my_c)) {
+          my_best = s;
+          my_c = c;
+        }
+      }
+    }
+  }
+  best_s[warp * 32 + lane] = my_best;
+  best_c[warp * 32 + lane] = my_c;
+  __syncthreads();
+  if (warp == 0) {
+    float bs = best_s[lane];
+    int bc = best_c[lane];
+    for (int w = 1; w < 8; ++w)
+      if (better(best_s[w * 32 + lane], best_c[w * 32 + lane], bs, bc)) {
+        bs = best_s[w * 32 + lane];
+        bc = best_c[w * 32 + lane];
+      }
+    const int t = t0 + lane;
+    if (t < end) st.assign_of(b, h)[t] = bc;
+  }
+}
+
+// offsets[c] = first position of cluster c in the sorted labels (binary search).
+__global__ void csr_offsets_kernel(const int32_t* sorted, int count, int C, int32_t* offsets) {
+  for (int c = blockIdx.x * blockDim.x + threadIdx.x; c <= C; c += gridDim.x * blockDim.x) {
+    int lo = 0, hi = count;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (sorted[mid] < c)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    offsets[c] = lo;
+  }
+}
+
+__global__ void set_lens_kernel(IndexState st, int b, int end) {
+  const int h = threadIdx.x;
+  if (h < st.num_kv_heads) {
+    st.indexed_len[st.slot(b, h)] = end;
+    st.csr_len[st.slot(b, h)] = end;
+  }
+}
+
+struct PrefillLayout {
+  size_t keys, iota, sorted, temp, total;
+};
+
+PrefillLayout prefill_layout(int max_len, int hkv, int d) {
+  PrefillLayout l;
+  l.keys = align_up(size_t(std::max(max_len, 1)) * hkv * d * sizeof(bf16));
+  l.iota = align_up(size_t(std::max(max_len, 1)) * sizeof(int32_t));
+  l.sorted = l.iota;
+  size_t temp = 0;
+  cub::DeviceRadixSort::SortPairs(
+      nullptr, temp, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), std::max(max_len, 1));
+  l.temp = align_up(temp);
+  l.total = l.keys + l.iota + l.sorted + l.temp;
+  return l;
+}
+
+// ---- decode: indexing ----------------------------------------------------------------------
+
+// Copies the key of token indexed_len of every (b, h) to scratch [B * Hkv, d] with its
+// position; tokens still inside the window get position 0 and are skipped later.
+__global__ void step_gather_kernel(PagedKV kv, Window w, IndexState st, bf16* scratch,
+                                   int32_t* positions) {
+  const int b = blockIdx.x / kv.num_kv_heads, h = blockIdx.x % kv.num_kv_heads;
+  const int d = kv.head_dim;
+  const int t = st.indexed_len[st.slot(b, h)];
+  const bool due = t < kv.seq_lens[b] - w.recent;
+  if (threadIdx.x == 0) positions[blockIdx.x] = due ? t : 0;
+  if (!due) return;
+  const bf16* src = kv.k + kv.offset(b, t, h);
+  for (int i = threadIdx.x; i < d; i += blockDim.x) scratch[int64_t(blockIdx.x) * d + i] = src[i];
+}
+
+__global__ void __launch_bounds__(kStepThreads)
+    step_assign_kernel(PagedKV kv, Window w, const bf* scratch, const float* centroids,
+                       const float* norms, int C, IndexState st) {
+  const int b = blockIdx.x / kv.num_kv_heads, h = blockIdx.x % kv.num_kv_heads;
+  const int d = kv.head_dim;
+  const int t = st.indexed_len[st.slot(b, h)];
+  if (t >= kv.seq_lens[b] - w.recent) return;
+  __shared__ float key_s[128];
+  __shared__ float red_s[32];
+  __shared__ int red_c[32];
+  for (int i = threadIdx.x; i < d; i += blockDim.x)
+    key_s[i] = __bfloat162float(scratch[int64_t(blockIdx.x) * d + i]);
+  __syncthreads();
+  float best = -FLT_MAX;
+  int best_c = 0x7fffffff;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    const float4* row = reinterpret_cast<const float4*>(centroids + (int64_t(h) * C + c) * d);
+    float acc = 0.f;
+    for (int k = 0; k < d / 4; ++k) {
+      const float4 v = row[k];
+      acc = fmaf(v.x, key_s[4 * k], acc);
+      acc = fmaf(v.y, key_s[4 * k + 1], acc);
+      acc = fmaf(v.z, key_s[4 * k + 2], acc);
+      acc = fmaf(v.w, key_s[4 * k + 3], acc);
+    }
+    const float s = centroid_score(acc, norms[int64_t(h) * C + c]);
+    if (better(s, c, best, best_c)) {
+      best = s;
+      best_c = c;
+    }
+  }
+  for (int off = 16; off > 0; off /= 2) {
+    const float os = __shfl_down_sync(0xffffffffu, best, off);
+    const int oc = __shfl_down_sync(0xffffffffu, best_c, off);
+    if (better(os, oc, best, best_c)) {
+      best = os;
+      best_c = oc;
+    }
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) {
+    red_s[warp] = best;
+    red_c[warp] = best_c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < int(blockDim.x / 32); ++i)
+      if (better(red_s[i], red_c[i], best, best_c)) {
+        best = red_s[i];
+        best_c = red_c[i];
+      }
+    st.assign_of(b, h)[t] = best_c;
+    st.indexed_len[st.slot(b, h)] = t + 1;
+  }
+}
+
+// ---- decode: router ------------------------------------------------------------------------
+
+template <class In>
+__device__ __forceinline__ float to_f(In x);
+template <>
+__device__ __forceinline__ float to_f<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ float to_f<bf>(bf x) {
+  return __bfloat162float(x);
+}
+
+// y[b, head, r] = act(w[head, r, :] . x[b, head, :] + bias[head, r]) for b < batch.
+// x [batch, heads, K]; K % 8 == 0.
+template <class In, bool kRelu>
+__global__ void __launch_bounds__(kGemvThreads)
+    gemv_kernel(const In* x, const bf* w, const float* bias, float* y, int batch, int heads,
+                int rows, int K) {
+  extern __shared__ float x_s[];  // [kGemvMaxBatch][K]
+  const int head = blockIdx.y;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int rows_per_block = (kGemvThreads / 32) * kGemvRowsPerWarp;
+  for (int b0 = 0; b0 < batch; b0 += kGemvMaxBatch) {
+    const int nb = min(kGemvMaxBatch, batch - b0);
+    __syncthreads();
+    for (int i = threadIdx.x; i < nb * K; i += blockDim.x) {
+      const int bb = i / K, k = i % K;
+      x_s[i] = to_f(x[(int64_t(b0 + bb) * heads + head) * K + k]);
+    }
+    __syncthreads();
+    for (int rr = 0; rr < kGemvRowsPerWarp; ++rr) {
+      const int r = blockIdx.x * rows_per_block + warp * kGemvRowsPerWarp + rr;
+      if (r >= rows) break;
+      const bf* wr = w + (int64_t(head) * rows + r) * K;
+      float acc[kGemvMaxBatch];
+#pragma unroll
+      for (int bb = 0; bb < kGemvMaxBatch; ++bb) acc[bb] = 0.f;
+      for (int k = lane * 8; k < K; k += 256) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(wr + k);
+        const bf* wv = reinterpret_cast<const bf*>(&raw);
+        float wf[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) wf[j] = __bfloat162float(wv[j]);
+#pragma unroll
+        for (int bb = 0; bb < kGemvMaxBatch; ++bb) {
+          if (bb >= nb) break;
+          const float4* xs = reinterpret_cast<const float4*>(x_s + bb * K + k);
+          const float4 a = xs[0], c = xs[1];
+          acc[bb] = fmaf(wf[0], a.x, acc[bb]);
+          acc[bb] = fmaf(wf[1], a.y, acc[bb]);
+          acc[bb] = fmaf(wf[2], a.z, acc[bb]);
+          acc[bb] = fmaf(wf[3], a.w, acc[bb]);
+          acc[bb] = fmaf(wf[4], c.x, acc[bb]);
+          acc[bb] = fmaf(wf[5], c.y, acc[bb]);
+          acc[bb] = fmaf(wf[6], c.z, acc[bb]);
+          acc[bb] = fmaf(wf[7], c.w, acc[bb]);
+        }
+      }
+#pragma unroll
+      for (int bb = 0; bb < kGemvMaxBatch; ++bb) {
+        if (bb >= nb) break;
+        float a = acc[bb];
+        for (int off = 16; off > 0; off /= 2) a += __shfl_xor_sync(0xffffffffu, a, off);
+        if (lane == 0) {
+          a += bias[int64_t(head) * rows + r];
+          y[(int64_t(b0 + bb) * heads + head) * rows + r] = kRelu ? fmaxf(a, 0.f) : a;
+        }
+      }
+    }
+  }
+}
+
+template <class Op>
+__device__ float block_reduce(float v, float* red, Op op) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+  for (int off = 16; off > 0; off /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = red[0];
+  for (int i = 1; i < nw; ++i) v = op(v, red[i]);
+  return v;
+}
+
+// Scores of the C clusters for (b, h), bitonic-sorted in shared memory (descending score,
+// ascending id), top l to selected[b * Hkv + h].
+__global__ void __launch_bounds__(kRouteThreads)
+    route_kernel(const float* logits, const bf* q_pre, Router<bf16> r, int probes, int pow2,
+                 int32_t* selected) {
+  extern __shared__ float route_s[];
+  float* score = route_s;                             // [pow2]
+  int* ids = reinterpret_cast<int*>(score + pow2);    // [pow2]
+  float* red = reinterpret_cast<float*>(ids + pow2);  // [32]
+  float* qmean = red + 32;                            // [d]
+  const int hkv = r.num_kv_heads, g = r.num_q_heads / hkv, C = r.num_clusters, d = r.head_dim;
+  const int b = blockIdx.x / hkv, h = blockIdx.x % hkv;
+  for (int c = threadIdx.x; c < pow2; c += blockDim.x) {
+    score[c] = c < C ? 0.f : -FLT_MAX;
+    ids[c] = c;
+  }
+  if (r.use_mlp) {
+    for (int j = 0; j < g; ++j) {
+      const float* z = logits + (int64_t(b) * r.num_q_heads + h * g + j) * C;
+      float m = -FLT_MAX;
+      for (int c = threadIdx.x; c < C; c += blockDim.x) m = fmaxf(m, z[c]);
+      m = block_reduce(m, red, [](float a, float x) { return fmaxf(a, x); });
+      float s = 0.f;
+      for (int c = threadIdx.x; c < C; c += blockDim.x) s += __expf(z[c] - m);
+      s = block_reduce(s, red, [](float a, float x) { return a + x; });
+      const float inv = 1.f / s;
+      for (int c = threadIdx.x; c < C; c += blockDim.x) score[c] += __expf(z[c] - m) * inv;
+    }
+  } else {
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+      float s = 0.f;
+      for (int j = 0; j < g; ++j)
+        s += __bfloat162float(q_pre[(int64_t(b) * r.num_q_heads + h * g + j) * d + i]);
+      qmean[i] = s / float(g);
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      const float* row = r.centroids + (int64_t(h) * C + c) * d;
+      float acc = 0.f;
+      for (int k = 0; k < d; ++k) acc = fmaf(row[k], qmean[k], acc);
+      score[c] = centroid_score(acc, r.centroid_norms[int64_t(h) * C + c]);
+    }
+  }
+  __syncthreads();
+  for (int size = 2; size <= pow2; size *= 2) {
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      for (int i = threadIdx.x; i < pow2 / 2; i += blockDim.x) {
+        const int lo = 2 * i - (i & (stride - 1));
+        const int hi = lo + stride;
+        // Descending order in blocks whose bit `size` is clear: the final pass is descending.
+        const bool desc = (lo & size) == 0;
+        const bool hi_first = better(score[hi], ids[hi], score[lo], ids[lo]);
+        if (hi_first == desc) {
+          const float ts = score[lo];
+          score[lo] = score[hi];
+          score[hi] = ts;
+          const int ti = ids[lo];
+          ids[lo] = ids[hi];
+          ids[hi] = ti;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int i = threadIdx.x; i < probes; i += blockDim.x)
+    selected[int64_t(blockIdx.x) * probes + i] = ids[i];
+}
+
+// ---- decode: token lists -------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kGatherThreads)
+    gather_kernel(PagedKV kv, Window w, IndexState st, const int32_t* selected, int probes,
+                  tactic::Selection lists, unsigned long long* counters,
+                  unsigned long long router_bytes) {
+  using Scan = cub::BlockScan<int, kGatherThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int chunk_total;
+  extern __shared__ int gather_s[];
+  int* prefix = gather_s;                                               // [probes + 1]
+  unsigned* chosen = reinterpret_cast<unsigned*>(prefix + probes + 1);  // [ceil(C / 32)]
+  const int hkv = kv.num_kv_heads, C = st.num_clusters;
+  const int b = blockIdx.x / hkv, h = blockIdx.x % hkv;
+  const int64_t slot = st.slot(b, h);
+  const int n = kv.seq_lens[b];
+  const int indexed = st.indexed_len[slot], csr = st.csr_len[slot];
+  const int32_t* sel = selected + int64_t(blockIdx.x) * probes;
+  const int32_t* offsets = st.offsets_of(b, h);
+  const int32_t* members = st.members_of(b, h);
+  const int32_t* assign = st.assign_of(b, h);
+  int32_t* rows = lists.rows + int64_t(blockIdx.x) * lists.max_tokens;
+  int32_t* tokens = lists.tokens + int64_t(blockIdx.x) * lists.max_tokens;
+  auto put = [&](int i, int t) {
+    tokens[i] = t;
+    const int64_t page = kv.page_table[int64_t(b) * kv.max_pages_per_seq + t / kv.page_size];
+    rows[i] = int32_t((page * kv.page_size + t % kv.page_size) * hkv + h);
+  };
+  for (int i = threadIdx.x; i < (C + 31) / 32; i += blockDim.x) chosen[i] = 0u;
+  __syncthreads();
+  // Prefix sums of the selected clusters' sizes, a chunk of the block at a time.
+  int running = 0;
+  for (int i0 = 0; i0 < probes; i0 += kGatherThreads) {
+    const int i = i0 + threadIdx.x;
+    int size = 0;
+    if (i < probes) {
+      const int c = sel[i];
+      size = offsets[c + 1] - offsets[c];
+      atomicOr(&chosen[c / 32], 1u << (c % 32));
+    }
+    int excl, total;
+    Scan(scan_tmp).ExclusiveSum(size, excl, total);
+    if (i < probes) prefix[i] = running + excl;
+    running += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) prefix[probes] = running;
+  __syncthreads();
+  const int sink = min(w.sink, n);
+  int pos = 0;
+  for (int t = threadIdx.x; t < sink; t += blockDim.x) put(t, t);
+  pos = sink;
+  const int members_total = running;
+  for (int i = threadIdx.x; i < members_total; i += blockDim.x) {
+    int lo = 0, hi = probes - 1;  // the last k with prefix[k] <= i
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (prefix[mid] <= i)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    put(pos + i, members[offsets[sel[lo]] + (i - prefix[lo])]);
+  }
+  pos += members_total;
+  // Post-prefill assignments: stream compaction of the chosen ones, in token order.
+  for (int t0 = csr; t0 < indexed; t0 += kGatherThreads) {
+    const int t = t0 + threadIdx.x;
+    int flag = 0;
+    if (t < indexed) {
+      const int c = assign[t];
+      flag = (chosen[c / 32] >> (c % 32)) & 1u;
+    }
+    int excl, total;
+    Scan(scan_tmp).ExclusiveSum(flag, excl, total);
+    if (flag) put(pos + excl, t);
+    if (threadIdx.x == 0) chunk_total = total;
+    __syncthreads();
+    pos += chunk_total;
+    __syncthreads();
+  }
+  const int tail0 = max(indexed, sink);
+  for (int t = tail0 + threadIdx.x; t < n; t += blockDim.x) put(pos + (t - tail0), t);
+  pos += max(0, n - tail0);
+  if (threadIdx.x == 0) {
+    lists.counts[blockIdx.x] = pos;
+    if (counters) {
+      atomicAdd(counters, (unsigned long long)pos);
+      atomicAdd(counters + 1, router_bytes + 8ull * probes + 4ull * max(0, indexed - csr));
+    }
+  }
+}
+
+struct DecodeLayout {
+  size_t hidden, logits, scratch, positions, total;
+};
+
+DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, int C) {
+  DecodeLayout l;
+  l.hidden = align_up(size_t(max_batch) * hq * hidden * sizeof(float));
+  l.logits = align_up(size_t(max_batch) * hq * C * sizeof(float));
+  l.scratch = align_up(size_t(max_batch) * hkv * d * sizeof(bf16));
+  l.positions = align_up(size_t(max_batch) * hkv * sizeof(int32_t));
+  l.total = l.hidden + l.logits + l.scratch + l.positions;
+  return l;
+}
+
+int next_pow2(int x) {
+  int p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+}  // namespace
+
+size_t index_prefill_workspace_bytes(int max_len, int num_kv_heads, int head_dim) {
+  return prefill_layout(max_len, num_kv_heads, head_dim).total;
+}
+
+cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
+                               const float* inv_freq, const Window& w, const Router<bf16>& r,
+                               const IndexState& st, void* workspace, size_t workspace_bytes,
+                               cudaStream_t stream) {
+  const int hkv = kv.num_kv_heads, d = kv.head_dim, C = st.num_clusters;
+  if (d % 8 != 0 || d > 128 || hkv != st.num_kv_heads || C != r.num_clusters ||
+      kv.batch > st.max_batch)
+    return cudaErrorInvalidValue;
+  int max_len = 0;
+  for (int b = 0; b < kv.batch; ++b) {
+    if (seq_lens_host[b] > st.max_tokens) return cudaErrorInvalidValue;
+    max_len = std::max(max_len, int(seq_lens_host[b]));
+  }
+  const PrefillLayout lay = prefill_layout(max_len, hkv, d);
+  if (!workspace || workspace_bytes < lay.total) return cudaErrorInvalidValue;
+  char* p = static_cast<char*>(workspace);
+  bf16* keys = reinterpret_cast<bf16*>(p);
+  int32_t* iota = reinterpret_cast<int32_t*>(p + lay.keys);
+  int32_t* sorted = reinterpret_cast<int32_t*>(p + lay.keys + lay.iota);
+  void* temp = p + lay.keys + lay.iota + lay.sorted;
+  iota_kernel<<<std::max(1, std::min(1024, (max_len + 255) / 256)), 256, 0, stream>>>(iota,
+                                                                                      max_len);
+  const size_t smem =
+      (size_t(kAssignTokens) * (d + 1) + size_t(kAssignCents) * d + 2 * 8 * 32) * sizeof(float);
+  int bits = 1;
+  while ((1 << bits) < C) ++bits;
+  for (int b = 0; b < kv.batch; ++b) {
+    const int n = seq_lens_host[b];
+    const int end = std::max(w.sink, n - w.recent);
+    if (n > 0) {
+      const int64_t vecs = int64_t(n) * hkv * (d / 8);
+      gather_keys_kernel<<<int(std::min<int64_t>((vecs + 255) / 256, 65536)), 256, 0, stream>>>(
+          kv, b, n, keys);
+      cudaError_t e = rope_cuda(keys, n, hkv, d, int64_t(hkv) * d, iota, inv_freq, true, stream);
+      if (e != cudaSuccess) return e;
+    }
+    const int count = end - w.sink;
+    if (count > 0) {
+      dim3 grid((count + kAssignTokens - 1) / kAssignTokens, hkv);
+      assign_tiled_kernel<<<grid, kAssignThreads, smem, stream>>>(reinterpret_cast<const bf*>(keys),
+                                                                  hkv, d, w.sink, end, r.centroids,
+                                                                  r.centroid_norms, C, st, b);
+    }
+    for (int h = 0; h < hkv; ++h) {
+      if (count > 0) {
+        size_t temp_bytes = lay.temp;
+        cudaError_t e = cub::DeviceRadixSort::SortPairs(
+            temp, temp_bytes, st.assign_of(b, h) + w.sink, sorted, iota + w.sink,
+            st.members_of(b, h), count, 0, bits, stream);
+        if (e != cudaSuccess) return e;
+      }
+      csr_offsets_kernel<<<(C + 256) / 256, 256, 0, stream>>>(sorted, std::max(count, 0), C,
+                                                              st.offsets_of(b, h));
+    }
+    set_lens_kernel<<<1, std::max(32, hkv), 0, stream>>>(st, b, end);
+  }
+  return cudaGetLastError();
+}
+
+size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
+                              int hidden, int num_clusters) {
+  return decode_layout(max_batch, num_q_heads, num_kv_heads, head_dim, hidden, num_clusters).total;
+}
+
+cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float* inv_freq,
+                               const Window& w, const Router<bf16>& r, int probes,
+                               const IndexState& st, int32_t* selected,
+                               const tactic::Selection& lists, unsigned long long* counters,
+                               unsigned long long router_bytes, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream) {
+  const int B = kv.batch, hkv = kv.num_kv_heads, hq = r.num_q_heads, d = kv.head_dim;
+  const int C = r.num_clusters, H = r.hidden;
+  if (B > st.max_batch || hkv != r.num_kv_heads || d != r.head_dim || d % 8 != 0 || d > 128 ||
+      H % 8 != 0 || C > kMaxClustersCuda || probes < 1 || probes > C || !q_pre || !selected)
+    return cudaErrorInvalidValue;
+  const DecodeLayout lay = decode_layout(st.max_batch, hq, hkv, d, H, C);
+  if (!workspace || workspace_bytes < lay.total) return cudaErrorInvalidValue;
+  char* p = static_cast<char*>(workspace);
+  float* hidden = reinterpret_cast<float*>(p);
+  float* logits = reinterpret_cast<float*>(p + lay.hidden);
+  bf16* scratch = reinterpret_cast<bf16*>(p + lay.hidden + lay.logits);
+  int32_t* positions = reinterpret_cast<int32_t*>(p + lay.hidden + lay.logits + lay.scratch);
+
+  step_gather_kernel<<<B * hkv, 128, 0, stream>>>(kv, w, st, scratch, positions);
+  cudaError_t e = rope_cuda(scratch, B * hkv, 1, d, d, positions, inv_freq, true, stream);
+  if (e != cudaSuccess) return e;
+  step_assign_kernel<<<B * hkv, kStepThreads, 0, stream>>>(
+      kv, w, reinterpret_cast<const bf*>(scratch), r.centroids, r.centroid_norms, C, st);
+
+  if (r.use_mlp) {
+    const int rows_per_block = (kGemvThreads / 32) * kGemvRowsPerWarp;
+    const int nb = std::min(B, kGemvMaxBatch);
+    gemv_kernel<bf, true><<<dim3((H + rows_per_block - 1) / rows_per_block, hq), kGemvThreads,
+                            size_t(nb) * d * sizeof(float), stream>>>(
+        reinterpret_cast<const bf*>(q_pre), reinterpret_cast<const bf*>(r.w1), r.b1, hidden, B, hq,
+        H, d);
+    gemv_kernel<float, false><<<dim3((C + rows_per_block - 1) / rows_per_block, hq), kGemvThreads,
+                                size_t(nb) * H * sizeof(float), stream>>>(
+        hidden, reinterpret_cast<const bf*>(r.w2), r.b2, logits, B, hq, C, H);
+  }
+  const int pow2 = next_pow2(C);
+  const size_t route_smem =
+      size_t(pow2) * (sizeof(float) + sizeof(int)) + (32 + 128) * sizeof(float);
+  route_kernel<<<B * hkv, kRouteThreads, route_smem, stream>>>(
+      logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2, selected);
+  const size_t gather_smem =
+      size_t(probes + 1) * sizeof(int) + size_t((C + 31) / 32) * sizeof(unsigned);
+  gather_kernel<<<B * hkv, kGatherThreads, gather_smem, stream>>>(kv, w, st, selected, probes,
+                                                                  lists, counters, router_bytes);
+  return cudaGetLastError();
+}
+
+cudaError_t prepare_cuda(int hidden) {
+  // The router's dynamic shared memory: the GEMV's x rows (up to kGemvMaxBatch x hidden fp32)
+  // and the route sort (C up to kMaxClustersCuda) may exceed the 48 KiB default.
+  const int gemv = kGemvMaxBatch * std::max(hidden, 128) * int(sizeof(float));
+  cudaError_t e = cudaFuncSetAttribute(gemv_kernel<float, false>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
+  if (e != cudaSuccess) return e;
+  e = cudaFuncSetAttribute(gemv_kernel<bf, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kGemvMaxBatch * 128 * int(sizeof(float)));
+  if (e != cudaSuccess) return e;
+  const int route =
+      kMaxClustersCuda * int(sizeof(float) + sizeof(int)) + (32 + 128) * int(sizeof(float));
+  return cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, route);
+}
+
+}  // namespace kvs::kernels::saap

@@ -1,0 +1,173 @@
+// SAAP (spec shared/specs/saap.md): asymmetric partitions of the keys. k-means centroids of
+// pre-RoPE keys per (layer, kv head) are trained offline; at prefill every key outside the
+// dense part (sink + recent window) is assigned to its nearest centroid and the assignments
+// become a per-(sequence, kv head) CSR of token ids. At decode a per-query-head MLP maps the
+// pre-RoPE query to a distribution over the C clusters; the group's distributions are summed,
+// the top-l clusters are taken, and the kv head attends exactly to their members plus the
+// dense part (or, with the nearest-centroid router, to the l clusters nearest the group's
+// mean pre-RoPE query: the paper's symmetric baseline).
+//
+// Index state (IndexState), one layout for both backends (host memory for the CPU reference,
+// device memory for CUDA), per (sequence b, kv head h) "slot":
+//   offsets     [max_batch, Hkv, C + 1] int32: CSR of the tokens [sink, csr_len)
+//   members     [max_batch, Hkv, max_tokens] int32 token ids, grouped by cluster, ascending
+//               within a cluster
+//   assign      [max_batch, Hkv, max_tokens] int32: cluster of token t for t in
+//               [sink, indexed_len); tokens [csr_len, indexed_len) are only here (they left
+//               the recent window after prefill) and the decode scans them
+//   indexed_len, csr_len [max_batch, Hkv] int32
+// Tokens [indexed_len, n) of a sequence of n tokens are attended in full: the recent window
+// and, should indexing lag (decode indexes at most one token per call, the one that just left
+// the window), the tokens not yet indexed. Nothing is ever unreachable.
+//
+// Selection for a sequence of n tokens and kv head h (both backends):
+//   [0, min(sink, n))  U  {t in [sink, indexed_len) : assign[t] in top-l}  U  [indexed_len, n)
+// where prefill sets indexed_len = max(sink, n - recent) and each decode call first indexes
+// token indexed_len when indexed_len < n - recent.
+//
+// Assignment score of centroid c for a vector x: 2 x.c - |c|^2; its argmax is the nearest
+// centroid in L2 and, for the unit-norm centroids of spherical k-means, the largest inner
+// product. Ties go to the lowest c. Top-l ranks by score, ties to the lowest cluster id.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/common/bf16.h"
+#include "kernels/common/host_device.h"
+#include "kernels/common/paged_kv.h"
+#include "kernels/tactic/tactic.h"
+
+namespace kvs::kernels::saap {
+
+KVS_HOST_DEVICE float centroid_score(float dot, float centroid_norm2) {
+  return 2.0f * dot - centroid_norm2;
+}
+
+// The dense part: the first `sink` tokens and the last `recent` ones.
+struct Window {
+  int sink = 1;
+  int recent = 2047;
+};
+
+struct IndexState {
+  int32_t* offsets = nullptr;
+  int32_t* members = nullptr;
+  int32_t* assign = nullptr;
+  int32_t* indexed_len = nullptr;
+  int32_t* csr_len = nullptr;
+  int max_batch = 0;
+  int num_kv_heads = 0;
+  int num_clusters = 0;
+  int max_tokens = 0;
+
+  KVS_HOST_DEVICE int64_t slot(int b, int h) const { return int64_t(b) * num_kv_heads + h; }
+  KVS_HOST_DEVICE int32_t* offsets_of(int b, int h) const {
+    return offsets + slot(b, h) * (num_clusters + 1);
+  }
+  KVS_HOST_DEVICE int32_t* members_of(int b, int h) const {
+    return members + slot(b, h) * max_tokens;
+  }
+  KVS_HOST_DEVICE int32_t* assign_of(int b, int h) const {
+    return assign + slot(b, h) * max_tokens;
+  }
+};
+
+// One layer's router: centroids and the query MLP with batch norm folded into the first
+// linear layer: p = softmax(w2 relu(w1 q + b1) + b2). W is float (CPU reference) or bf16
+// (CUDA: half the weight traffic of a memory-bound batch-1 GEMV).
+template <class W>
+struct Router {
+  const float* centroids = nullptr;       ///< [Hkv, C, d]
+  const float* centroid_norms = nullptr;  ///< [Hkv, C] |c|^2
+  const W* w1 = nullptr;                  ///< [Hq, hidden, d]
+  const float* b1 = nullptr;              ///< [Hq, hidden]
+  const W* w2 = nullptr;                  ///< [Hq, C, hidden]
+  const float* b2 = nullptr;              ///< [Hq, C]
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int hidden = 0;
+  int num_clusters = 0;
+  bool use_mlp = true;  ///< false: nearest centroids of the group's mean pre-RoPE query
+
+  int group_size() const { return num_q_heads / num_kv_heads; }
+};
+
+// ---- CPU reference ------------------------------------------------------------------------
+
+// The nearest centroid of x (d values) among C centroids [C, d] with norms |c|^2 [C]; fp64.
+int nearest_centroid_cpu(const float* x, const float* centroids, const float* norms, int C, int d);
+
+// Key t of (b, h) taken back before RoPE (inverse rotation at position t, then rounded to
+// bf16 as rope_cuda rounds it): out gets d values.
+void deroped_key_cpu(const PagedKV& kv, int b, int h, int t, const float* inv_freq, float* out);
+
+// Prefill of slot (b, h) from the first n = kv.seq_lens[b] tokens: assigns [sink, n - recent)
+// and builds the CSR (replacing what the slot held).
+void index_prefill_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, const Window& w,
+                       const Router<float>& router, const IndexState& state);
+
+// Decode-time indexing of slot (b, h): assigns token indexed_len if it has left the recent
+// window (at most one token per call, as on the GPU). Returns whether it indexed one.
+bool index_step_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, const Window& w,
+                    const Router<float>& router, const IndexState& state);
+
+// The MLP's distribution for query head `q_head` (its pre-RoPE query q, d values): probs [C].
+void mlp_probs_cpu(const Router<float>& router, int q_head, const float* q, double* probs);
+
+// Cluster scores of kv head h from its group's pre-RoPE queries q_group [g, d]: the summed
+// MLP distributions, or the nearest-centroid score of the group's mean query. scores [C].
+void route_scores_cpu(const Router<float>& router, int kv_head, const float* q_group,
+                      double* scores);
+
+// The l best clusters by score (descending, ties to the lowest id). l <= C.
+void top_clusters_cpu(const double* scores, int C, int l, int32_t* out);
+
+// The tokens slot (b, h) attends with the clusters `clusters` [l] selected (see the header
+// comment): sink, the selected clusters' members (CSR then the scanned assignments), the
+// unindexed tail. Not sorted.
+std::vector<int32_t> selected_tokens_cpu(const PagedKV& kv, int b, int h, const Window& w,
+                                         const IndexState& state, const int32_t* clusters, int l);
+
+// ---- CUDA ---------------------------------------------------------------------------------
+
+// Prefill of every (b < kv.batch, h), replacing what the slots held. seq_lens_host are the
+// lengths of kv.seq_lens on the host; inv_freq (d/2) is a device array. The workspace is
+// caller-owned device memory of index_prefill_workspace_bytes(max over b of seq_lens_host[b]).
+// Keys are gathered and de-RoPE'd with rope_cuda, assigned by a tiled kernel, and sorted
+// into the CSR with a stable radix sort (members ascending within a cluster, as on the CPU).
+size_t index_prefill_workspace_bytes(int max_len, int num_kv_heads, int head_dim);
+cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
+                               const float* inv_freq, const Window& w, const Router<bf16>& router,
+                               const IndexState& state, void* workspace, size_t workspace_bytes,
+                               cudaStream_t stream);
+
+// Decode step, graph-capturable (fixed grids, device-side lengths, no host sync):
+// 1. index_step: for every (b < kv.batch, h) whose token indexed_len has left the window,
+//    de-RoPE it and assign it (the decode half of the index).
+// 2. route: selected [batch * Hkv, l] cluster ids from q_pre [batch, Hq, d].
+// 3. gather: the token lists of the sub-request view (tactic::Selection layout; `selected`
+//    field unused). When counters is non-null: counters[0] += rows attended, counters[1] +=
+//    router_bytes (the router's reads per (b, h), the caller's figure) plus the index reads
+//    (CSR offsets of the probed clusters and the scanned post-prefill assignments).
+size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
+                              int hidden, int num_clusters);
+cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float* inv_freq,
+                               const Window& w, const Router<bf16>& router, int probes,
+                               const IndexState& state, int32_t* selected,
+                               const tactic::Selection& lists, unsigned long long* counters,
+                               unsigned long long router_bytes, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream);
+
+// Sets the router kernels' shared-memory limits for MLP width `hidden`, once per process;
+// engines call it at construction so that a captured decode step does nothing but launches.
+cudaError_t prepare_cuda(int hidden);
+
+// Largest C the CUDA top-l supports (one CTA sorts the C scores in shared memory).
+constexpr int kMaxClustersCuda = 4096;
+
+}  // namespace kvs::kernels::saap

@@ -1,0 +1,31 @@
+// Knobs of Method::Saap (spec shared/specs/saap.md), reachable as EngineConfig::saap.
+// Defaults are the paper's settings (spec section 3). The trained parts (centroids, query
+// MLPs) come from the bundle's saap group; its attributes record the knobs used in training.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace kvs {
+
+enum class SaapRouter {
+  Mlp,              ///< the paper's asymmetric query classifier: summed MLP distributions
+  NearestCentroid,  ///< the symmetric IVF baseline: centroids nearest the group's mean
+                    ///< pre-RoPE query (spec section 5, "K-means (no rope)")
+};
+
+const char* to_string(SaapRouter router);
+SaapRouter saap_router_from_string(const std::string& name);  // "mlp" | "nearest_centroid"; throws
+
+struct SaapConfig {
+  int probes = 32;                   ///< l: clusters visited per (sequence, kv head) and step
+  int sink_tokens = 1;               ///< first tokens always attended
+  int recent_tokens = 2047;          ///< last tokens always attended (the new one included)
+  std::vector<int> dense_layers{0};  ///< layers attended densely (layer 0: spec 2.0)
+  SaapRouter query_router = SaapRouter::Mlp;
+  /// Longest sequence (tokens) the engine must serve; sizes the index and the workspace.
+  /// 0: the model's max_position.
+  int max_context = 0;
+};
+
+}  // namespace kvs

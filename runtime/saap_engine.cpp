@@ -1,0 +1,523 @@
+#include "runtime/saap_engine.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/kv_update.h"
+#include "kernels/dense/dense_decode.h"
+
+namespace kvs {
+namespace {
+
+namespace sk = kernels::saap;
+
+std::string str(int64_t x) { return std::to_string(x); }
+
+size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
+template <typename T>
+T* device_upload(const T* src, size_t count) {
+  void* p = nullptr;
+  KVS_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
+  if (count) KVS_CUDA_CHECK(cudaMemcpy(p, src, count * sizeof(T), cudaMemcpyHostToDevice));
+  return static_cast<T*>(p);
+}
+
+template <typename T>
+T* device_alloc(int64_t count) {
+  void* p = nullptr;
+  KVS_CUDA_CHECK(cudaMalloc(&p, size_t(std::max<int64_t>(count, 1)) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+std::vector<bf16> to_bf16(const std::vector<float>& x) {
+  std::vector<bf16> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = float_to_bf16(x[i]);
+  return out;
+}
+
+void validate(const SaapConfig& c, const SaapParts& p, const ModelShape& s) {
+  auto need = [](bool ok, const std::string& what) {
+    if (!ok) throw std::invalid_argument("SaapConfig: " + what);
+  };
+  need(c.probes >= 1 && c.probes <= p.num_clusters,
+       "probes must be in [1, num_clusters = " + str(p.num_clusters) + " of the bundle], got " +
+           str(c.probes));
+  need(c.sink_tokens >= 0, "sink_tokens must be >= 0, got " + str(c.sink_tokens));
+  need(c.recent_tokens >= 1,
+       "recent_tokens must be >= 1 (the new token), got " + str(c.recent_tokens));
+  need(c.max_context >= 0, "max_context must be >= 0, got " + str(c.max_context));
+  for (int l : c.dense_layers)
+    need(l >= 0 && l < s.num_layers,
+         "dense_layers entry " + str(l) + " outside [0, " + str(s.num_layers) + ")");
+}
+
+}  // namespace
+
+const char* to_string(SaapRouter r) { return r == SaapRouter::Mlp ? "mlp" : "nearest_centroid"; }
+
+SaapRouter saap_router_from_string(const std::string& name) {
+  if (name == "mlp") return SaapRouter::Mlp;
+  if (name == "nearest_centroid") return SaapRouter::NearestCentroid;
+  throw std::invalid_argument("unknown SAAP query router '" + name +
+                              "' (known: mlp, nearest_centroid)");
+}
+
+SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, SaapParts parts)
+    : Engine(shape, config), parts_(std::move(parts)) {
+  parts_.validate(&shape_);
+  const SaapConfig& c = config_.saap;
+  validate(c, parts_, shape_);
+  max_context_ = c.max_context > 0 ? c.max_context : shape_.max_position;
+  if (max_context_ <= 0)
+    throw std::invalid_argument(
+        "SaapConfig: max_context is 0 and the model's max_position is 0: set max_context");
+  inv_freq_ = rope_inv_freq(shape_.rope, shape_.head_dim);
+  const bool cuda = config_.backend == Backend::Cuda;
+  if (cuda) {
+    if (shape_.head_dim != 64 && shape_.head_dim != 128)
+      throw std::invalid_argument("saap engine (cuda): head_dim " + str(shape_.head_dim) +
+                                  " is not supported (64 or 128)");
+    if (shape_.group_size() > 8)
+      throw std::invalid_argument("saap engine (cuda): group size " + str(shape_.group_size()) +
+                                  " above 8");
+    if (parts_.num_clusters > sk::kMaxClustersCuda)
+      throw std::invalid_argument("saap engine (cuda): num_clusters " + str(parts_.num_clusters) +
+                                  " above " + str(sk::kMaxClustersCuda));
+    KVS_CUDA_CHECK(sk::prepare_cuda(parts_.hidden_dim));
+    d_inv_freq_ = device_upload(inv_freq_.data(), inv_freq_.size());
+    if (config_.collect_stats) {
+      device_counters_ = device_alloc<unsigned long long>(3);
+      KVS_CUDA_CHECK(cudaMemset(device_counters_, 0, 3 * sizeof(unsigned long long)));
+    }
+  }
+  const int C = parts_.num_clusters, d = parts_.head_dim;
+  for (size_t i = 0; i < parts_.layers.size(); ++i) {
+    const SaapLayerParts& lp = parts_.per_layer[i];
+    FoldedMlp mlp = fold_batch_norm(parts_, int(i));
+    LayerRouter r;
+    r.centroids = lp.centroids;
+    r.norms.resize(size_t(parts_.num_kv_heads) * C);
+    for (size_t c = 0; c < r.norms.size(); ++c) {
+      double s = 0.0;
+      for (int k = 0; k < d; ++k) s += double(r.centroids[c * d + k]) * r.centroids[c * d + k];
+      r.norms[c] = float(s);
+    }
+    if (cuda) {
+      r.d_centroids = device_upload(r.centroids.data(), r.centroids.size());
+      r.d_norms = device_upload(r.norms.data(), r.norms.size());
+      const std::vector<bf16> w1 = to_bf16(mlp.w1), w2 = to_bf16(mlp.w2);
+      r.d_w1 = device_upload(w1.data(), w1.size());
+      r.d_w2 = device_upload(w2.data(), w2.size());
+      r.d_b1 = device_upload(mlp.b1.data(), mlp.b1.size());
+      r.d_b2 = device_upload(mlp.b2.data(), mlp.b2.size());
+      r.centroids.clear();
+      r.norms.clear();
+    } else {
+      r.w1 = std::move(mlp.w1);
+      r.b1 = std::move(mlp.b1);
+      r.w2 = std::move(mlp.w2);
+      r.b2 = std::move(mlp.b2);
+    }
+    routers_.push_back(std::move(r));
+  }
+  index_.resize(size_t(shape_.num_layers));
+  last_tokens_.resize(size_t(shape_.num_layers));
+  last_clusters_.resize(size_t(shape_.num_layers));
+}
+
+SaapEngine::~SaapEngine() {
+  if (config_.backend != Backend::Cuda) return;
+  for (LayerRouter& r : routers_) {
+    cudaFree(r.d_centroids);
+    cudaFree(r.d_norms);
+    cudaFree(r.d_w1);
+    cudaFree(r.d_b1);
+    cudaFree(r.d_w2);
+    cudaFree(r.d_b2);
+  }
+  for (LayerIndex& li : index_) {
+    if (!li.allocated) continue;
+    cudaFree(li.view.offsets);
+    cudaFree(li.view.members);
+    cudaFree(li.view.assign);
+    cudaFree(li.view.indexed_len);
+    cudaFree(li.view.csr_len);
+  }
+  cudaFree(d_inv_freq_);
+  if (device_counters_) cudaFree(device_counters_);
+}
+
+bool SaapEngine::is_dense_layer(int layer) const {
+  const auto& d = config_.saap.dense_layers;
+  return std::find(d.begin(), d.end(), layer) != d.end();
+}
+
+sk::Window SaapEngine::window() const {
+  sk::Window w;
+  w.sink = config_.saap.sink_tokens;
+  w.recent = config_.saap.recent_tokens;
+  return w;
+}
+
+sk::Router<float> SaapEngine::cpu_router(int slot) const {
+  const LayerRouter& lr = routers_[size_t(slot)];
+  sk::Router<float> r;
+  r.centroids = lr.centroids.data();
+  r.centroid_norms = lr.norms.data();
+  r.w1 = lr.w1.data();
+  r.b1 = lr.b1.data();
+  r.w2 = lr.w2.data();
+  r.b2 = lr.b2.data();
+  r.num_q_heads = parts_.num_q_heads;
+  r.num_kv_heads = parts_.num_kv_heads;
+  r.head_dim = parts_.head_dim;
+  r.hidden = parts_.hidden_dim;
+  r.num_clusters = parts_.num_clusters;
+  r.use_mlp = config_.saap.query_router == SaapRouter::Mlp;
+  return r;
+}
+
+sk::Router<bf16> SaapEngine::cuda_router(int slot) const {
+  const LayerRouter& lr = routers_[size_t(slot)];
+  sk::Router<bf16> r;
+  r.centroids = lr.d_centroids;
+  r.centroid_norms = lr.d_norms;
+  r.w1 = lr.d_w1;
+  r.b1 = lr.d_b1;
+  r.w2 = lr.d_w2;
+  r.b2 = lr.d_b2;
+  r.num_q_heads = parts_.num_q_heads;
+  r.num_kv_heads = parts_.num_kv_heads;
+  r.head_dim = parts_.head_dim;
+  r.hidden = parts_.hidden_dim;
+  r.num_clusters = parts_.num_clusters;
+  r.use_mlp = config_.saap.query_router == SaapRouter::Mlp;
+  return r;
+}
+
+int SaapEngine::require_slot(int layer, const char* who) const {
+  const int slot = parts_.layer_slot(layer);
+  if (slot < 0) {
+    std::string have;
+    for (int l : parts_.layers) have += (have.empty() ? "" : ",") + str(l);
+    throw std::invalid_argument(
+        std::string("saap engine ") + who + ": layer " + str(layer) +
+        " has no SAAP index in the bundle (indexed layers: " + (have.empty() ? "none" : have) +
+        "); train it or add it to SaapConfig::dense_layers");
+  }
+  return slot;
+}
+
+uint64_t SaapEngine::router_bytes_per_kv_head() const {
+  const uint64_t C = uint64_t(parts_.num_clusters), H = uint64_t(parts_.hidden_dim);
+  const uint64_t d = uint64_t(parts_.head_dim), g = uint64_t(shape_.group_size());
+  if (config_.saap.query_router == SaapRouter::NearestCentroid) return C * d * sizeof(float);
+  const uint64_t wbytes = config_.backend == Backend::Cuda ? sizeof(bf16) : sizeof(float);
+  return g * ((H * d + C * H) * wbytes + (H + C) * sizeof(float));
+}
+
+size_t SaapEngine::selected_bytes() const {
+  return align_up(size_t(config_.max_batch) * shape_.num_kv_heads * config_.saap.probes *
+                  sizeof(int32_t));
+}
+
+size_t SaapEngine::lists_bytes() const {
+  const size_t subs = size_t(config_.max_batch) * shape_.num_kv_heads;
+  return 2 * align_up(subs * size_t(max_context_) * sizeof(int32_t)) +
+         align_up(subs * sizeof(int32_t));
+}
+
+size_t SaapEngine::select_bytes() const {
+  return selected_bytes() + lists_bytes() +
+         align_up(sk::decode_workspace_bytes(config_.max_batch, shape_.num_q_heads,
+                                             shape_.num_kv_heads, shape_.head_dim,
+                                             parts_.hidden_dim, parts_.num_clusters));
+}
+
+size_t SaapEngine::workspace_bytes() const {
+  if (config_.backend == Backend::Cpu) return 0;
+  return select_bytes() +
+         kernels::dense_decode_workspace_bytes(config_.max_batch * shape_.num_kv_heads,
+                                               shape_.group_size(), shape_.head_dim);
+}
+
+int32_t* SaapEngine::selected_ptr() const { return static_cast<int32_t*>(workspace_.ptr); }
+
+kernels::tactic::Selection SaapEngine::lists() const {
+  const size_t subs = size_t(config_.max_batch) * shape_.num_kv_heads;
+  char* p = static_cast<char*>(workspace_.ptr) + selected_bytes();
+  kernels::tactic::Selection s;
+  s.max_tokens = max_context_;
+  s.rows = reinterpret_cast<int32_t*>(p);
+  p += align_up(subs * size_t(max_context_) * sizeof(int32_t));
+  s.tokens = reinterpret_cast<int32_t*>(p);
+  p += align_up(subs * size_t(max_context_) * sizeof(int32_t));
+  s.counts = reinterpret_cast<int32_t*>(p);
+  return s;
+}
+
+const sk::IndexState& SaapEngine::index_state(int layer) const {
+  if (layer < 0 || layer >= shape_.num_layers || !index_[size_t(layer)].allocated)
+    throw std::logic_error("saap engine: layer " + str(layer) + " has no index (prefill it first)");
+  return index_[size_t(layer)].view;
+}
+
+SaapEngine::LayerIndex& SaapEngine::allocate_index(int layer) {
+  LayerIndex& li = index_[size_t(layer)];
+  if (li.allocated) return li;
+  sk::IndexState& v = li.view;
+  v.max_batch = config_.max_batch;
+  v.num_kv_heads = shape_.num_kv_heads;
+  v.num_clusters = parts_.num_clusters;
+  v.max_tokens = max_context_;
+  const int64_t slots = int64_t(v.max_batch) * v.num_kv_heads;
+  const int64_t n_off = slots * (int64_t(v.num_clusters) + 1);
+  const int64_t n_tok = slots * v.max_tokens;
+  if (config_.backend == Backend::Cpu) {
+    li.offsets.assign(size_t(n_off), 0);
+    li.members.assign(size_t(n_tok), 0);
+    li.assign.assign(size_t(n_tok), 0);
+    li.indexed_len.assign(size_t(slots), 0);
+    li.csr_len.assign(size_t(slots), 0);
+    v.offsets = li.offsets.data();
+    v.members = li.members.data();
+    v.assign = li.assign.data();
+    v.indexed_len = li.indexed_len.data();
+    v.csr_len = li.csr_len.data();
+  } else {
+    v.offsets = device_alloc<int32_t>(n_off);
+    v.members = device_alloc<int32_t>(n_tok);
+    v.assign = device_alloc<int32_t>(n_tok);
+    v.indexed_len = device_alloc<int32_t>(slots);
+    v.csr_len = device_alloc<int32_t>(slots);
+    KVS_CUDA_CHECK(cudaMemset(v.offsets, 0, size_t(n_off) * sizeof(int32_t)));
+    KVS_CUDA_CHECK(cudaMemset(v.indexed_len, 0, size_t(slots) * sizeof(int32_t)));
+    KVS_CUDA_CHECK(cudaMemset(v.csr_len, 0, size_t(slots) * sizeof(int32_t)));
+  }
+  li.allocated = true;
+  return li;
+}
+
+void SaapEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
+  const std::string who = "saap engine prefill: ";
+  if (layer < 0 || layer >= shape_.num_layers)
+    throw std::out_of_range(who + "layer " + str(layer) + " outside [0, " + str(shape_.num_layers) +
+                            ")");
+  if (kv.batch <= 0 || kv.batch > config_.max_batch)
+    throw std::invalid_argument(who + "batch " + str(kv.batch) + " outside [1, " +
+                                str(config_.max_batch) + "] (EngineConfig.max_batch)");
+  if (kv.num_kv_heads != shape_.num_kv_heads || kv.head_dim != shape_.head_dim)
+    throw std::invalid_argument(who + "KV cache has " + str(kv.num_kv_heads) + " kv heads of dim " +
+                                str(kv.head_dim) + ", the model has " + str(shape_.num_kv_heads) +
+                                " of dim " + str(shape_.head_dim));
+  if (is_dense_layer(layer)) return;
+  const int slot = require_slot(layer, "prefill");
+  std::vector<int32_t> lens(size_t(kv.batch));
+  if (config_.backend == Backend::Cuda) {
+    KVS_CUDA_CHECK(cudaMemcpyAsync(lens.data(), kv.seq_lens, lens.size() * sizeof(int32_t),
+                                   cudaMemcpyDeviceToHost, stream));
+    KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  } else {
+    std::copy(kv.seq_lens, kv.seq_lens + kv.batch, lens.begin());
+  }
+  int max_len = 0;
+  for (int b = 0; b < kv.batch; ++b) {
+    if (lens[size_t(b)] > max_context_)
+      throw std::out_of_range(who + "sequence " + str(b) + " has " + str(lens[size_t(b)]) +
+                              " tokens, above max_context " + str(max_context_) +
+                              " (SaapConfig.max_context)");
+    max_len = std::max(max_len, int(lens[size_t(b)]));
+  }
+  LayerIndex& li = allocate_index(layer);
+  if (config_.backend == Backend::Cpu) {
+    const sk::Router<float> r = cpu_router(slot);
+    for (int b = 0; b < kv.batch; ++b)
+      for (int h = 0; h < shape_.num_kv_heads; ++h)
+        sk::index_prefill_cpu(kv, b, h, inv_freq_.data(), window(), r, li.view);
+    return;
+  }
+  const size_t ws_bytes =
+      sk::index_prefill_workspace_bytes(max_len, shape_.num_kv_heads, shape_.head_dim);
+  void* ws = nullptr;
+  KVS_CUDA_CHECK(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 1)));
+  const cudaError_t err = sk::index_prefill_cuda(kv, lens.data(), d_inv_freq_, window(),
+                                                 cuda_router(slot), li.view, ws, ws_bytes, stream);
+  const cudaError_t sync = cudaStreamSynchronize(stream);  // the workspace dies here
+  cudaFree(ws);
+  KVS_CUDA_CHECK(err);
+  KVS_CUDA_CHECK(sync);
+}
+
+void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv, bf16* out,
+                        float* lse, cudaStream_t stream) {
+  check_decode_args(layer, kv, q, out);
+  ++host_stats_.decode_calls;
+  const bool dense = is_dense_layer(layer);
+  if (!dense) {
+    require_slot(layer, "decode");
+    if (!index_[size_t(layer)].allocated)
+      throw std::logic_error("saap engine decode: layer " + str(layer) +
+                             " was never prefilled (no index)");
+    if (q_pre == nullptr)
+      throw std::invalid_argument(
+          "saap engine decode: q_pre is null; SAAP routes the pre-RoPE "
+          "queries (layer " +
+          str(layer) + ")");
+  }
+  if (config_.backend == Backend::Cpu) {
+    decode_cpu(layer, q, q_pre, kv, out, lse);
+    return;
+  }
+  const float scale = float(shape_.scale());
+  char* ws = static_cast<char*>(workspace_.ptr);
+  if (dense) {
+    KVS_CUDA_CHECK(kernels::dense_decode_cuda(q, shape_.num_q_heads, kv, scale, out, lse,
+                                              ws + select_bytes(),
+                                              workspace_.bytes - select_bytes(), stream));
+    if (device_counters_)
+      KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, kv.num_kv_heads,
+                                                 device_counters_, stream));
+  } else {
+    const int slot = parts_.layer_slot(layer);
+    const kernels::tactic::Selection sel = lists();
+    const size_t router_ws = selected_bytes() + lists_bytes();
+    KVS_CUDA_CHECK(sk::decode_select_cuda(
+        q_pre, kv, d_inv_freq_, window(), cuda_router(slot), config_.saap.probes,
+        index_[size_t(layer)].view, selected_ptr(), sel, device_counters_,
+        router_bytes_per_kv_head(), ws + router_ws, select_bytes() - router_ws, stream));
+    KVS_CUDA_CHECK(kernels::dense_decode_cuda(
+        q, shape_.group_size(), kernels::tactic::subrequest_view(kv, sel), scale, out, lse,
+        ws + select_bytes(), workspace_.bytes - select_bytes(), stream));
+  }
+  if (device_counters_)
+    KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, kv.num_kv_heads,
+                                               device_counters_ + 2, stream));
+}
+
+void SaapEngine::decode_cpu(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv,
+                            bf16* out, float* lse) {
+  const int d = shape_.head_dim, g = shape_.group_size(), hq = shape_.num_q_heads;
+  const int hkv = shape_.num_kv_heads;
+  const double scale = shape_.scale();
+  std::vector<float> qf(static_cast<size_t>(d));
+  std::vector<double> o(static_cast<size_t>(d));
+  auto attend = [&](int b, int h, const int32_t* tokens, int count) {
+    for (int j = 0; j < g; ++j) {
+      const int64_t row = int64_t(b) * hq + h * g + j;
+      for (int i = 0; i < d; ++i) qf[size_t(i)] = bf16_to_float(q[row * d + i]);
+      double l;
+      kernels::attend_cpu(qf.data(), kv, b, h, tokens, count, scale, o.data(), &l);
+      for (int i = 0; i < d; ++i) out[row * d + i] = float_to_bf16(float(o[size_t(i)]));
+      if (lse) lse[row] = float(l);
+    }
+  };
+  for (int b = 0; b < kv.batch; ++b) host_stats_.kv_rows_context += uint64_t(kv.seq_lens[b]) * hkv;
+  auto& last_t = last_tokens_[size_t(layer)];
+  auto& last_c = last_clusters_[size_t(layer)];
+  last_t.assign(size_t(kv.batch) * hkv, {});
+  last_c.assign(size_t(kv.batch) * hkv, {});
+  if (is_dense_layer(layer)) {
+    last_t.clear();  // empty: every token
+    for (int b = 0; b < kv.batch; ++b)
+      for (int h = 0; h < hkv; ++h) {
+        attend(b, h, nullptr, 0);
+        host_stats_.kv_rows_read += uint64_t(kv.seq_lens[b]);
+      }
+    return;
+  }
+  const int slot = parts_.layer_slot(layer);
+  const sk::Router<float> r = cpu_router(slot);
+  const sk::IndexState& st = index_[size_t(layer)].view;
+  const int C = parts_.num_clusters, l = config_.saap.probes;
+  std::vector<float> qg(size_t(g) * d);
+  std::vector<double> scores(static_cast<size_t>(C));
+  for (int b = 0; b < kv.batch; ++b) {
+    if (kv.seq_lens[b] > max_context_)
+      throw std::out_of_range("saap engine decode: sequence " + str(b) + " has " +
+                              str(kv.seq_lens[b]) + " tokens, above max_context " +
+                              str(max_context_));
+    for (int h = 0; h < hkv; ++h) {
+      sk::index_step_cpu(kv, b, h, inv_freq_.data(), window(), r, st);
+      for (size_t i = 0; i < qg.size(); ++i)
+        qg[i] = bf16_to_float(q_pre[(int64_t(b) * hq + h * g) * d + int64_t(i)]);
+      sk::route_scores_cpu(r, h, qg.data(), scores.data());
+      std::vector<int32_t> clusters(static_cast<size_t>(l));
+      sk::top_clusters_cpu(scores.data(), C, l, clusters.data());
+      std::vector<int32_t> tokens =
+          sk::selected_tokens_cpu(kv, b, h, window(), st, clusters.data(), l);
+      attend(b, h, tokens.data(), int(tokens.size()));
+      const int64_t s = st.slot(b, h);
+      host_stats_.kv_rows_read += tokens.size();
+      host_stats_.selection_bytes_read += router_bytes_per_kv_head() + 8ull * l +
+                                          4ull * uint64_t(st.indexed_len[s] - st.csr_len[s]);
+      last_t[size_t(b) * hkv + h] = std::move(tokens);
+      last_c[size_t(b) * hkv + h] = std::move(clusters);
+    }
+  }
+}
+
+std::vector<int32_t> SaapEngine::last_clusters(int layer, int b, int h) const {
+  const int hkv = shape_.num_kv_heads, l = config_.saap.probes;
+  if (layer < 0 || layer >= shape_.num_layers || is_dense_layer(layer)) return {};
+  if (config_.backend == Backend::Cpu) {
+    const auto& last = last_clusters_[size_t(layer)];
+    const size_t i = size_t(b) * hkv + h;
+    return i < last.size() ? last[i] : std::vector<int32_t>{};
+  }
+  std::vector<int32_t> out(static_cast<size_t>(l));
+  KVS_CUDA_CHECK(cudaMemcpy(out.data(), selected_ptr() + (size_t(b) * hkv + h) * l,
+                            out.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  return out;
+}
+
+std::vector<std::vector<int32_t>> SaapEngine::last_read(int layer, int b) const {
+  if (layer < 0 || layer >= shape_.num_layers || is_dense_layer(layer)) return {};
+  const int hkv = shape_.num_kv_heads, g = shape_.group_size();
+  std::vector<std::vector<int32_t>> per_kv_head(static_cast<size_t>(hkv));
+  if (config_.backend == Backend::Cpu) {
+    const auto& last = last_tokens_[size_t(layer)];
+    if (size_t(b + 1) * hkv > last.size()) return {};
+    for (int h = 0; h < hkv; ++h) per_kv_head[size_t(h)] = last[size_t(b) * hkv + h];
+  } else {
+    // The lists in the workspace belong to the last decode call, whichever layer it was.
+    const kernels::tactic::Selection sel = lists();
+    std::vector<int32_t> counts(static_cast<size_t>(hkv));
+    KVS_CUDA_CHECK(cudaMemcpy(counts.data(), sel.counts + size_t(b) * hkv,
+                              counts.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    for (int h = 0; h < hkv; ++h) {
+      auto& t = per_kv_head[size_t(h)];
+      t.resize(size_t(counts[size_t(h)]));
+      KVS_CUDA_CHECK(cudaMemcpy(t.data(), sel.tokens + (size_t(b) * hkv + h) * sel.max_tokens,
+                                t.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    }
+  }
+  std::vector<std::vector<int32_t>> out;
+  for (int h = 0; h < hkv; ++h) {
+    std::sort(per_kv_head[size_t(h)].begin(), per_kv_head[size_t(h)].end());
+    for (int j = 0; j < g; ++j) out.push_back(per_kv_head[size_t(h)]);
+  }
+  return out;
+}
+
+EngineStats SaapEngine::stats() const {
+  EngineStats s = host_stats_;
+  if (device_counters_) {
+    unsigned long long c[3] = {0, 0, 0};
+    KVS_CUDA_CHECK(cudaMemcpy(c, device_counters_, sizeof c, cudaMemcpyDeviceToHost));
+    s.kv_rows_read = c[0];
+    s.selection_bytes_read = c[1];
+    s.kv_rows_context = c[2];
+  }
+  return s;
+}
+
+void SaapEngine::reset_stats() {
+  host_stats_ = EngineStats{};
+  if (device_counters_)
+    KVS_CUDA_CHECK(cudaMemset(device_counters_, 0, 3 * sizeof(unsigned long long)));
+}
+
+}  // namespace kvs

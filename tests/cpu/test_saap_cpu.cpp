@@ -1,0 +1,372 @@
+// SAAP on the CPU: the stored parts (bundle round trip, bad bundles), batch-norm folding, the
+// engine's selection rule against an independent recomputation, decode-time indexing, the
+// nearest-centroid router, and kvs-eval's replay with --methods saap --bundle.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <set>
+
+#include "artifacts/bundle.h"
+#include "artifacts/capture_file.h"
+#include "kernels/dense/dense_decode.h"
+#include "kernels/saap/saap.h"
+#include "runtime/eval/replay.h"
+#include "runtime/saap_engine.h"
+#include "tests/cpu/h5_test_support.h"
+#include "tests/cpu/saap_scene.h"
+
+namespace kvs {
+namespace {
+
+using testing_h5::TempDir;
+namespace sk = kernels::saap;
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an exception";
+  return "";
+}
+
+void write_bundle(const std::string& path, const ModelShape& shape, const SaapParts& p) {
+  BundleWriter w(path, shape);
+  write_saap_parts(w.method_group("saap"), p);
+  w.commit();
+}
+
+TEST(SaapParts, BundleRoundTripAndEngineFromBundle) {
+  TempDir tmp;
+  const ModelShape shape = saap_test::scene_shape();
+  const SaapParts p = saap_test::random_parts(shape, 16, 32, 1);
+  write_bundle(tmp.path("b.h5"), shape, p);
+  const Bundle b = Bundle::open(tmp.path("b.h5"));
+  const SaapParts r = read_saap_parts(b.method_group("saap"), shape);
+  EXPECT_EQ(r.num_clusters, 16);
+  EXPECT_EQ(r.hidden_dim, 32);
+  EXPECT_EQ(r.layers, p.layers);
+  EXPECT_EQ(r.dense_layers, p.dense_layers);
+  EXPECT_EQ(r.recent_tokens, p.recent_tokens);
+  ASSERT_EQ(r.per_layer.size(), p.per_layer.size());
+  for (size_t i = 0; i < p.per_layer.size(); ++i) {
+    EXPECT_EQ(r.per_layer[i].centroids, p.per_layer[i].centroids);
+    EXPECT_EQ(r.per_layer[i].w1, p.per_layer[i].w1);
+    EXPECT_EQ(r.per_layer[i].bn_var, p.per_layer[i].bn_var);
+    EXPECT_EQ(r.per_layer[i].w2, p.per_layer[i].w2);
+    EXPECT_EQ(r.per_layer[i].b2, p.per_layer[i].b2);
+  }
+  validate_stored_parts(Method::Saap, b.method_group("saap"), shape);
+  EngineConfig cfg;
+  cfg.backend = Backend::Cpu;
+  cfg.saap.probes = 4;  // l <= C = 16
+  auto e = make_engine(Method::Saap, shape, cfg, &b);
+  EXPECT_EQ(e->method(), Method::Saap);
+  EXPECT_NE(
+      message_of([&] { make_engine(Method::Saap, shape, cfg, nullptr); }).find("kvs-indexbuild"),
+      std::string::npos);
+}
+
+TEST(SaapParts, BadBundlesAreRejectedNamingWhatIsWrong) {
+  TempDir tmp;
+  const ModelShape shape = saap_test::scene_shape();
+  const SaapParts p = saap_test::random_parts(shape, 16, 32, 2);
+  {  // wrong C: the attribute says 32, the arrays hold 16 clusters
+    const std::string path = tmp.path("c.h5");
+    BundleWriter w(path, shape);
+    h5::Group g = w.method_group("saap");
+    write_saap_parts(g, p);
+    g.set_attr_int("num_clusters", 32);
+    w.commit();
+    const Bundle b = Bundle::open(path);
+    const std::string m = message_of([&] { read_saap_parts(b.method_group("saap"), shape); });
+    EXPECT_NE(m.find("centroids"), std::string::npos) << m;
+    EXPECT_NE(m.find("expected"), std::string::npos) << m;
+    EXPECT_NE(message_of([&] {
+                validate_stored_parts(Method::Saap, b.method_group("saap"), shape);
+              }).find("centroids"),
+              std::string::npos);
+  }
+  {  // wrong head count: parts for 4 query heads, the model has 8
+    const std::string path = tmp.path("h.h5");
+    ModelShape other = shape;
+    other.num_q_heads = 4;
+    const SaapParts q = saap_test::random_parts(other, 16, 32, 3);
+    BundleWriter w(path, shape);
+    write_saap_parts(w.method_group("saap"), q);
+    w.commit();
+    const Bundle b = Bundle::open(path);
+    const std::string m = message_of([&] { read_saap_parts(b.method_group("saap"), shape); });
+    EXPECT_NE(m.find("num_q_heads 4, the model has 8"), std::string::npos) << m;
+    EngineConfig cfg;
+    cfg.backend = Backend::Cpu;
+    EXPECT_NE(message_of([&] { make_engine(Method::Saap, shape, cfg, &b); }).find("num_q_heads"),
+              std::string::npos);
+  }
+}
+
+TEST(SaapParts, FoldedBatchNormMatchesTheUnfoldedLayer) {
+  const ModelShape shape = saap_test::scene_shape(2, 4, 2, 64);
+  const SaapParts p = saap_test::random_parts(shape, 8, 16, 4);
+  const FoldedMlp f = fold_batch_norm(p, 0);
+  const SaapLayerParts& l = p.per_layer[0];
+  const std::vector<bf16> q = saap_test::random_bf16(64, 5);
+  for (int h = 0; h < 4; ++h)
+    for (int j = 0; j < 16; ++j) {
+      const size_t r = size_t(h) * 16 + j;
+      double x = l.b1[r], y = f.b1[r];
+      for (int k = 0; k < 64; ++k) {
+        x += double(l.w1[r * 64 + k]) * bf16_to_float(q[size_t(k)]);
+        y += double(f.w1[r * 64 + k]) * bf16_to_float(q[size_t(k)]);
+      }
+      const double bn =
+          (x - l.bn_mean[r]) / std::sqrt(double(l.bn_var[r]) + p.bn_eps) * l.bn_weight[r] +
+          l.bn_bias[r];
+      EXPECT_NEAR(y, bn, 1e-4 * (1 + std::abs(bn)));
+    }
+}
+
+// ---- engine -------------------------------------------------------------------------------
+
+struct Scene {
+  ModelShape shape = saap_test::scene_shape();
+  SaapParts parts;
+  std::vector<bf16> k, v;
+  int T = 0;
+  std::vector<int32_t> table{0};
+  std::vector<int32_t> len{0};
+  PagedKV kv;
+
+  Scene(int tokens, int C, uint64_t seed) : T(tokens) {
+    parts = saap_test::random_parts(shape, C, 32, seed);
+    saap_test::clustered_kv(shape, parts, 0, T, seed + 1, k, v);
+    kv.k = k.data();
+    kv.v = v.data();
+    kv.page_table = table.data();
+    kv.seq_lens = len.data();
+    kv.batch = 1;
+    kv.num_pages = 1;
+    kv.page_size = T;
+    kv.num_kv_heads = shape.num_kv_heads;
+    kv.head_dim = shape.head_dim;
+    kv.max_pages_per_seq = 1;
+  }
+};
+
+EngineConfig cpu_config(int probes, int sink, int recent) {
+  EngineConfig cfg;
+  cfg.backend = Backend::Cpu;
+  cfg.saap.probes = probes;
+  cfg.saap.sink_tokens = sink;
+  cfg.saap.recent_tokens = recent;
+  cfg.saap.max_context = 2048;
+  return cfg;
+}
+
+TEST(SaapEngineCpu, AttendsSinkWindowAndExactlyTheTopClustersThenIndexesLeavingTokens) {
+  Scene s(700, 16, 10);
+  const int sink = 2, recent = 100, l = 3, hq = 8, hkv = 2, d = 128, g = 4;
+  SaapEngine e(s.shape, cpu_config(l, sink, recent), s.parts);
+  s.len[0] = 600;
+  e.prefill(1, s.kv, nullptr);
+  const sk::IndexState& st = e.index_state(1);
+  EXPECT_EQ(st.indexed_len[0], 500);
+  const std::vector<float> inv = rope_inv_freq(s.shape.rope, d);
+  const SaapLayerParts& lp = s.parts.per_layer[0];
+  const FoldedMlp mlp = fold_batch_norm(s.parts, 0);
+  std::vector<float> key(static_cast<size_t>(d));
+  for (int step = 0; step < 5; ++step) {
+    s.len[0] = 601 + step;
+    const std::vector<bf16> q = saap_test::random_bf16(size_t(hq) * d, 100 + step);
+    const std::vector<bf16> q_pre = saap_test::random_bf16(size_t(hq) * d, 200 + step);
+    std::vector<bf16> out(size_t(hq) * d);
+    std::vector<float> lse(static_cast<size_t>(hq));
+    e.decode(1, q.data(), q_pre.data(), s.kv, out.data(), lse.data(), nullptr);
+    const auto read = e.last_read(1, 0);
+    ASSERT_EQ(read.size(), size_t(hq));
+    for (int h = 0; h < hkv; ++h) {
+      // The token that left the window was indexed with its nearest centroid.
+      const int t = 500 + step;
+      EXPECT_EQ(st.indexed_len[h], t + 1);
+      sk::deroped_key_cpu(s.kv, 0, h, t, inv.data(), key.data());
+      std::vector<float> norms(16);
+      for (int c = 0; c < 16; ++c) {
+        double n2 = 0;
+        for (int j = 0; j < d; ++j)
+          n2 += double(lp.centroids[(size_t(h) * 16 + c) * d + j]) *
+                lp.centroids[(size_t(h) * 16 + c) * d + j];
+        norms[size_t(c)] = float(n2);
+      }
+      EXPECT_EQ(st.assign_of(0, h)[t],
+                sk::nearest_centroid_cpu(key.data(), lp.centroids.data() + size_t(h) * 16 * d,
+                                         norms.data(), 16, d));
+      // Independent top-l: summed softmax of the group's (folded) MLP logits.
+      std::vector<double> score(16, 0.0);
+      for (int j = 0; j < g; ++j) {
+        const int qh = h * g + j;
+        std::vector<double> hid(32), z(16);
+        for (int r = 0; r < 32; ++r) {
+          double a = mlp.b1[size_t(qh) * 32 + r];
+          for (int k = 0; k < d; ++k)
+            a += double(mlp.w1[(size_t(qh) * 32 + r) * d + k]) *
+                 bf16_to_float(q_pre[size_t(qh) * d + k]);
+          hid[size_t(r)] = std::max(0.0, a);
+        }
+        double m = -1e300, sum = 0;
+        for (int c = 0; c < 16; ++c) {
+          double a = mlp.b2[size_t(qh) * 16 + c];
+          for (int r = 0; r < 32; ++r)
+            a += double(mlp.w2[(size_t(qh) * 16 + c) * 32 + r]) * hid[size_t(r)];
+          z[size_t(c)] = a;
+          m = std::max(m, a);
+        }
+        for (int c = 0; c < 16; ++c) sum += std::exp(z[size_t(c)] - m);
+        for (int c = 0; c < 16; ++c) score[size_t(c)] += std::exp(z[size_t(c)] - m) / sum;
+      }
+      std::vector<int> order(16);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int a, int b) { return score[size_t(a)] > score[size_t(b)]; });
+      const std::vector<int32_t> got = e.last_clusters(1, 0, h);
+      ASSERT_EQ(got.size(), size_t(l));
+      std::set<int> top(order.begin(), order.begin() + l);
+      for (int c : got) EXPECT_TRUE(top.count(c)) << "cluster " << c;
+      std::vector<int32_t> expect;
+      const int n = s.len[0];
+      for (int t2 = 0; t2 < n; ++t2) {
+        const bool dense = t2 < sink || t2 >= st.indexed_len[h];
+        if (dense || top.count(st.assign_of(0, h)[t2])) expect.push_back(t2);
+      }
+      EXPECT_EQ(read[size_t(h) * g], expect) << "kv head " << h << " step " << step;
+      // Output: exact attention over that set.
+      for (int j = 0; j < g; ++j) {
+        const int qh = h * g + j;
+        std::vector<float> qf(static_cast<size_t>(d));
+        for (int i = 0; i < d; ++i) qf[size_t(i)] = bf16_to_float(q[size_t(qh) * d + i]);
+        std::vector<double> o(static_cast<size_t>(d));
+        double ref_lse;
+        kernels::attend_cpu(qf.data(), s.kv, 0, h, expect.data(), int(expect.size()),
+                            s.shape.scale(), o.data(), &ref_lse);
+        EXPECT_NEAR(lse[size_t(qh)], ref_lse, 1e-4);
+        for (int i = 0; i < d; ++i)
+          EXPECT_NEAR(bf16_to_float(out[size_t(qh) * d + i]), o[size_t(i)],
+                      1e-2 * (1 + std::abs(o[size_t(i)])));
+      }
+    }
+  }
+  const EngineStats stats = e.stats();
+  EXPECT_EQ(stats.decode_calls, 5u);
+  EXPECT_GT(stats.kv_rows_read, 0u);
+  EXPECT_LT(stats.kv_rows_read, stats.kv_rows_context);
+}
+
+TEST(SaapEngineCpu, NearestCentroidRouterProbesTheCentroidsNearestTheMeanQuery) {
+  Scene s(400, 16, 20);
+  EngineConfig cfg = cpu_config(4, 1, 50);
+  cfg.saap.query_router = SaapRouter::NearestCentroid;
+  SaapEngine e(s.shape, cfg, s.parts);
+  s.len[0] = 400;
+  e.prefill(2, s.kv, nullptr);
+  const std::vector<bf16> q = saap_test::random_bf16(8 * 128, 7);
+  std::vector<bf16> out(8 * 128);
+  e.decode(2, q.data(), q.data(), s.kv, out.data(), nullptr, nullptr);
+  const SaapLayerParts& lp = s.parts.per_layer[1];
+  for (int h = 0; h < 2; ++h) {
+    std::vector<double> dist(16);
+    for (int c = 0; c < 16; ++c) {
+      double d2 = 0;
+      for (int i = 0; i < 128; ++i) {
+        double m = 0;
+        for (int j = 0; j < 4; ++j) m += bf16_to_float(q[size_t(h * 4 + j) * 128 + i]);
+        const double diff = m / 4 - lp.centroids[(size_t(h) * 16 + c) * 128 + i];
+        d2 += diff * diff;
+      }
+      dist[size_t(c)] = d2;
+    }
+    std::vector<int> order(16);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return dist[size_t(a)] < dist[size_t(b)]; });
+    const std::vector<int32_t> got = e.last_clusters(2, 0, h);
+    EXPECT_EQ(std::set<int>(got.begin(), got.end()),
+              std::set<int>(order.begin(), order.begin() + 4));
+  }
+}
+
+TEST(SaapEngineCpu, DenseLayersShortSequencesAndErrors) {
+  Scene s(120, 8, 30);
+  SaapEngine e(s.shape, cpu_config(2, 1, 200), s.parts);
+  s.len[0] = 120;  // shorter than sink + window: everything is dense
+  e.prefill(1, s.kv, nullptr);
+  const std::vector<bf16> q = saap_test::random_bf16(8 * 128, 8);
+  std::vector<bf16> out(8 * 128);
+  e.decode(1, q.data(), q.data(), s.kv, out.data(), nullptr, nullptr);
+  EXPECT_EQ(e.last_read(1, 0)[0].size(), 120u);
+  e.prefill(0, s.kv, nullptr);  // dense layer: no index, q_pre not needed
+  e.decode(0, q.data(), nullptr, s.kv, out.data(), nullptr, nullptr);
+  EXPECT_TRUE(e.last_read(0, 0).empty());
+  EXPECT_NE(message_of([&] {
+              e.decode(1, q.data(), nullptr, s.kv, out.data(), nullptr, nullptr);
+            }).find("q_pre"),
+            std::string::npos);
+  EngineConfig cfg = cpu_config(2, 1, 200);
+  cfg.saap.dense_layers = {};
+  SaapEngine f(s.shape, cfg, s.parts);
+  EXPECT_NE(message_of([&] { f.prefill(0, s.kv, nullptr); }).find("layer 0 has no SAAP index"),
+            std::string::npos);
+  cfg.saap.probes = 9;
+  EXPECT_NE(message_of([&] { SaapEngine bad(s.shape, cfg, s.parts); }).find("probes"),
+            std::string::npos);
+}
+
+// kvs-eval's replay (what `kvs-eval --methods saap --bundle b.h5` runs) on the CPU backend.
+TEST(SaapEngineCpu, ReplaysACaptureFromABundle) {
+  TempDir tmp;
+  const ModelShape shape = saap_test::scene_shape();
+  const SaapParts p = saap_test::random_parts(shape, 16, 32, 40);
+  write_bundle(tmp.path("b.h5"), shape, p);
+  const int T = 300, decode_start = 290;
+  {
+    CaptureMeta meta;
+    meta.shape = shape;
+    meta.layers = {0, 1};
+    meta.vocab_size = 256;
+    CaptureWriter w(tmp.path("c.h5"), meta);
+    std::vector<int32_t> tokens(static_cast<size_t>(T), 65);
+    w.begin_sequence(tokens, decode_start, "synthetic");
+    for (int l : {0, 1}) {
+      // Pre-RoPE rows: what a capture stores.
+      const std::vector<bf16> q = saap_test::random_bf16(size_t(T) * 8 * 128, 50 + l);
+      const std::vector<bf16> k = saap_test::random_bf16(size_t(T) * 2 * 128, 60 + l);
+      const std::vector<bf16> v = saap_test::random_bf16(size_t(T) * 2 * 128, 70 + l);
+      w.append_qkv(l, T, q.data(), k.data(), v.data());
+      std::vector<float> pooled(size_t(8) * ((T + 15) / 16), 0.f);
+      for (int st = 0; st < T - decode_start; ++st) w.append_attn_row(l, pooled.data());
+    }
+    w.commit();
+  }
+  const CaptureFile cap = CaptureFile::open(tmp.path("c.h5"));
+  eval::ReplayConfig rc;
+  rc.methods = {"saap"};
+  rc.bundle = tmp.path("b.h5");
+  rc.engine.backend = Backend::Cpu;
+  rc.engine.saap.recent_tokens = 64;
+  rc.engine.saap.probes = 4;
+  rc.budget_fractions = {};
+  const eval::Aggregator agg = eval::replay_capture(cap, rc);
+  bool layer1 = false;
+  for (const eval::ResultRow& r : agg.rows())
+    if (r.method == "saap" && r.layer == 1) {
+      layer1 = true;
+      EXPECT_EQ(r.steps, T - decode_start);
+      EXPECT_LT(r.kv_read_fraction_mean, 1.0);
+      EXPECT_GT(r.mass_recall_mean, 0.0);
+    }
+  EXPECT_TRUE(layer1);
+}
+
+}  // namespace
+}  // namespace kvs

@@ -1,0 +1,243 @@
+// SAAP on CUDA against the CPU engine: the prefill index (assignments, CSR), the decode-time
+// indexing, the router's top-l (bf16 weights: clusters may differ only at near-ties of the
+// CPU's fp64 scores), the token lists, and the attention output against exact attention over
+// the lists CUDA chose; the last decode step runs as a CUDA-graph replay. Paged cache, batch 2.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "kernels/common/kv_update.h"
+#include "kernels/dense/dense_decode.h"
+#include "kernels/saap/saap.h"
+#include "runtime/kv_cache.h"
+#include "runtime/saap_engine.h"
+#include "tests/cpu/saap_scene.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace kvs {
+namespace {
+
+namespace sk = kernels::saap;
+
+template <typename T>
+std::vector<T> download(const T* p, size_t n) {
+  std::vector<T> h(n);
+  KVS_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+struct Pair {
+  ModelShape shape = saap_test::scene_shape();
+  SaapParts parts;
+  std::unique_ptr<KVCache> cpu_cache, gpu_cache;
+  std::unique_ptr<SaapEngine> cpu, gpu;
+  std::unique_ptr<test::DeviceBuffer<char>> ws;
+  int layer = 1;
+
+  Pair(SaapRouter router, const std::vector<int>& lens, int C) {
+    parts = saap_test::random_parts(shape, C, 32, 11);
+    EngineConfig cfg;
+    cfg.max_batch = 2;
+    cfg.saap.probes = 6;
+    cfg.saap.sink_tokens = 4;
+    cfg.saap.recent_tokens = 128;
+    cfg.saap.max_context = 2048;
+    cfg.saap.query_router = router;
+    cfg.collect_stats = true;
+    cfg.backend = Backend::Cpu;
+    cpu = std::make_unique<SaapEngine>(shape, cfg, parts);
+    cfg.backend = Backend::Cuda;
+    gpu = std::make_unique<SaapEngine>(shape, cfg, parts);
+    ws = std::make_unique<test::DeviceBuffer<char>>(gpu->workspace_bytes());
+    gpu->bind_workspace({ws->get(), gpu->workspace_bytes()});
+    for (int dev = 0; dev < 2; ++dev) {
+      KVCacheConfig cc;
+      cc.num_layers = shape.num_layers;
+      cc.num_kv_heads = shape.num_kv_heads;
+      cc.head_dim = shape.head_dim;
+      cc.page_size = 16;
+      cc.max_batch = 2;
+      cc.max_seq_len = 2048;
+      cc.device = dev == 0 ? Device::Cpu : Device::Cuda;
+      auto cache = std::make_unique<KVCache>(cc);
+      for (int b = 0; b < 2; ++b) {
+        cache->reserve(b, 2048);
+        std::vector<bf16> k, v;
+        saap_test::clustered_kv(shape, parts, 0, lens[size_t(b)], 100 + b, k, v);
+        if (dev == 0) {
+          cache->write(layer, b, 0, lens[size_t(b)], k.data(), v.data());
+        } else {
+          test::DeviceBuffer<bf16> kd(k), vd(v);
+          cache->write(layer, b, 0, lens[size_t(b)], kd.get(), vd.get());
+        }
+      }
+      cache->set_lengths(lens);
+      (dev == 0 ? cpu_cache : gpu_cache) = std::move(cache);
+    }
+  }
+
+  // CPU fp64 route scores of (b, h) for q_pre (host, [B, Hq, d]).
+  std::vector<double> scores(const std::vector<bf16>& q_pre, int b, int h, bool mlp) const {
+    const FoldedMlp f = fold_batch_norm(parts, 0);
+    const SaapLayerParts& lp = parts.per_layer[0];
+    const int C = parts.num_clusters, d = shape.head_dim, g = shape.group_size();
+    std::vector<float> norms(size_t(shape.num_kv_heads) * C);
+    for (size_t c = 0; c < norms.size(); ++c) {
+      double s = 0;
+      for (int j = 0; j < d; ++j) s += double(lp.centroids[c * d + j]) * lp.centroids[c * d + j];
+      norms[c] = float(s);
+    }
+    sk::Router<float> r;
+    r.centroids = lp.centroids.data();
+    r.centroid_norms = norms.data();
+    r.w1 = f.w1.data();
+    r.b1 = f.b1.data();
+    r.w2 = f.w2.data();
+    r.b2 = f.b2.data();
+    r.num_q_heads = shape.num_q_heads;
+    r.num_kv_heads = shape.num_kv_heads;
+    r.head_dim = d;
+    r.hidden = parts.hidden_dim;
+    r.num_clusters = C;
+    r.use_mlp = mlp;
+    std::vector<float> qg(size_t(g) * d);
+    for (size_t i = 0; i < qg.size(); ++i)
+      qg[i] = bf16_to_float(q_pre[(size_t(b) * shape.num_q_heads + h * g) * d + i]);
+    std::vector<double> s(static_cast<size_t>(C));
+    sk::route_scores_cpu(r, h, qg.data(), s.data());
+    return s;
+  }
+};
+
+// Clusters chosen on the GPU and the CPU may differ only where the CPU's scores are within
+// `tol` (relative) of the l-th best score.
+void expect_same_clusters(const std::vector<int32_t>& gpu, const std::vector<int32_t>& cpu,
+                          const std::vector<double>& score, double tol, const std::string& what) {
+  std::vector<double> sorted = score;
+  std::sort(sorted.rbegin(), sorted.rend());
+  const double lth = sorted[cpu.size() - 1];
+  std::set<int> g(gpu.begin(), gpu.end()), c(cpu.begin(), cpu.end());
+  ASSERT_EQ(g.size(), cpu.size()) << what << ": duplicate clusters";
+  for (int x : g)
+    if (!c.count(x))
+      EXPECT_LE(std::abs(score[size_t(x)] - lth), tol * (std::abs(lth) + 1e-12)) << what;
+  for (int x : c)
+    if (!g.count(x))
+      EXPECT_LE(std::abs(score[size_t(x)] - lth), tol * (std::abs(lth) + 1e-12)) << what;
+}
+
+void run_pair(SaapRouter router) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<int> lens{900, 1300};
+  Pair p(router, lens, 64);
+  const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
+  const int g = p.shape.group_size();
+  p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
+  p.gpu->prefill(p.layer, p.gpu_cache->view(p.layer), nullptr);
+  const sk::IndexState& cs = p.cpu->index_state(p.layer);
+  const sk::IndexState& gs = p.gpu->index_state(p.layer);
+  const size_t slots = 2 * size_t(hkv);
+  const std::vector<int32_t> g_assign = download(gs.assign, slots * 2048);
+  const std::vector<int32_t> g_off = download(gs.offsets, slots * 65);
+  const std::vector<int32_t> g_mem = download(gs.members, slots * 2048);
+  const std::vector<int32_t> g_idx = download(gs.indexed_len, slots);
+  int mismatches = 0, total = 0;
+  for (int b = 0; b < 2; ++b)
+    for (int h = 0; h < hkv; ++h) {
+      const int64_t s = cs.slot(b, h);
+      ASSERT_EQ(g_idx[size_t(s)], cs.indexed_len[s]);
+      EXPECT_EQ(cs.indexed_len[s], lens[size_t(b)] - 128);
+      for (int t = 4; t < cs.indexed_len[s]; ++t, ++total)
+        mismatches += g_assign[size_t(s) * 2048 + t] != cs.assign_of(b, h)[t];
+      if (mismatches == 0)
+        for (int c = 0; c <= 64; ++c) ASSERT_EQ(g_off[size_t(s) * 65 + c], cs.offsets_of(b, h)[c]);
+      if (mismatches == 0)
+        for (int i = 0; i < cs.indexed_len[s] - 4; ++i)
+          ASSERT_EQ(g_mem[size_t(s) * 2048 + i], cs.members_of(b, h)[i]) << "member " << i;
+    }
+  EXPECT_LE(mismatches, total / 200) << "assignments differing between CPU and CUDA";
+
+  cudaStream_t stream;
+  KVS_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (int step = 0; step < 4; ++step) {
+    const std::vector<bf16> kn = saap_test::random_bf16(2 * size_t(hkv) * d, 500 + step);
+    const std::vector<bf16> vn = saap_test::random_bf16(2 * size_t(hkv) * d, 600 + step);
+    const std::vector<bf16> q = saap_test::random_bf16(2 * size_t(hq) * d, 700 + step);
+    const std::vector<bf16> q_pre = saap_test::random_bf16(2 * size_t(hq) * d, 800 + step);
+    p.cpu_cache->begin_step(nullptr);
+    p.cpu_cache->append(p.layer, kn.data(), vn.data(), nullptr);
+    test::DeviceBuffer<bf16> knd(kn), vnd(vn), qd(q), qpd(q_pre), outd(2 * size_t(hq) * d);
+    p.gpu_cache->begin_step(stream);
+    p.gpu_cache->append(p.layer, knd.get(), vnd.get(), stream);
+    KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::vector<bf16> out_cpu(2 * size_t(hq) * d);
+    p.cpu->decode(p.layer, q.data(), q_pre.data(), p.cpu_cache->view(p.layer), out_cpu.data(),
+                  nullptr, nullptr);
+    const PagedKV gview = p.gpu_cache->view(p.layer);
+    if (step < 3) {
+      p.gpu->decode(p.layer, qd.get(), qpd.get(), gview, outd.get(), nullptr, stream);
+    } else {  // the whole decode as a CUDA-graph replay
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      p.gpu->decode(p.layer, qd.get(), qpd.get(), gview, outd.get(), nullptr, stream);
+      KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    }
+    KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<bf16> out_gpu = outd.download();
+    const std::vector<int32_t> g_idx2 = download(gs.indexed_len, slots);
+    const PagedKV cview = p.cpu_cache->view(p.layer);
+    for (int b = 0; b < 2; ++b) {
+      const auto read_gpu = p.gpu->last_read(p.layer, b);
+      const auto read_cpu = p.cpu->last_read(p.layer, b);
+      for (int h = 0; h < hkv; ++h) {
+        const std::string what =
+            "step " + std::to_string(step) + " b " + std::to_string(b) + " h " + std::to_string(h);
+        EXPECT_EQ(g_idx2[size_t(cs.slot(b, h))], cs.indexed_len[cs.slot(b, h)]) << what;
+        const auto gc = p.gpu->last_clusters(p.layer, b, h);
+        const auto cc = p.cpu->last_clusters(p.layer, b, h);
+        expect_same_clusters(gc, cc, p.scores(q_pre, b, h, router == SaapRouter::Mlp),
+                             router == SaapRouter::Mlp ? 3e-2 : 1e-4, what);
+        if (mismatches == 0 &&
+            std::set<int>(gc.begin(), gc.end()) == std::set<int>(cc.begin(), cc.end()))
+          EXPECT_EQ(read_gpu[size_t(h) * g], read_cpu[size_t(h) * g]) << what;
+        const std::vector<int32_t>& tokens = read_gpu[size_t(h) * g];
+        for (int j = 0; j < g; ++j) {
+          const size_t row = size_t(b) * hq + h * g + j;
+          std::vector<float> qf(static_cast<size_t>(d));
+          for (int i = 0; i < d; ++i) qf[size_t(i)] = bf16_to_float(q[row * d + i]);
+          std::vector<double> o(static_cast<size_t>(d));
+          double lse;
+          kernels::attend_cpu(qf.data(), cview, b, h, tokens.data(), int(tokens.size()),
+                              p.shape.scale(), o.data(), &lse);
+          for (int i = 0; i < d; ++i)
+            ASSERT_NEAR(bf16_to_float(out_gpu[row * d + i]), o[size_t(i)],
+                        2e-2 * (1 + std::abs(o[size_t(i)])))
+                << what << " head " << j << " dim " << i;
+        }
+      }
+    }
+  }
+  const EngineStats st = p.gpu->stats();
+  uint64_t context =
+      0;  // rows a dense read of the 4 steps reads: (901 + s) + (1301 + s) per kv head
+  for (int s = 0; s < 4; ++s) context += uint64_t(901 + s + 1301 + s) * hkv;
+  EXPECT_EQ(st.kv_rows_context, context);
+  EXPECT_GT(st.kv_rows_read, 0u);
+  EXPECT_LT(st.kv_rows_read, st.kv_rows_context);
+  EXPECT_GT(st.selection_bytes_read, 0u);
+  KVS_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngine) { run_pair(SaapRouter::Mlp); }
+TEST(SaapCuda, NearestCentroidRouterMatchesTheCpuEngine) { run_pair(SaapRouter::NearestCentroid); }
+
+}  // namespace
+}  // namespace kvs

@@ -1,0 +1,319 @@
+// kvs-bench-saap: SAAP decode (index step + query MLP + top-l + gather + sparse attention: the
+// whole attention phase of one layer, SaapEngine::decode on CUDA) against our dense kernel
+// (kernels::dense_decode_cuda) in the same run, timed as CUDA-graph replays (median).
+//
+// Scene per context: `layers` independent layers, each with random router weights (the
+// paper's MLP shape, batch norm at identity) and unit-norm random centroids; the pre-RoPE keys
+// are clustered around them (key = 3 c_z + uniform noise, z uniform over the C centroids, so
+// clusters are balanced as k-means makes them), RoPE'd into a paged bf16 cache of 16-token
+// pages; values and queries are random. Each layer is prefilled (index build, timed once),
+// then the `layers` decodes run in sequence inside one graph so the L2 never holds the next
+// call's KV or weights; time per call = median replay time / layers. The selected token count
+// (sink + window + l clusters) is read back and printed with the KV bytes each side reads.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/rope.h"
+#include "kernels/dense/dense_decode.h"
+#include "runtime/kv_cache.h"
+#include "runtime/saap_engine.h"
+
+namespace po = boost::program_options;
+
+namespace kvs {
+namespace {
+
+__device__ __forceinline__ float hash_unit(uint64_t i, uint32_t seed) {
+  uint32_t h = uint32_t(i) * 0x9E3779B1u ^ uint32_t(i >> 32) * 0x85EBCA77u ^ seed;
+  h ^= h >> 16;
+  h *= 0x7FEB352Du;
+  h ^= h >> 15;
+  h *= 0x846CA68Bu;
+  h ^= h >> 16;
+  return float(h) * (1.f / 4294967296.f);  // [0, 1)
+}
+
+__global__ void fill_uniform(__nv_bfloat16* x, size_t n, float lo, float hi, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x)
+    x[i] = __float2bfloat16_rn(lo + (hi - lo) * hash_unit(i, seed));
+}
+
+// keys [n, Hkv, d] pre-RoPE: 3 * centroid[h][z] + U(-0.3, 0.3), z = hash(t, h) mod C.
+__global__ void fill_clustered_keys(__nv_bfloat16* k, int n, int hkv, int d, const float* cent,
+                                    int C, uint32_t seed) {
+  const size_t total = size_t(n) * hkv * d;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const size_t row = i / d;
+    const int h = int(row % hkv), j = int(i % d);
+    const int z = int(hash_unit(row, seed ^ 0xC1u) * float(C)) % C;
+    const float noise = 0.6f * hash_unit(i, seed) - 0.3f;
+    k[i] = __float2bfloat16_rn(3.f * cent[(size_t(h) * C + z) * d + j] + noise);
+  }
+}
+
+template <typename T>
+struct Dev {
+  T* p = nullptr;
+  explicit Dev(size_t count) {
+    KVS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(count, 1) * sizeof(T)));
+  }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+};
+
+struct Args {
+  std::vector<int> contexts{131072, 524288};
+  int batch = 1, hq = 32, hkv = 8, d = 128, clusters = 1024, probes = 32, hidden = 1024;
+  int sink = 1, recent = 2047, layers = 4, iters = 100;
+  std::string router = "mlp";
+  uint32_t seed = 7;
+};
+
+template <typename Body>
+float time_graph(cudaStream_t stream, int iters, Body body) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  body();
+  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t e0, e1;
+  KVS_CUDA_CHECK(cudaEventCreate(&e0));
+  KVS_CUDA_CHECK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) {
+    KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
+    KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
+    KVS_CUDA_CHECK(cudaEventSynchronize(e1));
+    float t = 0.f;
+    KVS_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+SaapParts random_parts(const Args& a, std::mt19937_64& rng) {
+  SaapParts p;
+  p.num_clusters = a.clusters;
+  p.hidden_dim = a.hidden;
+  p.head_dim = a.d;
+  p.num_q_heads = a.hq;
+  p.num_kv_heads = a.hkv;
+  p.probes = a.probes;
+  p.sink_tokens = a.sink;
+  p.recent_tokens = a.recent;
+  p.dense_layers = {0};
+  for (int l = 1; l <= a.layers; ++l) p.layers.push_back(l);
+  p.allocate();
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (SaapLayerParts& l : p.per_layer) {
+    for (size_t c = 0; c < l.centroids.size() / size_t(a.d); ++c) {
+      double s = 0.0;
+      float* row = l.centroids.data() + c * a.d;
+      for (int j = 0; j < a.d; ++j) {
+        row[j] = normal(rng);
+        s += double(row[j]) * row[j];
+      }
+      for (int j = 0; j < a.d; ++j) row[j] = float(row[j] / std::sqrt(s));
+    }
+    const float s1 = 1.f / std::sqrt(float(a.d)), s2 = 1.f / std::sqrt(float(a.hidden));
+    for (float& w : l.w1) w = normal(rng) * s1;
+    for (float& w : l.w2) w = normal(rng) * s2;
+    for (float& b : l.b1) b = 0.1f * normal(rng);
+    for (float& b : l.b2) b = 0.1f * normal(rng);
+  }
+  return p;
+}
+
+void run(const Args& a) {
+  const int max_ctx = *std::max_element(a.contexts.begin(), a.contexts.end());
+  ModelShape shape;
+  shape.name = "bench";
+  shape.num_layers = a.layers + 1;
+  shape.num_q_heads = a.hq;
+  shape.num_kv_heads = a.hkv;
+  shape.head_dim = a.d;
+  shape.max_position = max_ctx;
+  shape.rope.theta = 500000.0;
+  std::mt19937_64 rng(a.seed);
+  SaapParts parts = random_parts(a, rng);
+  std::vector<std::unique_ptr<Dev<float>>> cent_dev;
+  for (const SaapLayerParts& l : parts.per_layer) {
+    cent_dev.push_back(std::make_unique<Dev<float>>(l.centroids.size()));
+    KVS_CUDA_CHECK(cudaMemcpy(cent_dev.back()->p, l.centroids.data(),
+                              l.centroids.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  EngineConfig cfg;
+  cfg.backend = Backend::Cuda;
+  cfg.max_batch = a.batch;
+  cfg.saap.probes = a.probes;
+  cfg.saap.sink_tokens = a.sink;
+  cfg.saap.recent_tokens = a.recent;
+  cfg.saap.query_router = saap_router_from_string(a.router);
+  cfg.saap.max_context = max_ctx;
+  SaapEngine engine(shape, cfg, parts);
+  parts = SaapParts{};  // the host copies are no longer needed
+  Dev<char> ws(engine.workspace_bytes());
+  engine.bind_workspace({ws.p, engine.workspace_bytes()});
+
+  KVCacheConfig cc;
+  cc.num_layers = shape.num_layers;
+  cc.num_kv_heads = a.hkv;
+  cc.head_dim = a.d;
+  cc.page_size = 16;
+  cc.max_batch = a.batch;
+  cc.max_seq_len = max_ctx;
+  cc.device = Device::Cuda;
+  KVCache cache(cc);
+  for (int b = 0; b < a.batch; ++b) cache.reserve(b, max_ctx);
+  const std::vector<float> inv_freq = rope_inv_freq(shape.rope, a.d);
+  Dev<float> inv_freq_dev(inv_freq.size());
+  KVS_CUDA_CHECK(cudaMemcpy(inv_freq_dev.p, inv_freq.data(), inv_freq.size() * sizeof(float),
+                            cudaMemcpyHostToDevice));
+  std::vector<int32_t> iota(static_cast<size_t>(max_ctx));
+  for (int i = 0; i < max_ctx; ++i) iota[size_t(i)] = i;
+  Dev<int32_t> pos_dev(iota.size());
+  KVS_CUDA_CHECK(cudaMemcpy(pos_dev.p, iota.data(), iota.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  {
+    Dev<bf16> k(size_t(max_ctx) * a.hkv * a.d), v(size_t(max_ctx) * a.hkv * a.d);
+    for (int l = 1; l <= a.layers; ++l)
+      for (int b = 0; b < a.batch; ++b) {
+        const size_t n = size_t(max_ctx) * a.hkv * a.d;
+        fill_clustered_keys<<<4096, 256>>>(reinterpret_cast<__nv_bfloat16*>(k.p), max_ctx, a.hkv,
+                                           a.d, cent_dev[size_t(l - 1)]->p, a.clusters,
+                                           a.seed * 131u + uint32_t(l * 17 + b));
+        KVS_CUDA_CHECK(cudaGetLastError());
+        KVS_CUDA_CHECK(kernels::rope_cuda(k.p, max_ctx, a.hkv, a.d, int64_t(a.hkv) * a.d, pos_dev.p,
+                                          inv_freq_dev.p, false, nullptr));
+        fill_uniform<<<4096, 256>>>(reinterpret_cast<__nv_bfloat16*>(v.p), n, -1.f, 1.f,
+                                    a.seed * 977u + uint32_t(l * 31 + b));
+        KVS_CUDA_CHECK(cudaGetLastError());
+        cache.write(l, b, 0, max_ctx, k.p, v.p);
+      }
+    KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  const size_t qn = size_t(a.batch) * a.hq * a.d;
+  Dev<bf16> q(qn), q_pre(qn), out(qn);
+  Dev<float> lse(size_t(a.batch) * a.hq);
+  fill_uniform<<<256, 256>>>(reinterpret_cast<__nv_bfloat16*>(q_pre.p), qn, -2.f, 2.f, a.seed + 5);
+  fill_uniform<<<256, 256>>>(reinterpret_cast<__nv_bfloat16*>(q.p), qn, -2.f, 2.f, a.seed + 6);
+  KVS_CUDA_CHECK(cudaGetLastError());
+  const size_t dense_ws_bytes = kernels::dense_decode_workspace_bytes(a.batch, a.hq, a.d);
+  Dev<char> dense_ws(dense_ws_bytes);
+  cudaStream_t stream;
+  KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const float scale = float(shape.scale());
+
+  std::printf("kvs-bench-saap: Hq %d Hkv %d d %d, batch %d, C %d, l %d, hidden %d, router %s, "
+              "dense part %d + %d, %d layers per graph, median of %d replays\n",
+              a.hq, a.hkv, a.d, a.batch, a.clusters, a.probes, a.hidden, a.router.c_str(), a.sink,
+              a.recent, a.layers, a.iters);
+  const double mlp_mb = a.router == "mlp"
+                            ? double(a.hq) * (double(a.hidden) * a.d + double(a.clusters) * a.hidden) * 2 / 1e6
+                            : double(a.hkv) * a.clusters * a.d * 4 / 1e6;
+  std::printf("%9s %12s %10s %10s %10s %10s %9s %12s\n", "context", "prefill_ms", "tokens/kvh",
+              "KV_MB", "router_MB", "saap_us", "dense_us", "speedup");
+  for (int ctx : a.contexts) {
+    cache.set_lengths(std::vector<int>(size_t(a.batch), ctx));
+    cudaEvent_t e0, e1;
+    KVS_CUDA_CHECK(cudaEventCreate(&e0));
+    KVS_CUDA_CHECK(cudaEventCreate(&e1));
+    KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
+    for (int l = 1; l <= a.layers; ++l) engine.prefill(l, cache.view(l), stream);
+    KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
+    KVS_CUDA_CHECK(cudaEventSynchronize(e1));
+    float prefill_ms = 0.f;
+    KVS_CUDA_CHECK(cudaEventElapsedTime(&prefill_ms, e0, e1));
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    const float saap_ms = time_graph(stream, a.iters, [&] {
+      for (int l = 1; l <= a.layers; ++l)
+        engine.decode(l, q.p, q_pre.p, cache.view(l), out.p, lse.p, stream);
+    });
+    // Tokens the last layer's decode attended (mean over kv heads of sequence 0).
+    const auto read = engine.last_read(a.layers, 0);
+    double tokens = 0.0;
+    for (int h = 0; h < a.hkv; ++h) tokens += double(read[size_t(h) * (a.hq / a.hkv)].size());
+    tokens /= a.hkv;
+    const float dense_ms = time_graph(stream, a.iters, [&] {
+      for (int l = 1; l <= a.layers; ++l)
+        KVS_CUDA_CHECK(kernels::dense_decode_cuda(q.p, a.hq, cache.view(l), scale, out.p, lse.p,
+                                                  dense_ws.p, dense_ws_bytes, stream));
+    });
+    const double kv_mb = tokens * a.hkv * a.batch * a.d * 2 * 2 / 1e6;
+    const double saap_us = 1000.0 * saap_ms / a.layers, dense_us = 1000.0 * dense_ms / a.layers;
+    std::printf("%9d %12.1f %10.0f %10.1f %10.1f %10.1f %9.1f %11.2fx\n", ctx,
+                prefill_ms / a.layers, tokens, kv_mb, mlp_mb, saap_us, dense_us,
+                dense_us / saap_us);
+  }
+  KVS_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+}  // namespace
+}  // namespace kvs
+
+int main(int argc, char** argv) try {
+  kvs::Args a;
+  std::string contexts = "131072,524288";
+  po::options_description opts("kvs-bench-saap: SAAP decode vs dense decode (CUDA graphs)");
+  opts.add_options()
+      ("help,h", "show this help")
+      ("contexts", po::value(&contexts)->default_value(contexts), "context lengths, comma-separated")
+      ("batch", po::value(&a.batch)->default_value(a.batch), "sequences")
+      ("hq", po::value(&a.hq)->default_value(a.hq), "query heads")
+      ("hkv", po::value(&a.hkv)->default_value(a.hkv), "kv heads")
+      ("head-dim", po::value(&a.d)->default_value(a.d), "head dim (64 or 128)")
+      ("clusters", po::value(&a.clusters)->default_value(a.clusters), "C")
+      ("probes", po::value(&a.probes)->default_value(a.probes), "l")
+      ("hidden", po::value(&a.hidden)->default_value(a.hidden), "MLP hidden width")
+      ("sink", po::value(&a.sink)->default_value(a.sink), "sink tokens")
+      ("recent", po::value(&a.recent)->default_value(a.recent), "recent window")
+      ("router", po::value(&a.router)->default_value(a.router), "mlp or nearest_centroid")
+      ("layers", po::value(&a.layers)->default_value(a.layers), "layers decoded per graph (L2 rotation)")
+      ("iters", po::value(&a.iters)->default_value(a.iters), "timed replays (median)")
+      ("seed", po::value(&a.seed)->default_value(a.seed), "data seed");
+  po::variables_map vm;
+  po::store(po::parse_command_line(argc, argv, opts), vm);
+  if (vm.count("help")) {
+    std::cout << opts << "\n";
+    return 0;
+  }
+  po::notify(vm);
+  a.contexts.clear();
+  size_t start = 0;
+  while (start <= contexts.size()) {
+    const size_t end = std::min(contexts.find(',', start), contexts.size());
+    a.contexts.push_back(std::stoi(contexts.substr(start, end - start)));
+    start = end + 1;
+  }
+  if (!kvs::cuda_device_available()) throw std::runtime_error("no CUDA device");
+  if (a.layers < 1 || a.iters < 1 || a.batch < 1)
+    throw std::invalid_argument("--layers, --iters and --batch must be >= 1");
+  kvs::run(a);
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "kvs-bench-saap: error: %s\n", e.what());
+  return 1;
+}
