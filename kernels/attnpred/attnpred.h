@@ -1,0 +1,204 @@
+// AttentionPredictor (spec shared/specs/attnpred.md): a tiny CNN forecasts the next decode
+// step's block-pooled attention row of every query head from the last `history` rows; the
+// top-K predicted blocks plus sink and recent tokens are attended.
+//
+// The CNN (paper Table 5, 4,833 fp32 parameters, one model for every layer and head):
+//   Conv2d 1->16 3x3 pad 1, ReLU, Conv2d 16->32 3x3 pad 1, ReLU, mean over time, Conv1d 32->1 k1
+// over an input [H rows (time, oldest first), W columns (key blocks)]; output [W].
+// Parameters are packed in PyTorch's order (conv1.weight [16,1,3,3], conv1.bias, conv2.weight
+// [32,16,3,3], conv2.bias, conv3.weight [1,32,1], conv3.bias) at the kParam* offsets.
+//
+// Both backends evaluate the CNN in fp32 with one operation order (bias first, then the taps
+// in (input channel, dy, dx) order; time sum in row order; the final 1x1 conv in channel order)
+// and no fused multiply-add, so the CUDA scores equal the CPU reference's bit for bit.
+//
+// History (per layer): fp32 rows [max_batch, Hq, history, max_blocks], a ring over time per
+// (sequence, head); count[b] rows appended since the sequence's prefill. Logical row i
+// (0 = oldest, history - 1 = newest) is ring slot (count - history + i) mod history, or a row of
+// zeros while count - history + i < 0 (a short history is zero-padded in time, as the paper
+// zero-pads short rows in width). Columns past a row's own context are 0.
+//
+// Selection for a step whose sequence has n tokens: token t < n is attended iff
+//   t < sink  or  t >= n - recent  or  block_flags[t / block]
+// (attended_token()). block_flags hold the union over a kv head's query heads of each head's
+// top-K predicted blocks among the candidates [sink / block, candidate_end(n_hist)) of the
+// history; n_hist is the length the newest history row covered. The CNN runs on the candidate slice
+// alone, zero-padded at its edges, exactly as it was trained (train/attnpred_trainer.h).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/common/bf16.h"
+#include "kernels/common/host_device.h"
+#include "kernels/common/paged_kv.h"
+#include "kernels/tactic/tactic.h"
+
+namespace kvs::kernels::attnpred {
+
+constexpr int kConv1Channels = 16;
+constexpr int kConv2Channels = 32;
+constexpr int kParamW1 = 0;                                               // [16, 1, 3, 3]
+constexpr int kParamB1 = kParamW1 + kConv1Channels * 9;                   // [16]
+constexpr int kParamW2 = kParamB1 + kConv1Channels;                       // [32, 16, 3, 3]
+constexpr int kParamB2 = kParamW2 + kConv2Channels * kConv1Channels * 9;  // [32]
+constexpr int kParamW3 = kParamB2 + kConv2Channels;                       // [1, 32, 1]
+constexpr int kParamB3 = kParamW3 + kConv2Channels;                       // [1]
+constexpr int kParamCount = kParamB3 + 1;                                 // 4,833
+static_assert(kParamCount == 4833, "the paper's CNN has 4,833 parameters");
+
+struct Geometry {
+  int history = 64;  ///< H: rows the CNN sees
+  int block = 16;    ///< b: keys per pooled block
+  int sink = 64;     ///< S: first tokens always attended (a multiple of block)
+  int recent = 64;   ///< R: last tokens always attended (a multiple of block)
+
+  KVS_HOST_DEVICE int num_blocks(int tokens) const { return (tokens + block - 1) / block; }
+  KVS_HOST_DEVICE int candidate_begin() const { return sink / block; }
+  // Candidate columns end (exclusive) for a history whose newest row covered n_hist tokens:
+  // every block with a token before the next step's recent window [n_hist + 1 - recent, ...),
+  // so candidates and recent tokens cover the whole next context (the paper's code slices at
+  // ceil(n_hist / block) - recent / block, one block short when n_hist is a multiple of the
+  // block). <= candidate_begin() means no candidates.
+  KVS_HOST_DEVICE int candidate_end(int n_hist) const {
+    return num_blocks(n_hist + 1) - recent / block;
+  }
+  KVS_HOST_DEVICE bool attended_token(int t, int n, const uint8_t* block_flags) const {
+    return t < sink || t >= n - recent || block_flags[t / block] != 0;
+  }
+};
+
+// Throws std::invalid_argument naming the field unless history >= 1, block >= 1, and sink
+// and recent are non-negative multiples of block.
+void validate(const Geometry& g);
+
+struct HistoryState {
+  float* rows = nullptr;      ///< [max_batch, num_q_heads, history, max_blocks]
+  int32_t* count = nullptr;   ///< [max_batch] rows appended since prefill
+  int32_t* tokens = nullptr;  ///< [max_batch] context length the newest row covered
+  int max_batch = 0;
+  int num_q_heads = 0;
+  int history = 0;
+  int max_blocks = 0;
+
+  KVS_HOST_DEVICE float* slot(int b, int h, int s) const {
+    return rows + ((int64_t(b) * num_q_heads + h) * history + s) * int64_t(max_blocks);
+  }
+  // Logical row i of (b, h) for a ring that has seen `appended` rows; nullptr: a zero row.
+  KVS_HOST_DEVICE const float* logical_row(int b, int h, int i, int appended) const {
+    const int r = appended - history + i;
+    return r < 0 ? nullptr : slot(b, h, r % history);
+  }
+};
+
+// ---- CPU reference ------------------------------------------------------------------------
+
+// y [n, W] = CNN(x [n, H, W]) for n independent inputs (contiguous, fp32).
+void cnn_forward_cpu(const float* params, const float* x, int n, int H, int W, float* y);
+
+// Gathers the CNN input of (b, h) from history: the candidate slice [c0, c1) of its H
+// logical rows into x [H, c1 - c0].
+void gather_input_cpu(const HistoryState& hist, int b, int h, int c0, int c1, float* x);
+
+// Appends one pooled row (num_blocks values; the rest of the slot is zeroed) to (b, h).
+// Does not touch count: the caller advances it once per sequence after all heads.
+void append_row_cpu(const HistoryState& hist, int b, int h, const float* pooled, int num_blocks);
+
+// Top-k of scores[0, count) by (score descending, index ascending): flags[offset + j] = 1 for
+// every chosen j (existing 1s are kept, so calling it for each head of a group gives the
+// union). k >= count selects everything.
+void select_top_blocks_cpu(const float* scores, int count, int k, int offset, uint8_t* flags);
+
+// The tokens attended by a sequence of n tokens under block_flags, ascending.
+std::vector<int32_t> selected_tokens_cpu(const Geometry& g, int n, const uint8_t* block_flags);
+
+// ---- CUDA ---------------------------------------------------------------------------------
+
+// y [n, W] = CNN(x [n, H, W]) on the device (params: kParamCount device floats).
+cudaError_t cnn_forward_cuda(const float* params, const float* x, int n, int H, int W, float* y,
+                             cudaStream_t stream);
+
+// CNN over every (b < batch, h) history's candidate slice: scores [max_batch, Hq, max_blocks]
+// get the predictions at their absolute column indices (columns outside the slice untouched).
+cudaError_t predict_cuda(const float* params, const HistoryState& hist, int batch,
+                         const Geometry& g, float* scores, cudaStream_t stream);
+
+// Per (b, query head): top-k of the candidate scores, OR-ed into block_flags [max_batch, Hkv,
+// max_blocks] (zeroed here first). Same order as select_top_blocks_cpu.
+cudaError_t select_blocks_cuda(const float* scores, const HistoryState& hist, int batch,
+                               int num_kv_heads, const Geometry& g, int k_blocks,
+                               uint8_t* block_flags, cudaStream_t stream);
+
+// Where the attended rows live: the paged cache itself (GPU-resident mode: block_slot null)
+// or a block cache of slots of `block` tokens (offload mode): block j of (b, h) is in slot
+// block_slot[(b * Hkv + h) * max_blocks + j], rows slot * block + t % block of `cache`.
+// Builds the sub-request selection (kernels/tactic/tactic.h Selection: rows, tokens, counts;
+// `selected` unused) of every (b, kv head) for the current lengths kv.seq_lens.
+// counters (may be null): [0] += rows attended.
+cudaError_t build_selection_cuda(const PagedKV& kv, const uint8_t* block_flags, int max_blocks,
+                                 const Geometry& g, const int32_t* block_slot,
+                                 const tactic::Selection& sel, unsigned long long* counters,
+                                 cudaStream_t stream);
+
+// Appends one history row per (b, query head): the softmax of q.k * scale over the tokens of
+// `view`, max-pooled into blocks. Two forms:
+//  - full row: view = the layer's cache, token_ids null: every token [0, seq_lens[b]);
+//  - sparse row: view = a sub-request view (one sequence per (b, kv head), group-size query
+//    heads each), token_ids = Selection::tokens (max_tokens per sequence).
+// Then count[b] += 1 and tokens[b] = context length (kv_lens[b]). scratch: row_scratch_bytes.
+size_t row_scratch_bytes(int max_batch, int num_q_heads, int max_tokens);
+cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
+                            const int32_t* token_ids, int ids_stride, const int32_t* kv_lens,
+                            int batch, int num_kv_heads, float scale, const Geometry& g,
+                            const HistoryState& hist, void* scratch, size_t scratch_bytes,
+                            cudaStream_t stream);
+
+// ---- Offload: the per-layer device block cache ---------------------------------------------
+//
+// Slots of `block` tokens of one kv head (K and V [num_slots, block, d] bf16); each (b, kv
+// head) owns slots [(b * Hkv + h) * slots_per_head, ... + slots_per_head). block_slot
+// [max_batch * Hkv, max_blocks] maps a block to its (global) slot (-1: not resident);
+// slot_block [max_batch * Hkv, slots_per_head] the reverse, by the slot's index within the head.
+struct BlockCache {
+  bf16* k = nullptr;
+  bf16* v = nullptr;
+  int32_t* block_slot = nullptr;
+  int32_t* slot_block = nullptr;
+  int32_t* copy_list = nullptr;   ///< [max_batch * Hkv, slots_per_head, 2] (block, slot)
+  int32_t* copy_count = nullptr;  ///< [max_batch * Hkv]
+  int max_batch = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int max_blocks = 0;
+  int slots_per_head = 0;
+
+  // The cache as a paged view (one kv head, page = slot of `block` rows) for
+  // tactic::subrequest_view over it (which replaces the page table, lengths and batch).
+  PagedKV as_view(int block) const;
+};
+
+// Makes every block a sequence of n_next = kv_lens[b] + len_delta tokens attends resident:
+// sink blocks, flagged blocks and recent blocks, except block `skip_tail` blocks of the end
+// (the not-yet-complete block: skip_tail = 1 at prefetch time) and re-copies the tail block
+// when refresh_tail (its newest token just arrived). Frees slots of blocks no longer needed,
+// then copies the missing blocks from `host_kv` (pinned, mapped host memory: device code reads
+// it directly, so the selection never leaves the GPU) in one grid-stride copy kernel.
+// counters (may be null): [0] += blocks copied; done (may be null): += 1 by every copying CTA
+// when finished (late-copy detection: see prefetch_probe_cuda).
+cudaError_t make_resident_cuda(const PagedKV& host_kv, const uint8_t* block_flags,
+                               const Geometry& g, int len_delta, bool skip_tail, bool refresh_tail,
+                               const BlockCache& cache, unsigned long long* counters,
+                               unsigned int* done, int copy_ctas, cudaStream_t stream);
+// Empties the cache of sequences [0, batch) (prefill).
+cudaError_t reset_block_cache_cuda(const BlockCache& cache, int batch, cudaStream_t stream);
+// CTAs make_resident_cuda's copy kernel uses (done advances by this per call).
+int default_copy_ctas();
+
+// counter[0] += 1 when *done < expected when the probe runs (the prefetch was late).
+cudaError_t prefetch_probe_cuda(const unsigned int* done, unsigned int expected,
+                                unsigned long long* counter, cudaStream_t stream);
+
+}  // namespace kvs::kernels::attnpred

@@ -1,0 +1,108 @@
+// CPU reference of AttentionPredictor's kernels (attnpred.h). This file is compiled with
+// -ffp-contract=off: the CUDA kernels use the same operation order without fused
+// multiply-adds, so predictions agree bit for bit between the backends.
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/attnpred/attnpred.h"
+
+namespace kvs::kernels::attnpred {
+
+void validate(const Geometry& g) {
+  auto need = [](bool ok, const std::string& what) {
+    if (!ok) throw std::invalid_argument("attnpred geometry: " + what);
+  };
+  need(g.history >= 1, "history must be >= 1, got " + std::to_string(g.history));
+  need(g.block >= 1, "block must be >= 1, got " + std::to_string(g.block));
+  need(g.sink >= 0 && g.sink % g.block == 0, "sink must be a non-negative multiple of block " +
+                                                 std::to_string(g.block) + ", got " +
+                                                 std::to_string(g.sink));
+  need(g.recent >= 0 && g.recent % g.block == 0,
+       "recent must be a non-negative multiple of block " + std::to_string(g.block) + ", got " +
+           std::to_string(g.recent));
+}
+
+void cnn_forward_cpu(const float* p, const float* x, int n, int H, int W, float* y) {
+  if (n < 0 || H < 1 || W < 0)
+    throw std::invalid_argument("cnn_forward_cpu: bad input shape [" + std::to_string(n) + ", " +
+                                std::to_string(H) + ", " + std::to_string(W) + "]");
+  constexpr int C1 = kConv1Channels, C2 = kConv2Channels;
+  std::vector<float> c1(size_t(C1) * H * W);
+  std::vector<float> sum(size_t(C2) * W);
+  for (int s = 0; s < n; ++s) {
+    const float* in = x + int64_t(s) * H * W;
+    auto at = [&](int r, int c) {
+      return r < 0 || r >= H || c < 0 || c >= W ? 0.f : in[r * W + c];
+    };
+    for (int ci = 0; ci < C1; ++ci)
+      for (int r = 0; r < H; ++r)
+        for (int c = 0; c < W; ++c) {
+          float acc = p[kParamB1 + ci];
+          for (int dy = 0; dy < 3; ++dy)
+            for (int dx = 0; dx < 3; ++dx)
+              acc = acc + p[kParamW1 + ci * 9 + dy * 3 + dx] * at(r + dy - 1, c + dx - 1);
+          c1[(size_t(ci) * H + r) * W + c] = acc > 0.f ? acc : 0.f;
+        }
+    auto c1at = [&](int ci, int r, int c) {
+      return r < 0 || r >= H || c < 0 || c >= W ? 0.f : c1[(size_t(ci) * H + r) * W + c];
+    };
+    std::fill(sum.begin(), sum.end(), 0.f);
+    for (int co = 0; co < C2; ++co)
+      for (int r = 0; r < H; ++r)
+        for (int c = 0; c < W; ++c) {
+          float acc = p[kParamB2 + co];
+          for (int ci = 0; ci < C1; ++ci)
+            for (int dy = 0; dy < 3; ++dy)
+              for (int dx = 0; dx < 3; ++dx)
+                acc = acc + p[kParamW2 + (co * C1 + ci) * 9 + dy * 3 + dx] *
+                                c1at(ci, r + dy - 1, c + dx - 1);
+          sum[size_t(co) * W + c] = sum[size_t(co) * W + c] + (acc > 0.f ? acc : 0.f);
+        }
+    for (int c = 0; c < W; ++c) {
+      float out = p[kParamB3];
+      for (int co = 0; co < C2; ++co)
+        out = out + p[kParamW3 + co] * (sum[size_t(co) * W + c] / float(H));
+      y[int64_t(s) * W + c] = out;
+    }
+  }
+}
+
+void gather_input_cpu(const HistoryState& hist, int b, int h, int c0, int c1, float* x) {
+  const int w = c1 - c0;
+  const int appended = hist.count[b];
+  for (int i = 0; i < hist.history; ++i) {
+    const float* row = hist.logical_row(b, h, i, appended);
+    for (int c = 0; c < w; ++c) x[size_t(i) * w + c] = row ? row[c0 + c] : 0.f;
+  }
+}
+
+void append_row_cpu(const HistoryState& hist, int b, int h, const float* pooled, int num_blocks) {
+  if (num_blocks > hist.max_blocks)
+    throw std::out_of_range("attnpred history: a row of " + std::to_string(num_blocks) +
+                            " blocks exceeds max_blocks " + std::to_string(hist.max_blocks));
+  float* row = hist.slot(b, h, hist.count[b] % hist.history);
+  std::copy(pooled, pooled + num_blocks, row);
+  std::fill(row + num_blocks, row + hist.max_blocks, 0.f);
+}
+
+void select_top_blocks_cpu(const float* scores, int count, int k, int offset, uint8_t* flags) {
+  if (count <= 0 || k <= 0) return;
+  std::vector<int> idx(static_cast<size_t>(count));
+  std::iota(idx.begin(), idx.end(), 0);
+  const int take = std::min(k, count);
+  std::partial_sort(idx.begin(), idx.begin() + take, idx.end(), [&](int a, int c) {
+    return scores[a] > scores[c] || (scores[a] == scores[c] && a < c);
+  });
+  for (int i = 0; i < take; ++i) flags[offset + idx[size_t(i)]] = 1;
+}
+
+std::vector<int32_t> selected_tokens_cpu(const Geometry& g, int n, const uint8_t* block_flags) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i)
+    if (g.attended_token(i, n, block_flags)) t.push_back(i);
+  return t;
+}
+
+}  // namespace kvs::kernels::attnpred

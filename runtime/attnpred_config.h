@@ -1,0 +1,34 @@
+// Knobs of Method::AttnPred (spec shared/specs/attnpred.md), reachable as
+// EngineConfig::attnpred. The trained geometry (history rows, block size) comes from the
+// bundle and must not change; the other knobs default to the values the bundle's attnpred
+// group carries (written by kvs-train attnpred: the paper's settings) and may be overridden
+// here, e.g. to sweep budgets.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+namespace kvs {
+
+struct AttnPredConfig {
+  /// K_bud: tokens attended per query head, sink and recent included (paper 512..4096).
+  /// 0: the bundle's budget_tokens. (budget - sink - recent) / block blocks are predicted.
+  int budget_tokens = 0;
+  int sink_tokens = -1;        ///< S (a multiple of the block); -1: the bundle's (64)
+  int recent_tokens = -1;      ///< R (a multiple of the block); -1: the bundle's (64)
+  int calibration_period = 0;  ///< M: every M-th step appends a full row; 0: the bundle's (5)
+  /// Layers attended densely with no history (paper: {0, 1}); unset: the bundle's.
+  std::optional<std::vector<int>> dense_layers;
+  /// Decode steps after a prefill attended densely (full rows) before the first prediction:
+  /// the engine gets no prefill queries, so it builds its history from these rows on.
+  int warmup_steps = 1;
+  /// Offload mode (CUDA only): the caller's KV (the PagedKV passed to prefill/decode) lives
+  /// in pinned, mapped host memory (cudaHostAlloc; page table and lengths device-readable);
+  /// the engine keeps a per-layer device block cache of the selected blocks and prefetches
+  /// the next step's blocks on a side stream (cross-token prefetch).
+  bool offload = false;
+  /// Longest sequence served (sizes history and workspace). 0: the model's max_position.
+  int max_context = 0;
+};
+
+}  // namespace kvs

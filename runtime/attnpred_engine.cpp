@@ -1,0 +1,703 @@
+#include "runtime/attnpred_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "artifacts/capture_file.h"
+#include "kernels/common/cuda_check.h"
+#include "kernels/common/kv_update.h"
+#include "kernels/dense/dense_decode.h"
+
+namespace kvs {
+namespace {
+
+namespace ap = kernels::attnpred;
+namespace tk = kernels::tactic;
+
+std::string str(int64_t x) { return std::to_string(x); }
+size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
+template <typename T>
+T* device_alloc(int64_t count) {
+  void* p = nullptr;
+  KVS_CUDA_CHECK(cudaMalloc(&p, size_t(std::max<int64_t>(count, 1)) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+// Device counters: what each kernel adds to (pairs are [count, errors] of one call site).
+enum Counter {
+  kRowsRead = 0,          // build_selection: rows attended
+  kSelectionErrors = 1,   // build_selection: non-resident or over-capacity tokens
+  kContextRows = 2,       // kv_count_rows: a dense read's rows
+  kBlocksPrefetched = 3,  // make_resident on the side stream
+  kPrefetchErrors = 4,    //   (slots exhausted: never, by construction)
+  kBlocksOnDemand = 5,    // make_resident inside decode
+  kOnDemandErrors = 6,
+  kLate = 7,             // prefetch probe
+  kFullRowKeyBytes = 8,  // calibration rows: K bytes read
+  kNumCounters = 9,
+};
+
+void need(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+}  // namespace
+
+// ---- stored parts ---------------------------------------------------------------------------
+
+AttnPredParams load_attnpred_params(const h5::Group& g, const ModelShape& shape) {
+  const std::string who = g.describe() + ": ";
+  AttnPredParams p;
+  const h5::Dataset d = h5::open_dataset(g, "cnn_params", h5::DType::F32, {ap::kParamCount});
+  p.cnn = d.read<float>();
+  for (size_t i = 0; i < p.cnn.size(); ++i)
+    need(std::isfinite(p.cnn[i]), who + "cnn_params[" + str(int64_t(i)) + "] is not finite");
+  p.history = int(g.attr_int("history"));
+  p.block = int(g.attr_int("block"));
+  p.sink = int(g.attr_int("sink"));
+  p.recent = int(g.attr_int("recent"));
+  p.budget_tokens = int(g.attr_int("budget_tokens"));
+  p.calibration_period = int(g.attr_int("calibration_period"));
+  p.dense_layers.clear();
+  for (int64_t l : g.attr_ints("dense_layers")) p.dense_layers.push_back(int(l));
+  try {
+    ap::validate(ap::Geometry{p.history, p.block, p.sink, p.recent});
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(who + e.what());
+  }
+  need(p.budget_tokens >= p.sink + p.recent && (p.budget_tokens - p.sink - p.recent) % p.block == 0,
+       who + "budget_tokens " + str(p.budget_tokens) + " must be sink + recent (" +
+           str(p.sink + p.recent) + ") plus a multiple of block " + str(p.block));
+  need(p.calibration_period >= 1,
+       who + "calibration_period must be >= 1, got " + str(p.calibration_period));
+  for (int l : p.dense_layers)
+    need(l >= 0 && l < shape.num_layers,
+         who + "dense_layers entry " + str(l) + " outside [0, " + str(shape.num_layers) + ")");
+  if (g.has_attr("param_layout"))
+    need(g.attr_string("param_layout") == "conv1.w,conv1.b,conv2.w,conv2.b,conv3.w,conv3.b",
+         who + "param_layout '" + g.attr_string("param_layout") + "' is not the packed order");
+  return p;
+}
+
+void write_attnpred_params(const h5::Group& g, const AttnPredParams& p) {
+  if (p.cnn.size() != size_t(ap::kParamCount))
+    throw std::invalid_argument("write_attnpred_params: " + str(int64_t(p.cnn.size())) +
+                                " CNN parameters, expected " + str(ap::kParamCount));
+  h5::write_dataset(g, "cnn_params", p.cnn, {ap::kParamCount});
+  g.set_attr_string("param_layout", "conv1.w,conv1.b,conv2.w,conv2.b,conv3.w,conv3.b");
+  g.set_attr_int("history", p.history);
+  g.set_attr_int("block", p.block);
+  g.set_attr_int("sink", p.sink);
+  g.set_attr_int("recent", p.recent);
+  g.set_attr_int("budget_tokens", p.budget_tokens);
+  g.set_attr_int("calibration_period", p.calibration_period);
+  std::vector<int64_t> dl(p.dense_layers.begin(), p.dense_layers.end());
+  g.set_attr_ints("dense_layers", dl);
+}
+
+// ---- engine -------------------------------------------------------------------------------
+
+struct AttnPredEngine::LayerState {
+  bool allocated = false;
+  int calls = 0;  // decodes since the layer's prefill
+  ap::HistoryState hist;
+  uint8_t* flags = nullptr;  // [max_batch, Hkv, max_blocks]
+  // CPU storage
+  std::vector<float> host_rows;
+  std::vector<int32_t> host_count, host_tokens;
+  std::vector<uint8_t> host_flags;
+  std::vector<std::vector<int32_t>> last_tokens;  // [b * Hkv + h]
+  // CUDA offload
+  ap::BlockCache cache;
+  int32_t* len_snapshot = nullptr;
+  unsigned int* done = nullptr;
+  unsigned int expected_done = 0;
+  bool prefetch_pending = false;
+  cudaEvent_t selected = nullptr, prefetched = nullptr;
+};
+
+AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& config,
+                               const AttnPredParams& params)
+    : Engine(shape, config) {
+  const AttnPredConfig& c = config_.attnpred;
+  need(params.cnn.size() == size_t(ap::kParamCount),
+       "attnpred engine: " + str(int64_t(params.cnn.size())) + " CNN parameters, expected " +
+           str(ap::kParamCount));
+  geo_.history = params.history;
+  geo_.block = params.block;
+  geo_.sink = c.sink_tokens >= 0 ? c.sink_tokens : params.sink;
+  geo_.recent = c.recent_tokens >= 0 ? c.recent_tokens : params.recent;
+  try {
+    ap::validate(geo_);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(std::string("AttnPredConfig: ") + e.what() +
+                                " (sink_tokens / recent_tokens)");
+  }
+  budget_ = c.budget_tokens > 0 ? c.budget_tokens : params.budget_tokens;
+  need(budget_ >= geo_.sink + geo_.recent && (budget_ - geo_.sink - geo_.recent) % geo_.block == 0,
+       "AttnPredConfig: budget_tokens " + str(budget_) + " must be sink + recent (" +
+           str(geo_.sink + geo_.recent) + ") plus a multiple of the block " + str(geo_.block));
+  k_blocks_ = (budget_ - geo_.sink - geo_.recent) / geo_.block;
+  period_ = c.calibration_period > 0 ? c.calibration_period : params.calibration_period;
+  need(period_ >= 1, "AttnPredConfig: calibration_period must be >= 1, got " + str(period_));
+  warmup_ = c.warmup_steps;
+  need(warmup_ >= 1,
+       "AttnPredConfig: warmup_steps must be >= 1 (the first decode has no "
+       "history to predict from), got " +
+           str(warmup_));
+  dense_layers_ = c.dense_layers ? *c.dense_layers : params.dense_layers;
+  for (int l : dense_layers_)
+    need(l >= 0 && l < shape_.num_layers, "AttnPredConfig: dense_layers entry " + str(l) +
+                                              " outside [0, " + str(shape_.num_layers) + ")");
+  max_context_ = c.max_context > 0 ? c.max_context : shape_.max_position;
+  need(max_context_ > 0, "AttnPredConfig: max_context is 0 and the model's max_position is 0");
+  // One more than the context's blocks when it is a multiple of the block: the candidates
+  // reach the block of the next step's token (Geometry::candidate_end).
+  max_blocks_ = geo_.num_blocks(max_context_ + 1);
+  const int g = shape_.group_size();
+  max_tokens_ = int(std::min<int64_t>(max_context_, int64_t(geo_.sink) + geo_.recent + geo_.block +
+                                                        int64_t(g) * k_blocks_ * geo_.block));
+  slots_per_head_ = geo_.sink / geo_.block + g * k_blocks_ + geo_.recent / geo_.block + 2;
+  host_params_ = params.cnn;
+  need(!c.offload || config_.backend == Backend::Cuda,
+       "AttnPredConfig: offload needs the CUDA backend");
+  if (config_.backend == Backend::Cuda) {
+    need(
+        shape_.head_dim == 64 || shape_.head_dim == 128,
+        "attnpred engine (cuda): head_dim " + str(shape_.head_dim) + " is not supported (64, 128)");
+    need(g <= 8, "attnpred engine (cuda): group size " + str(g) + " above 8");
+    need(slots_per_head_ * sizeof(int) <= 48 * 1024,
+         "attnpred engine (cuda): budget " + str(budget_) + " needs " + str(slots_per_head_) +
+             " cache slots per kv head, above 12288");
+    device_params_ = device_alloc<float>(ap::kParamCount);
+    KVS_CUDA_CHECK(cudaMemcpy(device_params_, host_params_.data(),
+                              host_params_.size() * sizeof(float), cudaMemcpyHostToDevice));
+    counters_ = device_alloc<unsigned long long>(kNumCounters);
+    KVS_CUDA_CHECK(cudaMemset(counters_, 0, kNumCounters * sizeof(unsigned long long)));
+    if (c.offload) KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+  }
+  layers_.resize(size_t(shape_.num_layers));
+}
+
+AttnPredEngine::~AttnPredEngine() {
+  if (config_.backend != Backend::Cuda) return;
+  for (LayerState& ls : layers_) {
+    if (!ls.allocated) continue;
+    cudaFree(ls.hist.rows);
+    cudaFree(ls.hist.count);
+    cudaFree(ls.hist.tokens);
+    cudaFree(ls.flags);
+    if (ls.cache.k) {
+      cudaFree(ls.cache.k);
+      cudaFree(ls.cache.v);
+      cudaFree(ls.cache.block_slot);
+      cudaFree(ls.cache.slot_block);
+      cudaFree(ls.cache.copy_list);
+      cudaFree(ls.cache.copy_count);
+      cudaFree(ls.len_snapshot);
+      cudaFree(ls.done);
+      cudaEventDestroy(ls.selected);
+      cudaEventDestroy(ls.prefetched);
+    }
+  }
+  if (side_stream_) {
+    cudaStreamSynchronize(side_stream_);
+    cudaStreamDestroy(side_stream_);
+  }
+  cudaFree(device_params_);
+  cudaFree(counters_);
+}
+
+bool AttnPredEngine::is_dense_layer(int layer) const {
+  return std::find(dense_layers_.begin(), dense_layers_.end(), layer) != dense_layers_.end();
+}
+
+AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
+  LayerState& ls = layers_[size_t(layer)];
+  if (ls.allocated) return ls;
+  const int B = config_.max_batch, hq = shape_.num_q_heads, hkv = shape_.num_kv_heads;
+  ap::HistoryState& h = ls.hist;
+  h.max_batch = B;
+  h.num_q_heads = hq;
+  h.history = geo_.history;
+  h.max_blocks = max_blocks_;
+  const int64_t n_rows = int64_t(B) * hq * geo_.history * max_blocks_;
+  const int64_t n_flags = int64_t(B) * hkv * max_blocks_;
+  if (config_.backend == Backend::Cpu) {
+    ls.host_rows.assign(size_t(n_rows), 0.f);
+    ls.host_count.assign(size_t(B), 0);
+    ls.host_tokens.assign(size_t(B), 0);
+    ls.host_flags.assign(size_t(n_flags), 0);
+    h.rows = ls.host_rows.data();
+    h.count = ls.host_count.data();
+    h.tokens = ls.host_tokens.data();
+    ls.flags = ls.host_flags.data();
+  } else {
+    h.rows = device_alloc<float>(n_rows);
+    h.count = device_alloc<int32_t>(B);
+    h.tokens = device_alloc<int32_t>(B);
+    ls.flags = device_alloc<uint8_t>(n_flags);
+    if (config_.attnpred.offload) {
+      ap::BlockCache& c = ls.cache;
+      c.max_batch = B;
+      c.num_kv_heads = hkv;
+      c.head_dim = shape_.head_dim;
+      c.max_blocks = max_blocks_;
+      c.slots_per_head = slots_per_head_;
+      const int64_t slots = int64_t(B) * hkv * slots_per_head_;
+      c.k = device_alloc<bf16>(slots * geo_.block * shape_.head_dim);
+      c.v = device_alloc<bf16>(slots * geo_.block * shape_.head_dim);
+      c.block_slot = device_alloc<int32_t>(int64_t(B) * hkv * max_blocks_);
+      c.slot_block = device_alloc<int32_t>(slots);
+      c.copy_list = device_alloc<int32_t>(slots * 2);
+      c.copy_count = device_alloc<int32_t>(int64_t(B) * hkv);
+      ls.len_snapshot = device_alloc<int32_t>(B);
+      ls.done = device_alloc<unsigned int>(1);
+      KVS_CUDA_CHECK(cudaMemset(ls.done, 0, sizeof(unsigned int)));
+      KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.selected, cudaEventDisableTiming));
+      KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.prefetched, cudaEventDisableTiming));
+    }
+  }
+  ls.last_tokens.assign(size_t(B) * hkv, {});
+  ls.allocated = true;
+  return ls;
+}
+
+// Workspace (CUDA): Selection {rows, tokens, counts} | CNN scores [B, Hq, max_blocks] |
+// history-row scratch [B, Hq, max_context] | dense decode workspace.
+size_t AttnPredEngine::selection_bytes() const {
+  const size_t subs = size_t(config_.max_batch) * shape_.num_kv_heads;
+  return 2 * align_up(subs * size_t(max_tokens_) * sizeof(int32_t)) +
+         align_up(subs * sizeof(int32_t));
+}
+
+size_t AttnPredEngine::workspace_bytes() const {
+  if (config_.backend == Backend::Cpu) return 0;
+  const int B = config_.max_batch, hq = shape_.num_q_heads;
+  const size_t dense = std::max(kernels::dense_decode_workspace_bytes(
+                                    B * shape_.num_kv_heads, shape_.group_size(), shape_.head_dim),
+                                kernels::dense_decode_workspace_bytes(B, hq, shape_.head_dim));
+  return selection_bytes() + align_up(size_t(B) * hq * max_blocks_ * sizeof(float)) +
+         align_up(ap::row_scratch_bytes(B, hq, max_blocks_ * geo_.block)) + dense;
+}
+
+tk::Selection AttnPredEngine::selection() const {
+  if (config_.backend != Backend::Cuda || workspace_.ptr == nullptr)
+    throw std::logic_error("attnpred engine: the selection lives in a CUDA workspace");
+  const size_t subs = size_t(config_.max_batch) * shape_.num_kv_heads;
+  char* p = static_cast<char*>(workspace_.ptr);
+  tk::Selection s;
+  s.max_tokens = max_tokens_;
+  s.rows = reinterpret_cast<int32_t*>(p);
+  p += align_up(subs * size_t(max_tokens_) * sizeof(int32_t));
+  s.tokens = reinterpret_cast<int32_t*>(p);
+  p += align_up(subs * size_t(max_tokens_) * sizeof(int32_t));
+  s.counts = reinterpret_cast<int32_t*>(p);
+  return s;
+}
+
+void AttnPredEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
+  const std::string who = "attnpred engine prefill: ";
+  if (layer < 0 || layer >= shape_.num_layers)
+    throw std::out_of_range(who + "layer " + str(layer) + " outside [0, " + str(shape_.num_layers) +
+                            ")");
+  if (kv.batch <= 0 || kv.batch > config_.max_batch)
+    throw std::invalid_argument(who + "batch " + str(kv.batch) + " outside [1, " +
+                                str(config_.max_batch) + "] (EngineConfig.max_batch)");
+  if (is_dense_layer(layer)) return;
+  LayerState& ls = allocate_layer(layer);
+  ls.calls = 0;
+  const ap::HistoryState& h = ls.hist;
+  const size_t row_elems = size_t(h.num_q_heads) * h.history * h.max_blocks;
+  if (config_.backend == Backend::Cpu) {
+    for (int b = 0; b < kv.batch; ++b) {
+      std::fill_n(h.rows + size_t(b) * row_elems, row_elems, 0.f);
+      h.count[b] = 0;
+      h.tokens[b] = kv.seq_lens[b];
+    }
+    std::fill(ls.host_flags.begin(), ls.host_flags.end(), uint8_t(0));
+    return;
+  }
+  if (ls.prefetch_pending) KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.prefetched, 0));
+  ls.prefetch_pending = false;
+  KVS_CUDA_CHECK(cudaMemsetAsync(h.rows, 0, size_t(kv.batch) * row_elems * sizeof(float), stream));
+  KVS_CUDA_CHECK(cudaMemsetAsync(h.count, 0, size_t(kv.batch) * sizeof(int32_t), stream));
+  KVS_CUDA_CHECK(cudaMemcpyAsync(h.tokens, kv.seq_lens, size_t(kv.batch) * sizeof(int32_t),
+                                 cudaMemcpyDefault, stream));
+  KVS_CUDA_CHECK(cudaMemsetAsync(
+      ls.flags, 0, size_t(config_.max_batch) * shape_.num_kv_heads * max_blocks_, stream));
+  if (ls.cache.k) KVS_CUDA_CHECK(ap::reset_block_cache_cuda(ls.cache, kv.batch, stream));
+}
+
+void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv,
+                            bf16* out, float* lse, cudaStream_t stream) {
+  (void)q_pre;
+  check_decode_args(layer, kv, q, out);
+  ++host_stats_.decode_calls;
+  const bool dense = is_dense_layer(layer);
+  if (!dense && !layers_[size_t(layer)].allocated)
+    throw std::logic_error("attnpred engine decode: layer " + str(layer) +
+                           " was never prefilled (no history)");
+  if (config_.backend == Backend::Cpu) {
+    decode_cpu(layer, q, kv, out, lse);
+    return;
+  }
+  const float scale = float(shape_.scale());
+  const int hq = shape_.num_q_heads, hkv = shape_.num_kv_heads;
+  char* ws = static_cast<char*>(workspace_.ptr);
+  const size_t scores_off = selection_bytes();
+  const size_t scratch_off =
+      scores_off + align_up(size_t(config_.max_batch) * hq * max_blocks_ * sizeof(float));
+  const size_t dense_off = scratch_off + align_up(ap::row_scratch_bytes(config_.max_batch, hq,
+                                                                        max_blocks_ * geo_.block));
+  float* scores = reinterpret_cast<float*>(ws + scores_off);
+  void* scratch = ws + scratch_off;
+  const size_t scratch_bytes = dense_off - scratch_off;
+  void* dense_ws = ws + dense_off;
+  const size_t dense_bytes = workspace_.bytes - dense_off;
+  if (config_.collect_stats)
+    KVS_CUDA_CHECK(
+        kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv, counters_ + kContextRows, stream));
+  if (dense) {
+    KVS_CUDA_CHECK(
+        kernels::dense_decode_cuda(q, hq, kv, scale, out, lse, dense_ws, dense_bytes, stream));
+    if (config_.collect_stats)
+      KVS_CUDA_CHECK(
+          kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv, counters_ + kRowsRead, stream));
+    return;
+  }
+  LayerState& ls = layers_[size_t(layer)];
+  const bool offload = ls.cache.k != nullptr;
+  const int c = ls.calls++;
+  const bool warm = c < warmup_;
+  const bool full_row = warm || (c + 1) % period_ == 0;
+  if (offload && ls.prefetch_pending) {
+    KVS_CUDA_CHECK(ap::prefetch_probe_cuda(ls.done, ls.expected_done, counters_ + kLate, stream));
+    KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.prefetched, 0));
+    ls.prefetch_pending = false;
+  }
+  const tk::Selection sel = selection();
+  PagedKV view;
+  if (warm) {
+    // No prediction yet: every token (from host memory in offload mode, zero-copy).
+    KVS_CUDA_CHECK(
+        kernels::dense_decode_cuda(q, hq, kv, scale, out, lse, dense_ws, dense_bytes, stream));
+    if (config_.collect_stats)
+      KVS_CUDA_CHECK(
+          kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv, counters_ + kRowsRead, stream));
+  } else {
+    if (offload)
+      KVS_CUDA_CHECK(ap::make_resident_cuda(kv, ls.flags, geo_, 0, false, true, ls.cache,
+                                            counters_ + kBlocksOnDemand, nullptr,
+                                            ap::default_copy_ctas(), stream));
+    KVS_CUDA_CHECK(ap::build_selection_cuda(kv, ls.flags, max_blocks_, geo_,
+                                            offload ? ls.cache.block_slot : nullptr, sel,
+                                            counters_ + kRowsRead, stream));
+    view = tk::subrequest_view(offload ? ls.cache.as_view(geo_.block) : kv, sel);
+    KVS_CUDA_CHECK(kernels::dense_decode_cuda(q, shape_.group_size(), view, scale, out, lse,
+                                              dense_ws, dense_bytes, stream));
+  }
+  if (full_row) {
+    KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, kv, nullptr, 0, kv.seq_lens, kv.batch, hkv, scale,
+                                       geo_, ls.hist, scratch, scratch_bytes, stream));
+    if (config_.collect_stats)
+      KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch,
+                                                 hkv * shape_.head_dim * int(sizeof(bf16)),
+                                                 counters_ + kFullRowKeyBytes, stream));
+  } else {
+    KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, view, sel.tokens, sel.max_tokens, kv.seq_lens,
+                                       kv.batch, hkv, scale, geo_, ls.hist, scratch, scratch_bytes,
+                                       stream));
+  }
+  KVS_CUDA_CHECK(ap::predict_cuda(device_params_, ls.hist, kv.batch, geo_, scores, stream));
+  KVS_CUDA_CHECK(
+      ap::select_blocks_cuda(scores, ls.hist, kv.batch, hkv, geo_, k_blocks_, ls.flags, stream));
+  if (offload) {
+    // Cross-token prefetch of the blocks step t+1 needs. The lengths are snapshotted on the
+    // main stream: the caller may advance kv.seq_lens for the next step while the copy runs.
+    KVS_CUDA_CHECK(cudaMemcpyAsync(ls.len_snapshot, kv.seq_lens, size_t(kv.batch) * sizeof(int32_t),
+                                   cudaMemcpyDefault, stream));
+    KVS_CUDA_CHECK(cudaEventRecord(ls.selected, stream));
+    KVS_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, ls.selected, 0));
+    PagedKV snap = kv;
+    snap.seq_lens = ls.len_snapshot;
+    KVS_CUDA_CHECK(ap::make_resident_cuda(snap, ls.flags, geo_, 1, true, false, ls.cache,
+                                          counters_ + kBlocksPrefetched, ls.done,
+                                          ap::default_copy_ctas(), side_stream_));
+    KVS_CUDA_CHECK(cudaEventRecord(ls.prefetched, side_stream_));
+    ls.expected_done += unsigned(ap::default_copy_ctas());
+    ls.prefetch_pending = true;
+    ++prefetches_;
+  }
+}
+
+void AttnPredEngine::history_row_cpu(LayerState& ls, const float* q, const PagedKV& kv, int b,
+                                     int qh, const int32_t* tokens, int count, double scale) {
+  const int d = shape_.head_dim, h = qh / shape_.group_size(), n = kv.seq_lens[b];
+  std::vector<double> s(static_cast<size_t>(count));
+  double m = -std::numeric_limits<double>::infinity();
+  for (int i = 0; i < count; ++i) {
+    const int t = tokens ? tokens[i] : i;
+    const bf16* k = kv.k + kv.offset(b, t, h);
+    double dot = 0;
+    for (int e = 0; e < d; ++e) dot += double(q[e]) * double(bf16_to_float(k[e]));
+    s[size_t(i)] = dot * scale;
+    m = std::max(m, s[size_t(i)]);
+  }
+  double z = 0;
+  for (double v : s) z += std::exp(v - m);
+  const double lse = m + std::log(z);
+  std::vector<float> probs(size_t(n), 0.f);
+  for (int i = 0; i < count; ++i)
+    probs[size_t(tokens ? tokens[i] : i)] = float(std::exp(s[size_t(i)] - lse));
+  const int nb = geo_.num_blocks(n);
+  if (geo_.block != kAttnBlockSize)
+    throw std::logic_error("attnpred engine: block " + str(geo_.block) +
+                           " differs from the capture pooling block " + str(kAttnBlockSize));
+  std::vector<float> pooled(static_cast<size_t>(nb));
+  pool_attention_row(probs.data(), n, n, pooled.data());
+  ap::append_row_cpu(ls.hist, b, qh, pooled.data(), nb);
+}
+
+void AttnPredEngine::predict_cpu(LayerState& ls, int batch) {
+  const int hq = shape_.num_q_heads, hkv = shape_.num_kv_heads, g = shape_.group_size();
+  std::fill(ls.host_flags.begin(), ls.host_flags.end(), uint8_t(0));
+  std::vector<float> x, y;
+  for (int b = 0; b < batch; ++b) {
+    const int c0 = geo_.candidate_begin(), c1 = geo_.candidate_end(ls.hist.tokens[b]);
+    const int w = c1 - c0;
+    if (w <= 0) continue;
+    for (int qh = 0; qh < hq; ++qh) {
+      uint8_t* flags = ls.flags + (size_t(b) * hkv + qh / g) * max_blocks_;
+      if (k_blocks_ >= w) {  // every candidate fits the budget: no prediction needed
+        std::fill(flags + c0, flags + c1, uint8_t(1));
+        continue;
+      }
+      x.resize(size_t(geo_.history) * w);
+      y.resize(size_t(w));
+      ap::gather_input_cpu(ls.hist, b, qh, c0, c1, x.data());
+      ap::cnn_forward_cpu(host_params_.data(), x.data(), 1, geo_.history, w, y.data());
+      ap::select_top_blocks_cpu(y.data(), w, k_blocks_, c0, flags);
+      host_stats_.selection_bytes_read += uint64_t(geo_.history) * w * sizeof(float);
+    }
+  }
+}
+
+void AttnPredEngine::decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf16* out,
+                                float* lse) {
+  const int d = shape_.head_dim, g = shape_.group_size(), hq = shape_.num_q_heads;
+  const int hkv = shape_.num_kv_heads;
+  const double scale = shape_.scale();
+  std::vector<float> qf(static_cast<size_t>(d));
+  std::vector<double> o(static_cast<size_t>(d));
+  for (int b = 0; b < kv.batch; ++b) {
+    if (kv.seq_lens[b] > max_context_)
+      throw std::out_of_range("attnpred engine decode: sequence " + str(b) + " has " +
+                              str(kv.seq_lens[b]) + " tokens, above max_context " +
+                              str(max_context_) + " (AttnPredConfig.max_context)");
+    host_stats_.kv_rows_context += uint64_t(kv.seq_lens[b]) * hkv;
+  }
+  auto load_q = [&](int b, int qh) {
+    const int64_t row = int64_t(b) * hq + qh;
+    for (int i = 0; i < d; ++i) qf[size_t(i)] = bf16_to_float(q[row * d + i]);
+  };
+  auto attend = [&](int b, int qh, const int32_t* tokens, int count) {
+    const int64_t row = int64_t(b) * hq + qh;
+    double l;
+    kernels::attend_cpu(qf.data(), kv, b, qh / g, tokens, count, scale, o.data(), &l);
+    for (int i = 0; i < d; ++i) out[row * d + i] = float_to_bf16(float(o[size_t(i)]));
+    if (lse) lse[row] = float(l);
+  };
+  if (is_dense_layer(layer)) {
+    for (int b = 0; b < kv.batch; ++b) {
+      for (int qh = 0; qh < hq; ++qh) {
+        load_q(b, qh);
+        attend(b, qh, nullptr, 0);
+      }
+      host_stats_.kv_rows_read += uint64_t(kv.seq_lens[b]) * hkv;
+    }
+    return;
+  }
+  LayerState& ls = layers_[size_t(layer)];
+  const int c = ls.calls++;
+  const bool warm = c < warmup_;
+  const bool full_row = warm || (c + 1) % period_ == 0;
+  for (int b = 0; b < kv.batch; ++b) {
+    const int n = kv.seq_lens[b];
+    for (int h = 0; h < hkv; ++h) {
+      std::vector<int32_t> tokens;
+      if (warm) {
+        tokens.resize(size_t(n));
+        for (int t = 0; t < n; ++t) tokens[size_t(t)] = t;
+      } else {
+        tokens = ap::selected_tokens_cpu(geo_, n, ls.flags + (size_t(b) * hkv + h) * max_blocks_);
+      }
+      for (int j = 0; j < g; ++j) {
+        const int qh = h * g + j;
+        load_q(b, qh);
+        attend(b, qh, tokens.data(), int(tokens.size()));
+        if (full_row) {
+          history_row_cpu(ls, qf.data(), kv, b, qh, nullptr, n, scale);
+        } else {
+          history_row_cpu(ls, qf.data(), kv, b, qh, tokens.data(), int(tokens.size()), scale);
+        }
+      }
+      if (full_row) host_stats_.selection_bytes_read += uint64_t(n) * d * sizeof(bf16);
+      host_stats_.kv_rows_read += tokens.size();
+      ls.last_tokens[size_t(b) * hkv + h] = std::move(tokens);
+    }
+    ls.hist.count[b] += 1;
+    ls.hist.tokens[b] = n;
+  }
+  predict_cpu(ls, kv.batch);
+}
+
+std::vector<std::vector<int32_t>> AttnPredEngine::last_read(int layer, int b) const {
+  if (layer < 0 || layer >= shape_.num_layers || is_dense_layer(layer)) return {};
+  const LayerState& ls = layers_[size_t(layer)];
+  if (!ls.allocated || b < 0 || b >= config_.max_batch) return {};
+  const int hkv = shape_.num_kv_heads, g = shape_.group_size();
+  std::vector<std::vector<int32_t>> per_kv(static_cast<size_t>(hkv));
+  if (config_.backend == Backend::Cpu) {
+    for (int h = 0; h < hkv; ++h) per_kv[size_t(h)] = ls.last_tokens[size_t(b) * hkv + h];
+    if (ls.calls <= warmup_) return {};  // the last decode read every token
+  } else {
+    // The selection in the workspace belongs to the last decode call, whichever layer it was;
+    // a warm-up decode (dense) leaves it untouched, so report dense for those.
+    if (ls.calls <= warmup_) return {};
+    const tk::Selection sel = selection();
+    KVS_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<int32_t> counts(static_cast<size_t>(hkv));
+    KVS_CUDA_CHECK(cudaMemcpy(counts.data(), sel.counts + size_t(b) * hkv,
+                              counts.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    for (int h = 0; h < hkv; ++h) {
+      auto& t = per_kv[size_t(h)];
+      t.resize(size_t(counts[size_t(h)]));
+      KVS_CUDA_CHECK(cudaMemcpy(t.data(), sel.tokens + (size_t(b) * hkv + h) * sel.max_tokens,
+                                t.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    }
+  }
+  std::vector<std::vector<int32_t>> out;
+  for (int h = 0; h < hkv; ++h)
+    for (int j = 0; j < g; ++j) out.push_back(per_kv[size_t(h)]);
+  return out;
+}
+
+std::vector<uint8_t> AttnPredEngine::block_flags(int layer) const {
+  const LayerState& ls = layers_.at(size_t(layer));
+  if (!ls.allocated)
+    throw std::logic_error("attnpred engine: layer " + str(layer) + " has no state");
+  if (config_.backend == Backend::Cpu) return ls.host_flags;
+  std::vector<uint8_t> f(size_t(config_.max_batch) * shape_.num_kv_heads * max_blocks_);
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  KVS_CUDA_CHECK(cudaMemcpy(f.data(), ls.flags, f.size(), cudaMemcpyDeviceToHost));
+  return f;
+}
+
+std::vector<float> AttnPredEngine::history_rows(int layer) const {
+  const LayerState& ls = layers_.at(size_t(layer));
+  if (!ls.allocated)
+    throw std::logic_error("attnpred engine: layer " + str(layer) + " has no state");
+  if (config_.backend == Backend::Cpu) return ls.host_rows;
+  std::vector<float> r(size_t(config_.max_batch) * shape_.num_q_heads * geo_.history * max_blocks_);
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  KVS_CUDA_CHECK(
+      cudaMemcpy(r.data(), ls.hist.rows, r.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  return r;
+}
+
+std::vector<int32_t> AttnPredEngine::history_count(int layer) const {
+  const LayerState& ls = layers_.at(size_t(layer));
+  if (!ls.allocated)
+    throw std::logic_error("attnpred engine: layer " + str(layer) + " has no state");
+  if (config_.backend == Backend::Cpu) return ls.host_count;
+  std::vector<int32_t> c(size_t(config_.max_batch));
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  KVS_CUDA_CHECK(
+      cudaMemcpy(c.data(), ls.hist.count, c.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  return c;
+}
+
+std::vector<int32_t> AttnPredEngine::resident_blocks(int layer, int b, int h) const {
+  const LayerState& ls = layers_.at(size_t(layer));
+  if (!ls.cache.k) throw std::logic_error("attnpred engine: resident_blocks needs offload mode");
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<int32_t> slots(static_cast<size_t>(max_blocks_));
+  KVS_CUDA_CHECK(cudaMemcpy(
+      slots.data(), ls.cache.block_slot + (size_t(b) * shape_.num_kv_heads + h) * max_blocks_,
+      slots.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  std::vector<int32_t> out;
+  for (int j = 0; j < max_blocks_; ++j)
+    if (slots[size_t(j)] >= 0) out.push_back(j);
+  return out;
+}
+
+void AttnPredEngine::last_attended_keys(int b, int h, std::vector<int32_t>* tokens,
+                                        std::vector<bf16>* keys) const {
+  const tk::Selection sel = selection();
+  const LayerState* any = nullptr;
+  for (const LayerState& ls : layers_)
+    if (ls.cache.k) any = &ls;
+  if (!any) throw std::logic_error("attnpred engine: last_attended_keys needs offload mode");
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  const size_t s = size_t(b) * shape_.num_kv_heads + h;
+  int count = 0;
+  KVS_CUDA_CHECK(cudaMemcpy(&count, sel.counts + s, sizeof(int), cudaMemcpyDeviceToHost));
+  tokens->resize(size_t(count));
+  std::vector<int32_t> rows(static_cast<size_t>(count));
+  KVS_CUDA_CHECK(cudaMemcpy(tokens->data(), sel.tokens + s * sel.max_tokens,
+                            size_t(count) * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  KVS_CUDA_CHECK(cudaMemcpy(rows.data(), sel.rows + s * sel.max_tokens,
+                            size_t(count) * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  const int d = shape_.head_dim;
+  keys->resize(size_t(count) * d);
+  // Rows index the cache of the layer decoded last; every offload layer has its own cache,
+  // so the caller decodes one layer before asking (tests do).
+  for (const LayerState& ls : layers_) {
+    if (!ls.cache.k || ls.calls == 0) continue;
+    for (int i = 0; i < count; ++i)
+      KVS_CUDA_CHECK(cudaMemcpy(keys->data() + size_t(i) * d,
+                                ls.cache.k + size_t(rows[size_t(i)]) * d, size_t(d) * sizeof(bf16),
+                                cudaMemcpyDeviceToHost));
+    return;
+  }
+}
+
+AttnPredEngine::OffloadStats AttnPredEngine::offload_stats() const {
+  OffloadStats s;
+  s.prefetches = prefetches_;
+  if (!counters_) return s;
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  unsigned long long c[kNumCounters] = {};
+  KVS_CUDA_CHECK(cudaMemcpy(c, counters_, sizeof c, cudaMemcpyDeviceToHost));
+  s.late_prefetches = c[kLate];
+  s.blocks_prefetched = c[kBlocksPrefetched];
+  s.blocks_on_demand = c[kBlocksOnDemand];
+  s.selection_errors = c[kSelectionErrors] + c[kPrefetchErrors] + c[kOnDemandErrors];
+  return s;
+}
+
+EngineStats AttnPredEngine::stats() const {
+  EngineStats s = host_stats_;
+  if (counters_) {
+    unsigned long long c[kNumCounters] = {};
+    KVS_CUDA_CHECK(cudaMemcpy(c, counters_, sizeof c, cudaMemcpyDeviceToHost));
+    s.kv_rows_read = c[kRowsRead];
+    s.kv_rows_context = c[kContextRows];
+    s.selection_bytes_read = c[kFullRowKeyBytes];
+  }
+  return s;
+}
+
+void AttnPredEngine::reset_stats() {
+  host_stats_ = EngineStats{};
+  prefetches_ = 0;
+  if (counters_)
+    KVS_CUDA_CHECK(cudaMemset(counters_, 0, kNumCounters * sizeof(unsigned long long)));
+}
+
+}  // namespace kvs

@@ -1,0 +1,136 @@
+// AttentionPredictor behind the Engine interface (spec shared/specs/attnpred.md; kernels in
+// kernels/attnpred/attnpred.h).
+//
+// Per compressed layer the engine keeps the block-pooled attention history of every query
+// head (fp32 ring of `history` rows, on the device for CUDA). decode(layer) at a step whose
+// sequence has n tokens:
+//   1. attends the tokens selected at the previous step (sink, recent, the predicted blocks);
+//      the first warmup_steps decodes after a prefill attend every token instead;
+//   2. appends a history row: the softmax of q.k over the attended tokens, max-pooled (0 for
+//      blocks not attended); on warm-up steps and every calibration_period-th step the FULL
+//      row over all n tokens instead (a separate score kernel over all keys: the output is
+//      still the sparse attention, as the paper does; only the history is calibrated);
+//   3. predicts the next step's block scores with the CNN and takes each query head's top
+//      (budget - sink - recent) / block candidate blocks.
+// The prefill gives the engine keys but no queries, so it cannot compute the paper's prefill
+// history (the last 64 prompt queries' rows); the warm-up steps build it instead, and until
+// `history` rows exist the older rows are zeros.
+//
+// GQA (the paper is silent; its code selects per query head): each query head predicts and
+// selects its own top-K, and the kv head attends the union of its group's blocks once, so
+// each KV block is read once per kv head; the read can reach group_size x the budget when the
+// heads disagree (the fidelity choice of spec 8.6a; stats report the rows actually read).
+//
+// Offload mode (AttnPredConfig::offload, CUDA): the caller's KV is in pinned mapped host
+// memory. Each layer has a device block cache (slots of `block` tokens per kv head). At the
+// end of decode(layer) at step t, after the selection for t+1 is made, an event is recorded
+// and a side stream makes the blocks step t+1 needs resident (blocks no longer needed free
+// their slots; missing ones are copied by a kernel reading the mapped host memory, so the
+// block list never leaves the GPU). decode(layer) at t+1 waits on that layer's prefetch
+// event (a wait only when it is late: a probe kernel counts those), then copies the block
+// holding the newest token (it did not exist at prefetch time) and any block still missing,
+// on the main stream. Calibration rows read the full K from host memory (1/M of a full-K
+// transfer per step); warm-up steps attend the host KV directly (zero-copy dense).
+// Offload decode keeps state across steps on two streams and is not meant for CUDA graph
+// capture; GPU-resident decode is (one graph per calibration phase: the phase is host state).
+#pragma once
+
+#include <vector>
+
+#include "kernels/attnpred/attnpred.h"
+#include "runtime/engine.h"
+
+namespace kvs {
+
+// The stored parts of the method (the bundle's attnpred group; a trained file's group).
+//   dataset cnn_params float32 [4833] (packed as kernels/attnpred/attnpred.h kParam*)
+//   attrs   history, block, sink, recent, budget_tokens, calibration_period (int),
+//           dense_layers (int list), param_layout (string)
+struct AttnPredParams {
+  std::vector<float> cnn;
+  int history = 64;
+  int block = 16;
+  int sink = 64;
+  int recent = 64;
+  int budget_tokens = 1024;
+  int calibration_period = 5;
+  std::vector<int> dense_layers = {0, 1};
+};
+
+// Reads and checks (shape, knob ranges, finite weights) a group; throws naming the group.
+AttnPredParams load_attnpred_params(const h5::Group& group, const ModelShape& shape);
+void write_attnpred_params(const h5::Group& group, const AttnPredParams& params);
+
+class AttnPredEngine : public Engine {
+ public:
+  AttnPredEngine(const ModelShape& shape, const EngineConfig& config, const AttnPredParams& params);
+  ~AttnPredEngine() override;
+  AttnPredEngine(const AttnPredEngine&) = delete;
+  AttnPredEngine& operator=(const AttnPredEngine&) = delete;
+
+  Method method() const override { return Method::AttnPred; }
+  Backend backend() const override { return config_.backend; }
+  size_t workspace_bytes() const override;
+  void prefill(int layer, const PagedKV& kv, cudaStream_t stream) override;
+  void decode(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv, bf16* out, float* lse,
+              cudaStream_t stream) override;
+  EngineStats stats() const override;
+  void reset_stats() override;
+  std::vector<std::vector<int32_t>> last_read(int layer, int b) const override;
+
+  const kernels::attnpred::Geometry& geometry() const { return geo_; }
+  int budget_tokens() const { return budget_; }
+  int k_blocks() const { return k_blocks_; }
+  int calibration_period() const { return period_; }
+  int max_context() const { return max_context_; }
+  int max_blocks() const { return max_blocks_; }
+  int max_selected_tokens() const { return max_tokens_; }
+  int slots_per_head() const { return slots_per_head_; }
+  bool is_dense_layer(int layer) const;
+
+  struct OffloadStats {
+    uint64_t prefetches = 0;         ///< side-stream prefetches issued (one per layer step)
+    uint64_t late_prefetches = 0;    ///< of them, not finished when decode reached them
+    uint64_t blocks_prefetched = 0;  ///< blocks copied on the side stream
+    uint64_t blocks_on_demand = 0;   ///< blocks copied inside decode (newest-token blocks, misses)
+    uint64_t selection_errors = 0;   ///< tokens selected but not resident or over capacity (0)
+  };
+  OffloadStats offload_stats() const;
+
+  // Inspection (tests, tools): host copies of a layer's state; on CUDA they synchronize.
+  std::vector<uint8_t> block_flags(int layer) const;    ///< [max_batch, Hkv, max_blocks], next step
+  std::vector<float> history_rows(int layer) const;     ///< [max_batch, Hq, history, max_blocks]
+  std::vector<int32_t> history_count(int layer) const;  ///< [max_batch]
+  // Offload: the blocks resident for (b, kv head h) of `layer`, ascending; waits for the
+  // layer's prefetch.
+  std::vector<int32_t> resident_blocks(int layer, int b, int h) const;
+  // Offload: the K rows of the block cache the last decode of any layer attended for (b, h),
+  // as token ids and their cached keys (row-major [count, d]); tests check they equal the
+  // host cache's rows of those tokens.
+  void last_attended_keys(int b, int h, std::vector<int32_t>* tokens,
+                          std::vector<bf16>* keys) const;
+
+ private:
+  struct LayerState;
+  LayerState& allocate_layer(int layer);
+  void decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf16* out, float* lse);
+  void history_row_cpu(LayerState& ls, const float* q, const PagedKV& kv, int b, int qh,
+                       const int32_t* tokens, int count, double scale);
+  void predict_cpu(LayerState& ls, int batch);
+  kernels::tactic::Selection selection() const;  // CUDA: the workspace's selection arrays
+  size_t selection_bytes() const;
+
+  kernels::attnpred::Geometry geo_;
+  int budget_ = 0, k_blocks_ = 0, period_ = 0, warmup_ = 1;
+  int max_context_ = 0, max_blocks_ = 0, max_tokens_ = 0, slots_per_head_ = 0;
+  std::vector<int> dense_layers_;
+  std::vector<float> host_params_;
+  float* device_params_ = nullptr;
+  std::vector<LayerState> layers_;
+  EngineStats host_stats_;
+  unsigned long long* counters_ = nullptr;  // CUDA device counters (see attnpred_engine.cpp)
+  cudaStream_t side_stream_ = nullptr;      // offload prefetch stream
+  uint64_t prefetches_ = 0;
+};
+
+}  // namespace kvs

@@ -1,0 +1,237 @@
+// AttentionPredictor CPU reference: top-K selection, the token rule, history rows and
+// pooling, the engine against dense attention, stored parts.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+
+#include "artifacts/bundle.h"
+#include "artifacts/capture_file.h"
+#include "kernels/attnpred/attnpred.h"
+#include "kernels/dense/dense_decode.h"
+#include "runtime/attnpred_engine.h"
+
+namespace kvs {
+namespace {
+
+namespace ap = kernels::attnpred;
+
+TEST(AttnPredCpu, TopBlocksTakeHighestScoresLowestIndexOnTies) {
+  const std::vector<float> s = {0.5f, 2.f, 1.f, 2.f, 1.f, 1.f, -3.f};
+  std::vector<uint8_t> f(10, 0);
+  ap::select_top_blocks_cpu(s.data(), int(s.size()), 4, 2, f.data());
+  // 2.f at 1 and 3, then the 1.f ties: indices 2 and 4 before 5 (flags shifted by 2).
+  EXPECT_EQ(f, (std::vector<uint8_t>{0, 0, 0, 1, 1, 1, 1, 0, 0, 0}));
+  std::fill(f.begin(), f.end(), 0);
+  ap::select_top_blocks_cpu(s.data(), int(s.size()), 100, 0, f.data());
+  EXPECT_EQ(std::accumulate(f.begin(), f.end(), 0), 7);
+  // Existing flags stay (the union of a group's heads).
+  std::vector<uint8_t> g(7, 0);
+  g[6] = 1;
+  ap::select_top_blocks_cpu(s.data(), 7, 1, 0, g.data());
+  EXPECT_EQ(g, (std::vector<uint8_t>{0, 1, 0, 0, 0, 0, 1}));
+}
+
+TEST(AttnPredCpu, TokenRuleIsSinkRecentAndFlaggedBlocks) {
+  const ap::Geometry g{64, 16, 32, 48};
+  const int n = 300;
+  std::vector<uint8_t> flags(size_t(g.num_blocks(n)), 0);
+  flags[5] = flags[9] = 1;  // tokens 80..95 and 144..159
+  const std::vector<int32_t> t = ap::selected_tokens_cpu(g, n, flags.data());
+  std::vector<int32_t> want;
+  for (int i = 0; i < 32; ++i) want.push_back(i);
+  for (int i = 80; i < 96; ++i) want.push_back(i);
+  for (int i = 144; i < 160; ++i) want.push_back(i);
+  for (int i = n - 48; i < n; ++i) want.push_back(i);
+  EXPECT_EQ(t, want);
+  EXPECT_EQ(g.candidate_begin(), 2);
+  EXPECT_EQ(g.candidate_end(n), 19 - 3);
+  EXPECT_THROW(ap::validate(ap::Geometry{64, 16, 30, 64}), std::invalid_argument);
+}
+
+TEST(AttnPredCpu, HistoryRingZeroPadsShortHistoriesAndDropsTheOldest) {
+  const int H = 4, W = 6;
+  std::vector<float> rows(size_t(2) * H * W, -1.f);
+  int32_t count = 0, tokens = 0;
+  ap::HistoryState h{rows.data(), &count, &tokens, 1, 2, H, W};
+  std::vector<float> x(size_t(H) * 3);
+  for (int step = 0; step < 6; ++step) {
+    std::vector<float> r = {float(step), float(step) + 0.5f, float(step) + 0.25f};
+    for (int head = 0; head < 2; ++head) ap::append_row_cpu(h, 0, head, r.data(), 3);
+    ++count;
+    ap::gather_input_cpu(h, 0, 1, 1, 4, x.data());
+    for (int i = 0; i < H; ++i) {
+      const int s = step - H + 1 + i;  // the step logical row i holds
+      EXPECT_EQ(x[size_t(i) * 3 + 0], s < 0 ? 0.f : float(s) + 0.5f) << step << " " << i;
+      EXPECT_EQ(x[size_t(i) * 3 + 2], 0.f);  // past the row's width: zero (was -1 before)
+    }
+  }
+}
+
+// A small random cache: one sequence, contiguous page.
+struct Scene {
+  ModelShape shape;
+  int n = 0;
+  std::vector<bf16> k, v, q;
+  int32_t table = 0, len = 0;
+  PagedKV kv;
+  Scene(int tokens, uint32_t seed) : n(tokens) {
+    shape.name = "attnpred-test";
+    shape.num_layers = 3;
+    shape.num_q_heads = 4;
+    shape.num_kv_heads = 2;
+    shape.head_dim = 64;
+    shape.max_position = 4096;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    k.resize(size_t(4096) * 2 * 64);
+    v.resize(k.size());
+    for (auto& x : k) x = float_to_bf16(nd(rng));
+    for (auto& x : v) x = float_to_bf16(nd(rng));
+    q.resize(size_t(4) * 64);
+    kv.k = k.data();
+    kv.v = v.data();
+    kv.page_table = &table;
+    kv.seq_lens = &len;
+    kv.batch = 1;
+    kv.num_pages = 1;
+    kv.page_size = 4096;
+    kv.num_kv_heads = 2;
+    kv.head_dim = 64;
+    kv.max_pages_per_seq = 1;
+    len = n;
+  }
+  void new_query(uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.5f);
+    for (auto& x : q) x = float_to_bf16(nd(rng));
+  }
+};
+
+AttnPredParams test_params(int budget) {
+  AttnPredParams p;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.f, 0.2f);
+  p.cnn.resize(ap::kParamCount);
+  for (auto& w : p.cnn) w = nd(rng);
+  p.budget_tokens = budget;
+  p.dense_layers = {0};
+  return p;
+}
+
+TEST(AttnPredCpu, WarmupRowIsThePooledFullSoftmax) {
+  Scene sc(700, 1);
+  EngineConfig cfg;
+  cfg.backend = Backend::Cpu;
+  AttnPredEngine e(sc.shape, cfg, test_params(256));
+  e.prefill(1, sc.kv, nullptr);
+  sc.new_query(9);
+  std::vector<bf16> out(sc.q.size());
+  e.decode(1, sc.q.data(), nullptr, sc.kv, out.data(), nullptr, nullptr);
+  const std::vector<float> rows = e.history_rows(1);
+  EXPECT_EQ(e.history_count(1)[0], 1);
+  const int mb = e.max_blocks(), H = e.geometry().history;
+  for (int qh = 0; qh < 4; ++qh) {
+    std::vector<double> s(size_t(sc.n));
+    double m = -1e300, z = 0;
+    for (int t = 0; t < sc.n; ++t) {
+      double dot = 0;
+      for (int i = 0; i < 64; ++i)
+        dot += double(bf16_to_float(sc.q[size_t(qh) * 64 + i])) *
+               double(bf16_to_float(sc.k[(size_t(t) * 2 + qh / 2) * 64 + i]));
+      s[size_t(t)] = dot * sc.shape.scale();
+      m = std::max(m, s[size_t(t)]);
+    }
+    for (double x : s) z += std::exp(x - m);
+    const float* row = rows.data() + (size_t(qh) * H + 0) * mb;  // ring slot 0
+    for (int j = 0; j < mb; ++j) {
+      double want = 0;
+      for (int t = j * 16; t < std::min(sc.n, j * 16 + 16); ++t)
+        want = std::max(want, std::exp(s[size_t(t)] - m) / z);
+      ASSERT_NEAR(row[j], want, 1e-6 * std::max(1.0, want)) << "head " << qh << " block " << j;
+    }
+  }
+  EXPECT_TRUE(e.last_read(1, 0).empty());  // the warm-up step read every token
+}
+
+TEST(AttnPredCpu, EngineAttendsItsSelectionAndMatchesDenseWhenTheBudgetCoversAll) {
+  Scene sc(600, 2);
+  EngineConfig cfg;
+  cfg.backend = Backend::Cpu;
+  // Budget above the context: every candidate block is taken, so the output is dense.
+  AttnPredEngine big(sc.shape, cfg, test_params(1024));
+  AttnPredEngine small(sc.shape, cfg, test_params(256));
+  big.prefill(2, sc.kv, nullptr);
+  small.prefill(2, sc.kv, nullptr);
+  std::vector<bf16> ob(sc.q.size()), os(sc.q.size());
+  std::vector<float> dense(sc.q.size());
+  for (int step = 0; step < 12; ++step) {
+    sc.len = sc.n + step;
+    sc.new_query(100 + step);
+    big.decode(2, sc.q.data(), nullptr, sc.kv, ob.data(), nullptr, nullptr);
+    small.decode(2, sc.q.data(), nullptr, sc.kv, os.data(), nullptr, nullptr);
+    kernels::dense_decode_cpu(sc.q.data(), 4, sc.kv, float(sc.shape.scale()), dense.data(),
+                              nullptr);
+    for (size_t i = 0; i < dense.size(); ++i)
+      ASSERT_NEAR(bf16_to_float(ob[i]), dense[i], 1e-2 + 1e-2 * std::abs(dense[i]));
+    const auto read = small.last_read(2, 0);
+    if (step == 0) {
+      EXPECT_TRUE(read.empty());
+      continue;
+    }
+    ASSERT_EQ(read.size(), 4u);
+    for (int qh = 0; qh < 4; ++qh) {
+      const auto& t = read[size_t(qh)];
+      // Sink and recent always; at most the group's union of budgets.
+      for (int i = 0; i < 64; ++i) EXPECT_TRUE(std::binary_search(t.begin(), t.end(), i));
+      for (int i = sc.len - 64; i < sc.len; ++i)
+        EXPECT_TRUE(std::binary_search(t.begin(), t.end(), i));
+      EXPECT_LE(int(t.size()), 64 + 64 + 2 * (256 - 128));
+      EXPECT_LT(int(t.size()), sc.len);
+      // The output is exact attention over exactly those tokens.
+      std::vector<float> qf(64);
+      for (int i = 0; i < 64; ++i) qf[size_t(i)] = bf16_to_float(sc.q[size_t(qh) * 64 + i]);
+      std::vector<double> o(64);
+      double l;
+      kernels::attend_cpu(qf.data(), sc.kv, 0, qh / 2, t.data(), int(t.size()), sc.shape.scale(),
+                          o.data(), &l);
+      for (int i = 0; i < 64; ++i)
+        ASSERT_EQ(bf16_to_float(os[size_t(qh) * 64 + i]),
+                  bf16_to_float(float_to_bf16(float(o[size_t(i)]))));
+    }
+  }
+  EXPECT_EQ(small.history_count(2)[0], 12);
+  EXPECT_LT(small.stats().kv_read_fraction(), 1.0);
+  EXPECT_THROW(small.decode(1, sc.q.data(), nullptr, sc.kv, os.data(), nullptr, nullptr),
+               std::logic_error);  // layer 1 never prefilled
+}
+
+TEST(AttnPredCpu, StoredPartsRoundTripAndValidate) {
+  Scene sc(100, 3);
+  const std::string path = "attnpred_parts_" + std::to_string(::getpid()) + ".h5";
+  const AttnPredParams p = test_params(512);
+  {
+    BundleWriter w(path, sc.shape);
+    write_attnpred_params(w.method_group("attnpred"), p);
+    w.commit();
+  }
+  const Bundle b = Bundle::open(path);
+  const AttnPredParams r = load_attnpred_params(b.method_group("attnpred"), sc.shape);
+  EXPECT_EQ(r.cnn, p.cnn);
+  EXPECT_EQ(r.budget_tokens, 512);
+  EXPECT_EQ(r.dense_layers, p.dense_layers);
+  EXPECT_NO_THROW(validate_stored_parts(Method::AttnPred, b.method_group("attnpred"), sc.shape));
+  EngineConfig cfg;
+  cfg.backend = Backend::Cpu;
+  EXPECT_EQ(make_engine(Method::AttnPred, sc.shape, cfg, &b)->method(), Method::AttnPred);
+  EXPECT_THROW(make_engine(Method::AttnPred, sc.shape, cfg, nullptr), std::invalid_argument);
+  cfg.attnpred.budget_tokens = 200;  // not sink + recent + a multiple of 16
+  EXPECT_THROW(make_engine(Method::AttnPred, sc.shape, cfg, &b), std::invalid_argument);
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace kvs

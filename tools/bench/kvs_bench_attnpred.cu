@@ -1,0 +1,364 @@
+// kvs-bench-attnpred: AttentionPredictor decode time per layer, GPU-resident and offloaded,
+// against dense attention over the same cache (batch 1; Llama-3.1-8B attention by default).
+//
+// Columns (microseconds per layer and decode step, median over --reps repetitions of a
+// --steps step loop over --layers layers; every loop covers whole calibration periods, so
+// calibration rows are amortised as in a real decode):
+//   dense        dense_decode_cuda over the device cache
+//   ap_gpu       the attnpred engine, GPU-resident (attention + history row + prediction)
+//   sparse_attn  its attention alone: selection build + split-KV over the sub-request view
+//   predictor    its CNN + top-K alone (the paper's "predict attention"; hideable, cross-token)
+//   full_row     one calibration row (scores over all keys); 1/M of the steps pay it
+//   offl_copy    the paper's baseline: the whole layer's KV copied H2D (cudaMemcpyAsync from
+//                pinned memory), then dense attention
+//   offl_zc      dense attention reading the pinned host KV directly (zero-copy)
+//   ap_offload   the attnpred engine in offload mode (cross-token prefetch on a side stream)
+//   late         share of prefetches decode had to wait for; blk/step: blocks copied per
+//                layer step (prefetched + on demand)
+// Weights are random (selection quality does not change the cost); queries and keys are
+// random bf16. Targets (issue): ap_offload 5.6x faster than offl_copy at 32K; ap_gpu 5x faster
+// than dense at 128K with budget 2048.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <cstdio>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/common/cuda_check.h"
+#include "kernels/dense/dense_decode.h"
+#include "runtime/attnpred_engine.h"
+
+namespace po = boost::program_options;
+namespace ap = kvs::kernels::attnpred;
+
+namespace {
+
+__global__ void fill_random_bf16(__nv_bfloat16* x, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    x[i] = __float2bfloat16((float(h & 0xffff) / 65535.f - 0.5f) * 2.f);
+  }
+}
+
+void fill_random(kvs::bf16* x, size_t n, uint32_t seed) {
+  fill_random_bf16<<<1024, 256>>>(reinterpret_cast<__nv_bfloat16*>(x), n, seed);
+  KVS_CUDA_CHECK(cudaGetLastError());
+}
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() {
+    KVS_CUDA_CHECK(cudaEventCreate(&a));
+    KVS_CUDA_CHECK(cudaEventCreate(&b));
+  }
+  ~Timer() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+  template <class F>
+  double median_us(int reps, int per_rep, cudaStream_t s, F&& f) {
+    std::vector<double> t;
+    f();  // warm-up
+    for (int r = 0; r < reps; ++r) {
+      KVS_CUDA_CHECK(cudaEventRecord(a, s));
+      f();
+      KVS_CUDA_CHECK(cudaEventRecord(b, s));
+      KVS_CUDA_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      KVS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      t.push_back(ms * 1000.0 / per_rep);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  }
+};
+
+template <class T>
+T* dalloc(size_t n) {
+  void* p = nullptr;
+  KVS_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::string contexts_s;
+  int hq, hkv, d, budget, layers, steps, reps, period;
+  po::options_description opts(
+      "kvs-bench-attnpred: AttentionPredictor decode vs dense, GPU and offload");
+  opts.add_options()("help,h", "show this help")(
+      "contexts", po::value(&contexts_s)->default_value("32768,65536,131072"), "context lengths")(
+      "hq", po::value(&hq)->default_value(32), "query heads")(
+      "hkv", po::value(&hkv)->default_value(8), "kv heads")("d", po::value(&d)->default_value(128),
+                                                            "head dim")(
+      "budget", po::value(&budget)->default_value(2048),
+      "tokens per head (sink + recent included)")("period", po::value(&period)->default_value(5),
+                                                  "calibration period M")(
+      "layers", po::value(&layers)->default_value(4), "layers per step (prefetch overlaps them)")(
+      "steps", po::value(&steps)->default_value(10), "decode steps per repetition (whole periods)")(
+      "reps", po::value(&reps)->default_value(5), "repetitions (median)");
+  po::variables_map vm;
+  po::store(po::parse_command_line(argc, argv, opts), vm);
+  if (vm.count("help")) {
+    std::cout << opts << "\n";
+    return 0;
+  }
+  po::notify(vm);
+  if (!kvs::cuda_device_available()) {
+    std::fprintf(stderr, "kvs-bench-attnpred: no CUDA device\n");
+    return 1;
+  }
+  if (steps % period != 0) {
+    std::fprintf(stderr, "kvs-bench-attnpred: --steps %d is not a multiple of --period %d\n", steps,
+                 period);
+    return 1;
+  }
+  std::vector<int> contexts;
+  for (size_t p = 0; p < contexts_s.size();) {
+    const size_t c = contexts_s.find(',', p);
+    contexts.push_back(std::stoi(contexts_s.substr(p, c - p)));
+    p = c == std::string::npos ? contexts_s.size() : c + 1;
+  }
+  cudaDeviceProp prop{};
+  KVS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# %s, Hq %d, Hkv %d, d %d, budget %d, M %d, %d layers, batch 1\n", prop.name, hq,
+              hkv, d, budget, period, layers);
+  std::printf("%8s %9s %9s %11s %9s %9s %10s %9s %11s %6s %9s %8s %8s\n", "context", "dense",
+              "ap_gpu", "sparse_attn", "predictor", "full_row", "offl_copy", "offl_zc",
+              "ap_offload", "late", "blk/step", "x_gpu", "x_offl");
+
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 0.05f);
+  kvs::AttnPredParams params;
+  params.cnn.resize(ap::kParamCount);
+  for (float& w : params.cnn) w = nd(rng);
+  params.budget_tokens = budget;
+  params.calibration_period = period;
+  params.dense_layers = {};
+
+  cudaStream_t stream;
+  KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Timer timer;
+  for (int L : contexts) {
+    const int total_steps = steps * (reps + 2);  // every decode grows the sequence by one
+    const int cap = L + total_steps + 16;
+    kvs::ModelShape shape;
+    shape.name = "bench";
+    shape.num_layers = layers;
+    shape.num_q_heads = hq;
+    shape.num_kv_heads = hkv;
+    shape.head_dim = d;
+    shape.max_position = cap;
+    const float scale = float(shape.scale());
+    const size_t layer_elems = size_t(cap) * hkv * d;
+
+    // Device cache (one contiguous page per layer) and lengths.
+    std::vector<kvs::bf16*> dk(static_cast<size_t>(layers)), dv(static_cast<size_t>(layers));
+    for (int l = 0; l < layers; ++l) {
+      dk[size_t(l)] = dalloc<kvs::bf16>(layer_elems);
+      dv[size_t(l)] = dalloc<kvs::bf16>(layer_elems);
+      fill_random(dk[size_t(l)], layer_elems, 11u + l);
+      fill_random(dv[size_t(l)], layer_elems, 101u + l);
+    }
+    int32_t* table = dalloc<int32_t>(1);
+    KVS_CUDA_CHECK(cudaMemset(table, 0, sizeof(int32_t)));
+    int32_t* len = dalloc<int32_t>(1);
+    int32_t* lens_host = nullptr;  // pinned: lens_host[s] = the length at step s
+    KVS_CUDA_CHECK(
+        cudaHostAlloc(&lens_host, sizeof(int32_t) * (total_steps + 1), cudaHostAllocDefault));
+    for (int s = 0; s <= total_steps; ++s) lens_host[s] = L + s;
+    kvs::bf16* q = dalloc<kvs::bf16>(size_t(hq) * d);
+    kvs::bf16* out = dalloc<kvs::bf16>(size_t(hq) * d);
+    fill_random(q, size_t(hq) * d, 5u);
+    auto view = [&](const kvs::bf16* k, const kvs::bf16* v) {
+      kvs::PagedKV kv;
+      kv.k = k;
+      kv.v = v;
+      kv.page_table = table;
+      kv.seq_lens = len;
+      kv.batch = 1;
+      kv.num_pages = 1;
+      kv.page_size = cap;
+      kv.num_kv_heads = hkv;
+      kv.head_dim = d;
+      kv.max_pages_per_seq = 1;
+      return kv;
+    };
+    auto set_len = [&](int s) {
+      KVS_CUDA_CHECK(
+          cudaMemcpyAsync(len, lens_host + s, sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+    };
+    set_len(0);
+    const size_t dws_bytes = kvs::kernels::dense_decode_workspace_bytes(1, hq, d);
+    void* dws = dalloc<char>(dws_bytes);
+
+    // Dense over the device cache.
+    const double dense = timer.median_us(reps, layers, stream, [&] {
+      for (int l = 0; l < layers; ++l)
+        KVS_CUDA_CHECK(kvs::kernels::dense_decode_cuda(q, hq, view(dk[size_t(l)], dv[size_t(l)]),
+                                                       scale, out, nullptr, dws, dws_bytes,
+                                                       stream));
+    });
+
+    // GPU-resident engine.
+    kvs::EngineConfig ec;
+    ec.backend = kvs::Backend::Cuda;
+    ec.attnpred.max_context = cap;
+    auto run_engine = [&](kvs::AttnPredEngine& e, const std::vector<kvs::bf16*>& K,
+                          const std::vector<kvs::bf16*>& V) {
+      void* ws = dalloc<char>(e.workspace_bytes());
+      e.bind_workspace({ws, e.workspace_bytes()});
+      set_len(0);
+      for (int l = 0; l < layers; ++l) e.prefill(l, view(K[size_t(l)], V[size_t(l)]), stream);
+      // Past the warm-up, into a steady state, then timed loops of whole periods.
+      int s = 0;
+      auto loop = [&] {
+        for (int i = 0; i < steps; ++i, ++s) {
+          set_len(s);
+          for (int l = 0; l < layers; ++l)
+            e.decode(l, q, nullptr, view(K[size_t(l)], V[size_t(l)]), out, nullptr, stream);
+        }
+      };
+      loop();
+      e.reset_stats();
+      const double t = timer.median_us(reps, layers * steps, stream, loop);
+      return std::make_pair(t, ws);
+    };
+    kvs::AttnPredEngine gpu(shape, ec, params);
+    auto [ap_gpu, ws_gpu] = run_engine(gpu, dk, dv);
+
+    // Its parts: predictor, sparse attention, full row, on a history of random rows.
+    const int mb = gpu.max_blocks();
+    const ap::Geometry geo = gpu.geometry();
+    ap::HistoryState hist;
+    hist.max_batch = 1;
+    hist.num_q_heads = hq;
+    hist.history = geo.history;
+    hist.max_blocks = mb;
+    hist.rows = dalloc<float>(size_t(hq) * geo.history * mb);
+    hist.count = dalloc<int32_t>(1);
+    hist.tokens = dalloc<int32_t>(1);
+    {
+      std::vector<float> rows(size_t(hq) * geo.history * mb);
+      std::uniform_real_distribution<float> u(0.f, 0.01f);
+      for (float& x : rows) x = u(rng);
+      KVS_CUDA_CHECK(
+          cudaMemcpy(hist.rows, rows.data(), rows.size() * sizeof(float), cudaMemcpyHostToDevice));
+      const int c = 1000, t = L;
+      KVS_CUDA_CHECK(cudaMemcpy(hist.count, &c, sizeof c, cudaMemcpyHostToDevice));
+      KVS_CUDA_CHECK(cudaMemcpy(hist.tokens, &t, sizeof t, cudaMemcpyHostToDevice));
+    }
+    float* dparams = dalloc<float>(ap::kParamCount);
+    KVS_CUDA_CHECK(cudaMemcpy(dparams, params.cnn.data(), ap::kParamCount * sizeof(float),
+                              cudaMemcpyHostToDevice));
+    float* scores = dalloc<float>(size_t(hq) * mb);
+    uint8_t* flags = dalloc<uint8_t>(size_t(hkv) * mb);
+    set_len(0);
+    const double predictor = timer.median_us(reps, 1, stream, [&] {
+      KVS_CUDA_CHECK(ap::predict_cuda(dparams, hist, 1, geo, scores, stream));
+      KVS_CUDA_CHECK(
+          ap::select_blocks_cuda(scores, hist, 1, hkv, geo, gpu.k_blocks(), flags, stream));
+    });
+    kvs::kernels::tactic::Selection sel;
+    sel.max_tokens = gpu.max_selected_tokens();
+    sel.rows = dalloc<int32_t>(size_t(hkv) * sel.max_tokens);
+    sel.tokens = dalloc<int32_t>(size_t(hkv) * sel.max_tokens);
+    sel.counts = dalloc<int32_t>(size_t(hkv));
+    const size_t sws_bytes = kvs::kernels::dense_decode_workspace_bytes(hkv, hq / hkv, d);
+    void* sws = dalloc<char>(sws_bytes);
+    const kvs::PagedKV kv0 = view(dk[0], dv[0]);
+    const double sparse_attn = timer.median_us(reps, 1, stream, [&] {
+      KVS_CUDA_CHECK(ap::build_selection_cuda(kv0, flags, mb, geo, nullptr, sel, nullptr, stream));
+      KVS_CUDA_CHECK(kvs::kernels::dense_decode_cuda(
+          q, hq / hkv, kvs::kernels::tactic::subrequest_view(kv0, sel), scale, out, nullptr, sws,
+          sws_bytes, stream));
+    });
+    const size_t rs_bytes = ap::row_scratch_bytes(1, hq, mb * geo.block);
+    void* rs = dalloc<char>(rs_bytes);
+    const double full_row = timer.median_us(reps, 1, stream, [&] {
+      KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, kv0, nullptr, 0, len, 1, hkv, scale, geo, hist, rs,
+                                         rs_bytes, stream));
+    });
+
+    // Offload: pinned mapped host KV.
+    std::vector<kvs::bf16*> hk(static_cast<size_t>(layers)), hv(static_cast<size_t>(layers));
+    for (int l = 0; l < layers; ++l) {
+      KVS_CUDA_CHECK(
+          cudaHostAlloc(&hk[size_t(l)], layer_elems * sizeof(kvs::bf16), cudaHostAllocMapped));
+      KVS_CUDA_CHECK(
+          cudaHostAlloc(&hv[size_t(l)], layer_elems * sizeof(kvs::bf16), cudaHostAllocMapped));
+      KVS_CUDA_CHECK(cudaMemcpy(hk[size_t(l)], dk[size_t(l)], layer_elems * sizeof(kvs::bf16),
+                                cudaMemcpyDeviceToHost));
+      KVS_CUDA_CHECK(cudaMemcpy(hv[size_t(l)], dv[size_t(l)], layer_elems * sizeof(kvs::bf16),
+                                cudaMemcpyDeviceToHost));
+    }
+    set_len(0);
+    const size_t layer_bytes = size_t(L) * hkv * d * sizeof(kvs::bf16);
+    const double offl_copy = timer.median_us(reps, layers, stream, [&] {
+      for (int l = 0; l < layers; ++l) {
+        KVS_CUDA_CHECK(
+            cudaMemcpyAsync(dk[0], hk[size_t(l)], layer_bytes, cudaMemcpyHostToDevice, stream));
+        KVS_CUDA_CHECK(
+            cudaMemcpyAsync(dv[0], hv[size_t(l)], layer_bytes, cudaMemcpyHostToDevice, stream));
+        KVS_CUDA_CHECK(kvs::kernels::dense_decode_cuda(q, hq, view(dk[0], dv[0]), scale, out,
+                                                       nullptr, dws, dws_bytes, stream));
+      }
+    });
+    const double offl_zc = timer.median_us(reps, layers, stream, [&] {
+      for (int l = 0; l < layers; ++l)
+        KVS_CUDA_CHECK(kvs::kernels::dense_decode_cuda(q, hq, view(hk[size_t(l)], hv[size_t(l)]),
+                                                       scale, out, nullptr, dws, dws_bytes,
+                                                       stream));
+    });
+    kvs::EngineConfig eo = ec;
+    eo.attnpred.offload = true;
+    double ap_off = 0, late = 0, blk = 0;
+    void* ws_off = nullptr;
+    {
+      kvs::AttnPredEngine off(shape, eo, params);
+      auto r = run_engine(off, hk, hv);
+      ap_off = r.first;
+      ws_off = r.second;
+      const auto os = off.offload_stats();
+      late = os.prefetches ? double(os.late_prefetches) / double(os.prefetches) : 0.0;
+      blk = os.prefetches
+                ? double(os.blocks_prefetched + os.blocks_on_demand) / double(os.prefetches)
+                : 0.0;
+      if (os.selection_errors)
+        std::fprintf(stderr, "kvs-bench-attnpred: %llu selection errors at context %d\n",
+                     (unsigned long long)os.selection_errors, L);
+      KVS_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    std::printf("%8d %9.1f %9.1f %11.1f %9.1f %9.1f %10.1f %9.1f %11.1f %6.3f %9.1f %8.2f %8.2f\n",
+                L, dense, ap_gpu, sparse_attn, predictor, full_row, offl_copy, offl_zc, ap_off,
+                late, blk, dense / ap_gpu, offl_copy / ap_off);
+    std::fflush(stdout);
+
+    for (int l = 0; l < layers; ++l) {
+      cudaFree(dk[size_t(l)]);
+      cudaFree(dv[size_t(l)]);
+      cudaFreeHost(hk[size_t(l)]);
+      cudaFreeHost(hv[size_t(l)]);
+    }
+    for (void* p :
+         {(void*)table, (void*)len, (void*)q, (void*)out, dws, ws_gpu, ws_off, (void*)hist.rows,
+          (void*)hist.count, (void*)hist.tokens, (void*)dparams, (void*)scores, (void*)flags,
+          (void*)sel.rows, (void*)sel.tokens, (void*)sel.counts, sws, rs})
+      cudaFree(p);
+    cudaFreeHost(lens_host);
+  }
+  cudaStreamDestroy(stream);
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "kvs-bench-attnpred: error: %s\n", e.what());
+  return 1;
+}
