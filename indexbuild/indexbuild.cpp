@@ -6,6 +6,7 @@
 #include "artifacts/bundle.h"
 #include "artifacts/trained_file.h"
 #include "runtime/engine.h"
+#include "runtime/magicpig_engine.h"
 
 namespace kvs {
 
@@ -27,6 +28,15 @@ void build_bundle(const std::string& out, const IndexbuildInputs& in) {
   }
   BundleWriter w(out, in.shape);
   for (const TrainedFile& t : parts) w.copy_method_group(t.method(), t.group());
+  if (in.magicpig.include) {
+    if (methods.count("magicpig"))
+      throw std::invalid_argument("magicpig given both as a trained file and to generate");
+    const h5::Group g = w.method_group("magicpig");
+    save_magicpig_projection(g, kernels::magicpig::make_projection(
+                                    in.shape.head_dim, in.magicpig.bits, in.magicpig.tables,
+                                    in.magicpig.seed));
+    validate_stored_parts(Method::MagicPig, g, in.shape);
+  }
   w.commit();
 }
 

@@ -2,7 +2,11 @@
 
 #include <stdexcept>
 
+#include "runtime/attnpred_engine.h"
 #include "runtime/dense_engine.h"
+#include "runtime/magicpig_engine.h"
+#include "runtime/mac_engine.h"
+#include "runtime/saap_engine.h"
 #include "runtime/tactic_engine.h"
 
 namespace kvs {
@@ -11,6 +15,10 @@ const char* to_string(Method m) {
   switch (m) {
     case Method::Dense: return "dense";
     case Method::Tactic: return "tactic";
+    case Method::MagicPig: return "magicpig";
+    case Method::Mac: return "mac";
+    case Method::Saap: return "saap";
+    case Method::AttnPred: return "attnpred";
   }
   return "?";
 }
@@ -20,7 +28,12 @@ const char* to_string(Backend b) { return b == Backend::Cpu ? "cpu" : "cuda"; }
 Method method_from_string(const std::string& name) {
   if (name == "dense") return Method::Dense;
   if (name == "tactic") return Method::Tactic;
-  throw std::invalid_argument("unknown method '" + name + "' (known: dense, tactic)");
+  if (name == "mac") return Method::Mac;
+  if (name == "magicpig") return Method::MagicPig;
+  if (name == "saap") return Method::Saap;
+  if (name == "attnpred") return Method::AttnPred;
+  throw std::invalid_argument("unknown method '" + name +
+                              "' (known: dense, tactic, mac, magicpig, saap, attnpred)");
 }
 
 Backend backend_from_string(const std::string& name) {
@@ -69,6 +82,9 @@ void Engine::check_decode_args(int layer, const PagedKV& kv, const bf16* q,
 
 void validate_stored_parts(Method method, const h5::Group& group, const ModelShape& shape) {
   switch (method) {
+    case Method::MagicPig: check_magicpig_projection(group, shape); return;
+    case Method::Saap: read_saap_parts(group, shape); return;
+    case Method::AttnPred: load_attnpred_params(group, shape); return;
     default:
       break;
   }
@@ -94,6 +110,15 @@ std::unique_ptr<Engine> make_engine(Method method, const ModelShape& shape,
   switch (method) {
     case Method::Dense: return std::make_unique<DenseEngine>(shape, config);
     case Method::Tactic: return std::make_unique<TacticEngine>(shape, config);
+    case Method::MagicPig: return make_magicpig_engine(shape, config, bundle);
+    case Method::Mac: return std::make_unique<MacEngine>(shape, config);
+    case Method::Saap:
+      return std::make_unique<SaapEngine>(
+          shape, config, read_saap_parts(require_bundle_group(bundle, "saap", shape), shape));
+    case Method::AttnPred:
+      return std::make_unique<AttnPredEngine>(
+          shape, config,
+          load_attnpred_params(require_bundle_group(bundle, "attnpred", shape), shape));
   }
   throw std::invalid_argument("make_engine: unknown method");
 }

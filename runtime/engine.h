@@ -20,11 +20,15 @@
 #include "artifacts/model_shape.h"
 #include "kernels/common/bf16.h"
 #include "kernels/common/paged_kv.h"
+#include "runtime/attnpred_config.h"
+#include "runtime/mac_config.h"
+#include "runtime/magicpig_config.h"
+#include "runtime/saap_config.h"
 #include "runtime/tactic_config.h"
 
 namespace kvs {
 
-enum class Method { Dense, Tactic };
+enum class Method { Dense, Tactic, Mac, MagicPig, Saap, AttnPred };
 enum class Backend { Cpu, Cuda };
 
 const char* to_string(Method m);
@@ -37,6 +41,10 @@ struct EngineConfig {
   int max_batch = 1;           ///< largest batch decode() will see
   bool collect_stats = false;  ///< count KV rows read on the device (one extra tiny kernel)
   TacticConfig tactic;         ///< Method::Tactic knobs (runtime/tactic_config.h)
+  MagicPigConfig magicpig;     ///< Method::MagicPig knobs (runtime/magicpig_config.h)
+  MacConfig mac;               ///< Method::Mac knobs (runtime/mac_config.h)
+  SaapConfig saap;             ///< Method::Saap knobs (runtime/saap_config.h)
+  AttnPredConfig attnpred;     ///< Method::AttnPred knobs (runtime/attnpred_config.h)
 };
 
 // Counters since construction or reset_stats(). A "row" is one token of one KV head, K and V
@@ -71,6 +79,14 @@ class Engine {
 
   // Builds the method's per-layer state from the prompt in kv (all tokens so far).
   virtual void prefill(int layer, const PagedKV& kv, cudaStream_t stream) = 0;
+
+  // Methods that reuse past queries (MAC) also want the prompt's last queries: how many
+  // (0 for the others), and the call that takes them after prefill(layer). q, q_pre
+  // [n, Hq, d] are the post- and pre-RoPE queries of positions len - n .. len - 1 of
+  // sequence b (len = kv.seq_lens[b]), in the backend's memory. Not graph-capturable.
+  virtual int prompt_queries_wanted() const { return 0; }
+  virtual void prefill_queries(int layer, int b, const bf16* q, const bf16* q_pre, int n,
+                               const PagedKV& kv, cudaStream_t stream) {}
 
   // q [batch, Hq, d]: post-RoPE queries; q_pre: the same before RoPE (methods that match
   // or classify queries use it; may be null for methods that do not); out [batch, Hq, d];

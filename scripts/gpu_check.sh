@@ -19,7 +19,14 @@ t0=$SECONDS
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader \
   > "$OUT/build.log" 2>&1
-if ! cmake -S . -B "$BUILD" -G Ninja -DKVS_WITH_TORCH=OFF -DKVS_DEPS_PREFIX="$PWD/.deps" \
+# libtorch comes from the machine's PyTorch (capture, trainers and their tests need it);
+# KVS_GPU_TORCH=0 builds without it (faster: kernels, runtime, benchmarks only).
+torch_args=(-DKVS_WITH_TORCH=OFF)
+if [ "${KVS_GPU_TORCH:-1}" = 1 ] && torch_prefix=$(python3 -c \
+    'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null); then
+  torch_args=(-DKVS_WITH_TORCH=ON "-DCMAKE_PREFIX_PATH=$torch_prefix")
+fi
+if ! cmake -S . -B "$BUILD" -G Ninja "${torch_args[@]}" -DKVS_DEPS_PREFIX="$PWD/.deps" \
     -DCMAKE_CUDA_ARCHITECTURES=90 >> "$OUT/build.log" 2>&1; then
   note "configure FAILED (see build.log)"; tail -30 "$OUT/build.log"; exit 1
 fi
@@ -46,6 +53,8 @@ run_step() {  # name, seconds, log, command...
 tests_cpu=$BUILD/tests/kvs_tests_cpu
 tests_cuda=$BUILD/tests/kvs_tests_cuda
 if [ -x "$tests_cpu" ]; then run_step "kvs_tests_cpu" 120 tests.log "$tests_cpu"; else note "kvs_tests_cpu missing"; fi
+tests_torch=$BUILD/tests/kvs_tests_torch
+if [ -x "$tests_torch" ]; then run_step "kvs_tests_torch" 150 tests.log "$tests_torch"; fi
 if [ -x "$tests_cuda" ]; then
   run_step "kvs_tests_cuda" 150 tests.log "$tests_cuda"
   grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/tests.log" | sort | uniq -c | sed 's/^/   /'
@@ -76,6 +85,27 @@ if [ -x "$BUILD/tools/kvs-bench" ]; then
 else
   note "kvs-bench missing"
 fi
+# The sparse methods: their CUDA tests ran in kvs_tests_cuda; racecheck on a subset of
+# each, then each method's benchmark against the dense kernel in the same process.
+if [ "${KVS_GPU_METHODS:-1}" = 1 ] && [ -x "$tests_cuda" ]; then
+  run_step "racecheck methods" 150 sanitizer.log "$sanitizer" --tool racecheck --error-exitcode 3 \
+    "$tests_cuda" --gtest_filter='TacticCuda.TargetOneIsDenseAttention:*MacCuda*Graph*:*MagicPig*Gpu*:*SaapCuda*:*AttnPred*'
+  for b in "kvs-bench --method tactic --contexts 128K --batches 1,8" kvs-bench-mac kvs-bench-magicpig \
+           kvs-bench-saap kvs-bench-attnpred; do
+    read -r exe args <<< "$b"
+    # shellcheck disable=SC2086
+    [ -x "$BUILD/tools/$exe" ] && run_step "$exe $args" 150 methods.log "$BUILD/tools/$exe" $args
+  done
+fi
+# A capture of the embedded model at 16K context on the GPU, read back with h5py.
+if [ "${KVS_GPU_CAPTURE:-1}" = 1 ] && [ -x "$BUILD/tools/kvs-capture" ]; then
+  cap=$(mktemp -d)/capture16k.h5
+  run_step "kvs-capture 16K" 240 capture.log "$BUILD/tools/kvs-capture" --model models/kvs-tiny-a \
+    --text data/corpus/docs.val.txt.gz --context 16384 --decode-steps 128 --out "$cap"
+  [ -f "$cap" ] && run_step "h5py reads the capture" 60 capture.log python3 tests/python/check_capture.py "$cap"
+  grep "kvs-capture:" "$OUT/capture.log" | tail -1 | sed 's/^/   /'
+fi
+
 # shellcheck disable=SC2086
 PYTHONUNBUFFERED=1 run_step "bench_sdpa.py" 150 bench.log python3 scripts/bench_sdpa.py \
   --json "$OUT/sdpa_bench.json" $BENCH_ARGS
@@ -91,3 +121,9 @@ PYTHONUNBUFFERED=1 run_step "bench_sdpa.py" 150 bench.log python3 scripts/bench_
     grep -A30 "us/call" "$OUT/bench.log" | head -20
   fi
 } | tee "$OUT/summary.txt"
+# The methods' tables (they are short) after the summary, so the reply's tail has them.
+if [ -f "$OUT/methods.log" ]; then
+  echo; echo "== method benchmarks (methods.log)"; grep -v '^== ' "$OUT/methods.log" | tail -120
+fi
+# At most 8 files come back from the GPU machine: the summary and JSON stay, logs go in one archive.
+(cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)

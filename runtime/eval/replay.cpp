@@ -7,6 +7,7 @@
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/rope.h"
+#include "runtime/knobs.h"
 #include "runtime/kv_cache.h"
 
 namespace kvs::eval {
@@ -83,17 +84,19 @@ Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config
   ecfg.max_batch = 1;
 
   struct Run {
-    std::string name;
+    std::string name, knobs;
     std::unique_ptr<Engine> engine;
     std::unique_ptr<Buffer> workspace;
   };
   std::unique_ptr<Bundle> bundle;
   if (!config.bundle.empty()) bundle = std::make_unique<Bundle>(Bundle::open(config.bundle));
   std::vector<Run> runs;
-  for (const std::string& name : config.methods) {
+  for (const std::string& text : config.methods) {
+    const MethodSpec spec = parse_method_spec(text);
     Run r;
-    r.name = name;
-    r.engine = make_engine(method_from_string(name), shape, ecfg, bundle.get());
+    r.name = spec.name;
+    r.knobs = spec.label();
+    r.engine = make_engine(spec.method, shape, apply_knobs(ecfg, spec), bundle.get());
     r.workspace = std::make_unique<Buffer>(backend, r.engine->workspace_bytes());
     r.engine->bind_workspace({r.workspace->get(), r.workspace->bytes()});
     runs.push_back(std::move(r));
@@ -163,7 +166,25 @@ Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config
       host_kv.max_pages_per_seq = 1;
 
       cache.set_lengths({seq.decode_start});
-      for (Run& r : runs) r.engine->prefill(layer, cache.view(layer), nullptr);
+      for (Run& r : runs) {
+        r.engine->prefill(layer, cache.view(layer), nullptr);
+        const int n = std::min(r.engine->prompt_queries_wanted(), seq.decode_start);
+        if (n > 0) {
+          // The prompt's last n queries, pre-RoPE as captured and rotated at their positions.
+          const size_t first = size_t(seq.decode_start - n) * hq * d, count = size_t(n) * hq * d;
+          std::vector<float> qf = to_float(q_pre.data() + first, count);
+          kernels::rope_cpu(qf.data(), n, hq, d, positions.data() + (seq.decode_start - n),
+                            inv_freq.data(), false);
+          std::vector<bf16> qb(count);
+          for (size_t i = 0; i < count; ++i) qb[i] = float_to_bf16(qf[i]);
+          Buffer qd(backend, count * sizeof(bf16)), qpd(backend, count * sizeof(bf16));
+          qd.upload(qb.data(), count * sizeof(bf16));
+          qpd.upload(q_pre.data() + first, count * sizeof(bf16));
+          r.engine->prefill_queries(layer, 0, static_cast<const bf16*>(qd.get()),
+                                    static_cast<const bf16*>(qpd.get()), n, cache.view(layer),
+                                    nullptr);
+        }
+      }
 
       for (int s = 0; s < steps; ++s) {
         const int p = seq.decode_start + s;
@@ -211,10 +232,10 @@ Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config
           read.tokens = r.engine->last_read(layer, 0);
           if (read.tokens.empty()) read = all_tokens(hq, p + 1);
           const StepMetrics m = evaluate_output(step, dense, of.data(), read);
-          agg.add(r.name, "default", layer, m);
+          agg.add(r.name, r.knobs, layer, m);
           if (config.baselines_at_method_read && r.engine->method() != Method::Dense) {
             const int per_head = int(std::max<int64_t>(1, m.rows_read / hkv));
-            baselines("@" + r.name, "default", Budget::of_tokens(per_head));
+            baselines("@" + r.name, r.knobs, Budget::of_tokens(per_head));
           }
         }
         for (double f : config.budget_fractions) {

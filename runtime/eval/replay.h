@@ -24,7 +24,7 @@ struct ReplayConfig {
   std::vector<int> layers;         ///< layers to replay; empty: every captured layer
   int max_sequences = 0;           ///< 0: all sequences in the file
   int max_steps = 0;               ///< recorded steps per sequence; 0: all
-  std::vector<std::string> methods{"dense"};  ///< engines, by name (make_engine)
+  std::vector<std::string> methods{"dense"};  ///< engines: "name" or "name:key=value,..." (runtime/knobs.h)
   EngineConfig engine;             ///< backend and per-method knobs for every engine
   std::string bundle;              ///< bundle for methods with stored parts ("" = none)
   std::vector<double> budget_fractions{0.05, 0.1, 0.2};  ///< fixed baseline budgets

@@ -25,13 +25,16 @@ void write_file(const std::string& path, void (*writer)(std::ostream&, const std
 }  // namespace
 
 int main(int argc, char** argv) try {
-  std::string capture_path, methods, backend, bundle, layers, budgets, json, csv, plot;
+  std::string capture_path, backend, bundle, layers, budgets, json, csv, plot;
+  std::vector<std::string> methods{"dense"};
   int steps = 0, sequences = 0;
   po::options_description opts("kvs-eval: method fidelity on captured decode steps");
   opts.add_options()
       ("help,h", "show this help")
       ("capture", po::value(&capture_path)->required(), "capture file from kvs-capture")
-      ("methods", po::value(&methods)->default_value("dense"), "engines to run, comma-separated")
+      ("methods", po::value(&methods)->multitoken()->default_value(methods, "dense"),
+       "engines to run, each 'name' or 'name:knob=value,knob=value' "
+       "(e.g. dense tactic:target=0.75 mac:threshold=paper)")
       ("backend", po::value(&backend)->default_value("cpu"), "cpu (exact reference) or cuda")
       ("bundle", po::value(&bundle), "bundle from kvs-indexbuild (methods with stored parts)")
       ("layers", po::value(&layers)->default_value(""), "layers to replay (default: all captured)")
@@ -56,7 +59,7 @@ int main(int argc, char** argv) try {
   cfg.layers = kvs::cli::parse_int_list(layers, "layers");
   cfg.max_steps = steps;
   cfg.max_sequences = sequences;
-  cfg.methods = kvs::cli::split(methods, ',');
+  cfg.methods = methods;
   cfg.engine.backend = kvs::backend_from_string(backend);
   if (cfg.engine.backend == kvs::Backend::Cuda && !kvs::cuda_device_available())
     throw std::invalid_argument("--backend cuda: no CUDA device on this machine");

@@ -13,11 +13,16 @@ namespace po = boost::program_options;
 int main(int argc, char** argv) try {
   std::string model_dir, out;
   std::vector<std::string> trained;
+  kvs::MagicPigBundlePart magicpig;
   po::options_description opts("kvs-indexbuild: assemble a versioned per-model bundle");
   opts.add_options()
       ("help,h", "show this help")
       ("model", po::value(&model_dir)->default_value("models/kvs-tiny-a"), "Hugging Face model folder")
       ("trained", po::value(&trained)->multitoken(), "kvs-train outputs to include (any number)")
+      ("magicpig", "add MagicPIG's seeded hash projection")
+      ("magicpig-bits", po::value(&magicpig.bits)->default_value(magicpig.bits), "MagicPIG K (bits per table)")
+      ("magicpig-tables", po::value(&magicpig.tables)->default_value(magicpig.tables), "MagicPIG L (tables)")
+      ("magicpig-seed", po::value(&magicpig.seed)->default_value(magicpig.seed), "MagicPIG hyperplane seed")
       ("out,o", po::value(&out)->default_value("bundle.h5"), "bundle to write");
   po::variables_map vm;
   po::store(po::parse_command_line(argc, argv, opts), vm);
@@ -30,6 +35,8 @@ int main(int argc, char** argv) try {
   in.shape = kvs::load_hf_config(model_dir).shape;
   in.shape.weights_hash = kvs::SafetensorsModel(model_dir).weights_hash();
   in.trained_files = trained;
+  magicpig.include = vm.count("magicpig") > 0;
+  in.magicpig = magicpig;
   kvs::build_bundle(out, in);
   const kvs::Bundle b = kvs::Bundle::open(out);
   std::string methods;
