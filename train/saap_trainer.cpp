@@ -1,5 +1,6 @@
 #include "train/saap_trainer.h"
 
+#include <cstdint>  // before Faiss: its 1.7 headers use uint8_t without including <cstdint>
 #include <faiss/Clustering.h>
 #include <faiss/IndexFlat.h>
 

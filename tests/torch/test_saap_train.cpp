@@ -3,6 +3,7 @@
 // kvs-tiny-a, two 1024-byte prompts (validation KL goes down, the run is deterministic), then
 // trained file -> kvs-indexbuild's bundle -> the CPU engine through kvs-eval's replay with both
 // routers.
+#include <cstdint>  // before Faiss: its 1.7 headers use uint8_t without including <cstdint>
 #include <faiss/Clustering.h>
 #include <faiss/IndexFlat.h>
 #include <gtest/gtest.h>
