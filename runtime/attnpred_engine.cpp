@@ -185,6 +185,8 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
 
 AttnPredEngine::~AttnPredEngine() {
   if (config_.backend != Backend::Cuda) return;
+  // A prefetch may still be copying into a layer's block cache on the side stream.
+  if (side_stream_) cudaStreamSynchronize(side_stream_);
   for (LayerState& ls : layers_) {
     if (!ls.allocated) continue;
     cudaFree(ls.hist.rows);
@@ -204,10 +206,7 @@ AttnPredEngine::~AttnPredEngine() {
       cudaEventDestroy(ls.prefetched);
     }
   }
-  if (side_stream_) {
-    cudaStreamSynchronize(side_stream_);
-    cudaStreamDestroy(side_stream_);
-  }
+  if (side_stream_) cudaStreamDestroy(side_stream_);
   cudaFree(device_params_);
   cudaFree(counters_);
 }
@@ -391,7 +390,9 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
           kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv, counters_ + kRowsRead, stream));
   } else {
     if (offload)
-      KVS_CUDA_CHECK(ap::make_resident_cuda(kv, ls.flags, geo_, 0, false, true, ls.cache,
+      // The newest token arrived after the prefetch: the block holding it (and any the
+      // sequence grew into since) is copied again, as are blocks still missing.
+      KVS_CUDA_CHECK(ap::make_resident_cuda(kv, ls.flags, geo_, 0, false, ls.len_snapshot, ls.cache,
                                             counters_ + kBlocksOnDemand, nullptr,
                                             ap::default_copy_ctas(), stream));
     KVS_CUDA_CHECK(ap::build_selection_cuda(kv, ls.flags, max_blocks_, geo_,
@@ -425,7 +426,10 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
     KVS_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, ls.selected, 0));
     PagedKV snap = kv;
     snap.seq_lens = ls.len_snapshot;
-    KVS_CUDA_CHECK(ap::make_resident_cuda(snap, ls.flags, geo_, 1, true, false, ls.cache,
+    // The prefetch frees the slots of blocks step t+1 does not need and copies new blocks
+    // into them: it must not start before this step's attention and history row have read
+    // the cache (the `selected` event is recorded after them).
+    KVS_CUDA_CHECK(ap::make_resident_cuda(snap, ls.flags, geo_, 1, true, nullptr, ls.cache,
                                           counters_ + kBlocksPrefetched, ls.done,
                                           ap::default_copy_ctas(), side_stream_));
     KVS_CUDA_CHECK(cudaEventRecord(ls.prefetched, side_stream_));
@@ -636,34 +640,34 @@ std::vector<int32_t> AttnPredEngine::resident_blocks(int layer, int b, int h) co
   return out;
 }
 
-void AttnPredEngine::last_attended_keys(int b, int h, std::vector<int32_t>* tokens,
-                                        std::vector<bf16>* keys) const {
-  const tk::Selection sel = selection();
-  const LayerState* any = nullptr;
-  for (const LayerState& ls : layers_)
-    if (ls.cache.k) any = &ls;
-  if (!any) throw std::logic_error("attnpred engine: last_attended_keys needs offload mode");
+void AttnPredEngine::resident_rows(int layer, int b, int h, std::vector<int32_t>* blocks,
+                                   std::vector<bf16>* keys, std::vector<bf16>* values) const {
+  const LayerState& ls = layers_.at(size_t(layer));
+  if (!ls.cache.k) throw std::logic_error("attnpred engine: resident_rows needs offload mode");
+  if (b < 0 || b >= config_.max_batch || h < 0 || h >= shape_.num_kv_heads)
+    throw std::out_of_range("attnpred engine resident_rows: (sequence " + str(b) + ", kv head " +
+                            str(h) + ") outside [0, " + str(config_.max_batch) + ") x [0, " +
+                            str(shape_.num_kv_heads) + ")");
   KVS_CUDA_CHECK(cudaDeviceSynchronize());
-  const size_t s = size_t(b) * shape_.num_kv_heads + h;
-  int count = 0;
-  KVS_CUDA_CHECK(cudaMemcpy(&count, sel.counts + s, sizeof(int), cudaMemcpyDeviceToHost));
-  tokens->resize(size_t(count));
-  std::vector<int32_t> rows(static_cast<size_t>(count));
-  KVS_CUDA_CHECK(cudaMemcpy(tokens->data(), sel.tokens + s * sel.max_tokens,
-                            size_t(count) * sizeof(int32_t), cudaMemcpyDeviceToHost));
-  KVS_CUDA_CHECK(cudaMemcpy(rows.data(), sel.rows + s * sel.max_tokens,
-                            size_t(count) * sizeof(int32_t), cudaMemcpyDeviceToHost));
-  const int d = shape_.head_dim;
-  keys->resize(size_t(count) * d);
-  // Rows index the cache of the layer decoded last; every offload layer has its own cache,
-  // so the caller decodes one layer before asking (tests do).
-  for (const LayerState& ls : layers_) {
-    if (!ls.cache.k || ls.calls == 0) continue;
-    for (int i = 0; i < count; ++i)
-      KVS_CUDA_CHECK(cudaMemcpy(keys->data() + size_t(i) * d,
-                                ls.cache.k + size_t(rows[size_t(i)]) * d, size_t(d) * sizeof(bf16),
-                                cudaMemcpyDeviceToHost));
-    return;
+  std::vector<int32_t> slots(static_cast<size_t>(max_blocks_));
+  KVS_CUDA_CHECK(cudaMemcpy(
+      slots.data(), ls.cache.block_slot + (size_t(b) * shape_.num_kv_heads + h) * max_blocks_,
+      slots.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  const size_t rows = size_t(geo_.block) * shape_.head_dim;
+  blocks->clear();
+  keys->clear();
+  values->clear();
+  for (int j = 0; j < max_blocks_; ++j) {
+    const int slot = slots[size_t(j)];
+    if (slot < 0) continue;
+    blocks->push_back(j);
+    keys->resize(keys->size() + rows);
+    values->resize(values->size() + rows);
+    KVS_CUDA_CHECK(cudaMemcpy(keys->data() + keys->size() - rows, ls.cache.k + size_t(slot) * rows,
+                              rows * sizeof(bf16), cudaMemcpyDeviceToHost));
+    KVS_CUDA_CHECK(cudaMemcpy(values->data() + values->size() - rows,
+                              ls.cache.v + size_t(slot) * rows, rows * sizeof(bf16),
+                              cudaMemcpyDeviceToHost));
   }
 }
 
@@ -684,6 +688,9 @@ AttnPredEngine::OffloadStats AttnPredEngine::offload_stats() const {
 EngineStats AttnPredEngine::stats() const {
   EngineStats s = host_stats_;
   if (counters_) {
+    // The counters are added to on the caller's stream and on the non-blocking prefetch
+    // stream, neither of which a plain cudaMemcpy waits for.
+    KVS_CUDA_CHECK(cudaDeviceSynchronize());
     unsigned long long c[kNumCounters] = {};
     KVS_CUDA_CHECK(cudaMemcpy(c, counters_, sizeof c, cudaMemcpyDeviceToHost));
     s.kv_rows_read = c[kRowsRead];
@@ -696,8 +703,10 @@ EngineStats AttnPredEngine::stats() const {
 void AttnPredEngine::reset_stats() {
   host_stats_ = EngineStats{};
   prefetches_ = 0;
-  if (counters_)
+  if (counters_) {
+    KVS_CUDA_CHECK(cudaDeviceSynchronize());  // no kernel of any stream still adding
     KVS_CUDA_CHECK(cudaMemset(counters_, 0, kNumCounters * sizeof(unsigned long long)));
+  }
 }
 
 }  // namespace kvs

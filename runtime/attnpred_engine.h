@@ -28,11 +28,14 @@
 // their slots; missing ones are copied by a kernel reading the mapped host memory, so the
 // block list never leaves the GPU). decode(layer) at t+1 waits on that layer's prefetch
 // event (a wait only when it is late: a probe kernel counts those), then copies the block
-// holding the newest token (it did not exist at prefetch time) and any block still missing,
-// on the main stream. Calibration rows read the full K from host memory (1/M of a full-K
-// transfer per step); warm-up steps attend the host KV directly (zero-copy dense).
-// Offload decode keeps state across steps on two streams and is not meant for CUDA graph
-// capture; GPU-resident decode is (one graph per calibration phase: the phase is host state).
+// holding the newest token (it did not exist at prefetch time: every block at or past the
+// prefetch's length snapshot, should the sequence have grown by more than one token) and any
+// block still missing, on the main stream. The prefetch reuses slots the step-t attention
+// read, so it waits on an event recorded after that attention and its history row. Calibration rows
+// read the full K from host memory (1/M of a full-K transfer per step); warm-up steps attend the
+// host KV directly (zero-copy dense). Offload decode keeps state across steps on two streams and is
+// not meant for CUDA graph capture; GPU-resident decode is (one graph per calibration phase: the
+// phase is host state).
 #pragma once
 
 #include <vector>
@@ -104,11 +107,13 @@ class AttnPredEngine : public Engine {
   // Offload: the blocks resident for (b, kv head h) of `layer`, ascending; waits for the
   // layer's prefetch.
   std::vector<int32_t> resident_blocks(int layer, int b, int h) const;
-  // Offload: the K rows of the block cache the last decode of any layer attended for (b, h),
-  // as token ids and their cached keys (row-major [count, d]); tests check they equal the
-  // host cache's rows of those tokens.
-  void last_attended_keys(int b, int h, std::vector<int32_t>* tokens,
-                          std::vector<bf16>* keys) const;
+  // Offload: the K and V rows (row-major [blocks, block, d]) of every block resident for
+  // (b, kv head h) of `layer`, with the block ids ascending; waits for the layer's prefetch.
+  // This is the state the NEXT decode starts from: the prefetch frees and reuses the slots
+  // the last decode attended, so that decode's rows cannot be inspected afterwards (its
+  // attention is checked through its output and history row instead).
+  void resident_rows(int layer, int b, int h, std::vector<int32_t>* blocks, std::vector<bf16>* keys,
+                     std::vector<bf16>* values) const;
 
  private:
   struct LayerState;

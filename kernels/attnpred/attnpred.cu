@@ -19,6 +19,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cub/cub.cuh>
 #include <stdexcept>
@@ -373,15 +374,17 @@ __device__ __forceinline__ bool wanted(const Geometry& g, int j, int n_next, con
 
 __global__ void __launch_bounds__(kThreads)
     plan_resident_kernel(const int32_t* __restrict__ kv_lens, const uint8_t* __restrict__ flags,
-                         Geometry g, int len_delta, bool skip_tail, bool refresh_tail,
-                         BlockCache cache, unsigned long long* counters) {
+                         Geometry g, int len_delta, bool skip_tail,
+                         const int32_t* __restrict__ copied_lens, BlockCache cache,
+                         unsigned long long* counters) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan;
   extern __shared__ int free_slots[];
   const int bh = blockIdx.x, tid = threadIdx.x;
   const int b = bh / cache.num_kv_heads;
   const int n_next = kv_lens[b] + len_delta;
-  const int tail = g.num_blocks(n_next) - 1;
+  // Resident blocks reaching this token were copied before it existed (copied again).
+  const int stale_from = copied_lens ? copied_lens[b] : INT_MAX;
   const uint8_t* fl = flags + int64_t(bh) * cache.max_blocks;
   int32_t* block_slot = cache.block_slot + int64_t(bh) * cache.max_blocks;
   int32_t* slot_block = cache.slot_block + int64_t(bh) * cache.slots_per_head;
@@ -413,7 +416,8 @@ __global__ void __launch_bounds__(kThreads)
     const bool want = j < nb && wanted(g, j, n_next, fl, skip_tail);
     const int have = want ? block_slot[j] : -1;
     const int need_slot = (want && have < 0) ? 1 : 0;
-    const int need_copy = (need_slot || (want && refresh_tail && j == tail)) ? 1 : 0;
+    const bool stale = want && (int64_t(j) + 1) * g.block > stale_from;
+    const int need_copy = (need_slot || stale) ? 1 : 0;
     int spos, stotal, cpos, ctotal;
     Scan(scan).ExclusiveSum(need_slot, spos, stotal);
     __syncthreads();
@@ -570,14 +574,15 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
 int default_copy_ctas() { return 64; }
 
 cudaError_t make_resident_cuda(const PagedKV& host_kv, const uint8_t* block_flags,
-                               const Geometry& g, int len_delta, bool skip_tail, bool refresh_tail,
-                               const BlockCache& cache, unsigned long long* counters,
-                               unsigned int* done, int copy_ctas, cudaStream_t stream) {
+                               const Geometry& g, int len_delta, bool skip_tail,
+                               const int32_t* copied_lens, const BlockCache& cache,
+                               unsigned long long* counters, unsigned int* done, int copy_ctas,
+                               cudaStream_t stream) {
   if (host_kv.batch <= 0) return cudaSuccess;
   const size_t smem = size_t(cache.slots_per_head) * sizeof(int);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
   plan_resident_kernel<<<host_kv.batch * cache.num_kv_heads, kThreads, smem, stream>>>(
-      host_kv.seq_lens, block_flags, g, len_delta, skip_tail, refresh_tail, cache, counters);
+      host_kv.seq_lens, block_flags, g, len_delta, skip_tail, copied_lens, cache, counters);
   copy_blocks_kernel<<<copy_ctas, kThreads, 0, stream>>>(host_kv, g, cache, counters, done);
   return cudaGetLastError();
 }

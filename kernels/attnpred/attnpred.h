@@ -182,16 +182,20 @@ struct BlockCache {
 
 // Makes every block a sequence of n_next = kv_lens[b] + len_delta tokens attends resident:
 // sink blocks, flagged blocks and recent blocks, except block `skip_tail` blocks of the end
-// (the not-yet-complete block: skip_tail = 1 at prefetch time) and re-copies the tail block
-// when refresh_tail (its newest token just arrived). Frees slots of blocks no longer needed,
-// then copies the missing blocks from `host_kv` (pinned, mapped host memory: device code reads
-// it directly, so the selection never leaves the GPU) in one grid-stride copy kernel.
+// (the not-yet-complete block: skip_tail = 1 at prefetch time). Frees slots of blocks no
+// longer needed, then copies the missing blocks from `host_kv` (pinned, mapped host memory:
+// device code reads it directly, so the selection never leaves the GPU) in one grid-stride
+// copy kernel. copied_lens (may be null): per sequence, the length the resident blocks were
+// copied at (the prefetch's); resident blocks holding a token at or past it were partial then
+// and are copied again (the newest-token block; every block the sequence grew into when it
+// advanced more than one token since the prefetch).
 // counters (may be null): [0] += blocks copied; done (may be null): += 1 by every copying CTA
 // when finished (late-copy detection: see prefetch_probe_cuda).
 cudaError_t make_resident_cuda(const PagedKV& host_kv, const uint8_t* block_flags,
-                               const Geometry& g, int len_delta, bool skip_tail, bool refresh_tail,
-                               const BlockCache& cache, unsigned long long* counters,
-                               unsigned int* done, int copy_ctas, cudaStream_t stream);
+                               const Geometry& g, int len_delta, bool skip_tail,
+                               const int32_t* copied_lens, const BlockCache& cache,
+                               unsigned long long* counters, unsigned int* done, int copy_ctas,
+                               cudaStream_t stream);
 // Empties the cache of sequences [0, batch) (prefill).
 cudaError_t reset_block_cache_cuda(const BlockCache& cache, int batch, cudaStream_t stream);
 // CTAs make_resident_cuda's copy kernel uses (done advances by this per call).

@@ -1,13 +1,18 @@
 // AttentionPredictor on CUDA against the CPU reference: the CNN bit for bit, the engine's
-// outputs, history and selections, GPU-resident and offloaded (prefetched blocks are the
-// selected blocks, and their cached rows equal the host cache's).
+// outputs, history and selections, GPU-resident and offloaded; each step's output and history
+// row also against an fp64 reference over the GPU's own selection (so wrong cached rows show
+// even where a near-tie flipped a selection), and after each prefetch the resident blocks are
+// the next step's blocks with the host cache's rows.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
+#include "artifacts/capture_file.h"
 #include "kernels/attnpred/attnpred.h"
 #include "kernels/common/cuda_check.h"
+#include "kernels/dense/dense_decode.h"
 #include "runtime/attnpred_engine.h"
 
 namespace kvs {
@@ -198,21 +203,62 @@ void run_against_cpu(bool offload) {
     const auto hc = cpu.history_rows(1), hg = gpu.history_rows(1);
     for (size_t i = 0; i < hc.size() && !diverged; ++i)
       ASSERT_NEAR(hg[i], hc[i], 1e-5 + 1e-4 * hc[i]) << "step " << step << " at " << i;
-    if (offload && !rg.empty()) {
-      // Prefetch correctness: the attended rows came from the block cache and equal the
-      // host cache's rows of the selected tokens.
-      for (int h = 0; h < 2; ++h) {
-        std::vector<int32_t> toks;
-        std::vector<bf16> keys;
-        gpu.last_attended_keys(0, h, &toks, &keys);
-        ASSERT_EQ(toks, rg[size_t(h) * 4]);
-        for (size_t i = 0; i < toks.size(); ++i)
-          for (int e = 0; e < 128; ++e)
-            ASSERT_EQ(keys[i * 128 + e].bits, hk[ckv.offset(0, toks[i], h) + e].bits)
-                << "token " << toks[i] << " kv head " << h;
+    // The GPU's attention and history row against an fp64 reference over the GPU's OWN
+    // selection, from the host cache: whatever rows the attention read (block cache slots,
+    // the on-demand newest-token block) must hold the host's data, even after a near-tie
+    // made the two engines' selections differ.
+    {
+      const std::vector<bf16> og = dout.get(q.size());
+      const std::vector<float> hg = gpu.history_rows(1);
+      const int count = gpu.history_count(1)[0];
+      ASSERT_EQ(count, step + 1);
+      const bool full_row = step == 0 || (step + 1) % params.calibration_period == 0;
+      const int mb = gpu.max_blocks(), n = host_len;
+      for (int qh = 0; qh < 8; ++qh) {
+        std::vector<float> qf(128);
+        for (int e = 0; e < 128; ++e) qf[size_t(e)] = bf16_to_float(q[size_t(qh) * 128 + e]);
+        const std::vector<int32_t>* attended = rg.empty() ? nullptr : &rg[size_t(qh)];
+        std::vector<double> o(128);
+        double l = 0;
+        kernels::attend_cpu(qf.data(), ckv, 0, qh / 4, attended ? attended->data() : nullptr,
+                            attended ? int(attended->size()) : 0, sc.shape.scale(), o.data(), &l);
+        for (int e = 0; e < 128; ++e)
+          ASSERT_NEAR(bf16_to_float(og[size_t(qh) * 128 + e]), o[size_t(e)],
+                      2e-2 + 2e-2 * std::abs(o[size_t(e)]))
+              << "step " << step << " q head " << qh << " dim " << e;
+        std::vector<int32_t> row_tokens;
+        if (full_row || !attended) {
+          for (int t = 0; t < n; ++t) row_tokens.push_back(t);
+        } else {
+          row_tokens = *attended;
+        }
+        std::vector<double> logit(row_tokens.size());
+        double m = -INFINITY;
+        for (size_t i = 0; i < row_tokens.size(); ++i) {
+          const bf16* kr = sc.k.data() + ckv.offset(0, row_tokens[i], qh / 4);
+          double dot = 0;
+          for (int e = 0; e < 128; ++e) dot += double(qf[size_t(e)]) * bf16_to_float(kr[e]);
+          logit[i] = dot * sc.shape.scale();
+          m = std::max(m, logit[i]);
+        }
+        double z = 0;
+        for (double x : logit) z += std::exp(x - m);
+        std::vector<float> probs(size_t(n), 0.f), pooled(size_t(mb), 0.f);
+        for (size_t i = 0; i < row_tokens.size(); ++i)
+          probs[size_t(row_tokens[i])] = float(std::exp(logit[i] - m) / z);
+        pool_attention_row(probs.data(), n, n, pooled.data());
+        const float* newest = hg.data() + ((size_t(qh) * 64) + size_t((count - 1) % 64)) * mb;
+        for (int j = 0; j < mb; ++j)
+          ASSERT_NEAR(newest[j], pooled[size_t(j)], 1e-5 + 1e-4 * pooled[size_t(j)])
+              << "step " << step << " q head " << qh << " block " << j;
       }
-      // After the prefetch, the resident blocks are exactly the next step's blocks (minus its
-      // newest-token block, copied at decode).
+    }
+    if (offload) {
+      // After the cross-token prefetch (decode returned; the inspection waits for it): the
+      // resident blocks are exactly the next step's blocks (minus its newest-token block,
+      // copied at decode), and each slot holds the host's K and V rows of its block. The
+      // slots the step just attended may have been reused by the prefetch already, so this
+      // is checked here rather than on the attended rows.
       const std::vector<uint8_t> flags = gpu.block_flags(1);
       const ap::Geometry& g = gpu.geometry();
       const int n_next = host_len + 1;
@@ -224,7 +270,25 @@ void run_against_cpu(bool offload) {
             any |= g.attended_token(t, n_next, flags.data() + size_t(h) * gpu.max_blocks());
           if (any) want.push_back(j);
         }
-        EXPECT_EQ(gpu.resident_blocks(1, 0, h), want) << "step " << step << " kv head " << h;
+        std::vector<int32_t> blocks;
+        std::vector<bf16> keys, values;
+        gpu.resident_rows(1, 0, h, &blocks, &keys, &values);
+        EXPECT_EQ(blocks, want) << "step " << step << " kv head " << h;
+        for (size_t i = 0; i < blocks.size(); ++i) {
+          ASSERT_LE((blocks[i] + 1) * 16, host_len)
+              << "resident block " << blocks[i] << " is not complete, step " << step;
+          for (int r = 0; r < 16; ++r) {
+            const int t = blocks[i] * 16 + r;
+            const size_t src = size_t(ckv.offset(0, t, h));
+            for (int e = 0; e < 128; ++e) {
+              const size_t dst = (i * 16 + size_t(r)) * 128 + size_t(e);
+              ASSERT_EQ(keys[dst].bits, hk[src + size_t(e)].bits)
+                  << "K of token " << t << " kv head " << h << " step " << step;
+              ASSERT_EQ(values[dst].bits, hv[src + size_t(e)].bits)
+                  << "V of token " << t << " kv head " << h << " step " << step;
+            }
+          }
+        }
       }
     }
   }
