@@ -112,6 +112,39 @@ mp::CpuIsa isa_from_string(const std::string& name) {
                               "' is unknown (auto, portable, avx2, avx512)");
 }
 
+// Byte offsets of the CUDA workspace: dense rows | dense counts | o, lse of the dense part |
+// o, lse of the sampled part (gpu mode: kMaxSplits partial states per row) | query codes |
+// hit bitmaps (gpu mode) | dense decode workspace. The one place that lays it out
+// (workspace_bytes, decode_cuda and last_read all read it from here).
+struct WorkspaceLayout {
+  size_t dense_rows = 0, dense_counts = 0, o_dense = 0, lse_dense = 0, o_sampled = 0,
+         lse_sampled = 0, q_codes = 0, bitmap = 0, dense_ws = 0;
+};
+
+WorkspaceLayout workspace_layout(int max_batch, int num_kv_heads, int num_q_heads, int head_dim,
+                                 int tables, int max_context, bool gpu_mode) {
+  const size_t subs = size_t(max_batch) * num_kv_heads;
+  const size_t rows = size_t(max_batch) * num_q_heads, d = size_t(head_dim);
+  const size_t parts = rows * (gpu_mode ? size_t(mp::kMaxSplits) : 1);
+  WorkspaceLayout w;
+  size_t at = 0;
+  auto take = [&at](size_t bytes) {
+    const size_t r = at;
+    at += align_up(bytes);
+    return r;
+  };
+  w.dense_rows = take(subs * size_t(max_context) * 4);
+  w.dense_counts = take(subs * 4);
+  w.o_dense = take(rows * d * 2);
+  w.lse_dense = take(rows * 4);
+  w.o_sampled = take(parts * d * 4);
+  w.lse_sampled = take(parts * 4);
+  w.q_codes = take(rows * size_t(tables) * 2);
+  w.bitmap = gpu_mode ? take(rows * size_t(mp::bitmap_words(max_context)) * 4) : at;
+  w.dense_ws = at;
+  return w;
+}
+
 }  // namespace
 
 const char* to_string(MagicPigMode mode) {
@@ -266,6 +299,9 @@ MagicPigEngine::MagicPigEngine(const ModelShape& shape, const EngineConfig& conf
     if (shape_.group_size() > 8)
       throw std::invalid_argument("magicpig engine (cuda): group size " + str(shape_.group_size()) +
                                   " above 8");
+    int dev = 0;
+    KVS_CUDA_CHECK(cudaGetDevice(&dev));
+    KVS_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, dev));
     KVS_CUDA_CHECK(
         cudaMalloc(reinterpret_cast<void**>(&device_w_), projection_.w.size() * sizeof(float)));
     KVS_CUDA_CHECK(cudaMemcpy(device_w_, projection_.w.data(), projection_.w.size() * sizeof(float),
@@ -323,22 +359,15 @@ std::pair<int, int> MagicPigEngine::hashed_range(int layer, int b) const {
   return {l.starts[size_t(b)], l.lens[size_t(b)]};
 }
 
-// Workspace (CUDA): dense rows | dense counts | o, lse of the dense part | o, lse of the
-// sampled part | query codes | hit bitmaps (gpu mode) | dense decode workspace.
 size_t MagicPigEngine::workspace_bytes() const {
   if (config_.backend == Backend::Cpu) return 0;
-  const size_t subs = size_t(config_.max_batch) * shape_.num_kv_heads;
-  const size_t rows = size_t(config_.max_batch) * shape_.num_q_heads;
-  const size_t d = size_t(shape_.head_dim);
-  size_t bytes = align_up(subs * size_t(max_context_) * 4) + align_up(subs * 4) +
-                 align_up(rows * d * 2) + align_up(rows * 4) + align_up(rows * d * 4) +
-                 align_up(rows * 4) + align_up(rows * size_t(params_.tables) * 2);
-  if (config_.magicpig.mode == MagicPigMode::Gpu)
-    bytes += align_up(rows * size_t(mp::bitmap_words(max_context_)) * 4);
-  return bytes +
-         std::max(
-             kernels::dense_decode_workspace_bytes(config_.max_batch, shape_.num_q_heads, int(d)),
-             kernels::dense_decode_workspace_bytes(int(subs), shape_.group_size(), int(d)));
+  const int subs = config_.max_batch * shape_.num_kv_heads, d = shape_.head_dim;
+  const WorkspaceLayout w =
+      workspace_layout(config_.max_batch, shape_.num_kv_heads, shape_.num_q_heads, d,
+                       params_.tables, max_context_, config_.magicpig.mode == MagicPigMode::Gpu);
+  return w.dense_ws +
+         std::max(kernels::dense_decode_workspace_bytes(config_.max_batch, shape_.num_q_heads, d),
+                  kernels::dense_decode_workspace_bytes(subs, shape_.group_size(), d));
 }
 
 void MagicPigEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
@@ -604,27 +633,20 @@ void MagicPigEngine::decode_cuda(int layer, const bf16* q, const PagedKV& kv, bf
                                  cudaStream_t stream) {
   const int d = shape_.head_dim, Hq = shape_.num_q_heads, hkv = shape_.num_kv_heads;
   const float scale = float(shape_.scale());
-  const size_t subs = size_t(config_.max_batch) * hkv;
-  const size_t rows_max = size_t(config_.max_batch) * Hq;
-  char* p = static_cast<char*>(workspace_.ptr);
-  auto take = [&p](size_t bytes) {
-    char* r = p;
-    p += align_up(bytes);
-    return r;
-  };
-  auto* dense_rows = reinterpret_cast<int32_t*>(take(subs * size_t(max_context_) * 4));
-  auto* dense_counts = reinterpret_cast<int32_t*>(take(subs * 4));
-  auto* o_dense = reinterpret_cast<bf16*>(take(rows_max * d * 2));
-  auto* lse_dense = reinterpret_cast<float*>(take(rows_max * 4));
-  auto* o_sampled = reinterpret_cast<float*>(take(rows_max * d * 4));
-  auto* lse_sampled = reinterpret_cast<float*>(take(rows_max * 4));
-  auto* q_codes = reinterpret_cast<uint16_t*>(take(rows_max * size_t(params_.tables) * 2));
-  uint32_t* bitmap = nullptr;
-  if (config_.magicpig.mode == MagicPigMode::Gpu)
-    bitmap =
-        reinterpret_cast<uint32_t*>(take(rows_max * size_t(mp::bitmap_words(max_context_)) * 4));
-  void* dense_ws = p;
-  const size_t dense_ws_bytes = workspace_.bytes - size_t(p - static_cast<char*>(workspace_.ptr));
+  const bool gpu_mode = config_.magicpig.mode == MagicPigMode::Gpu;
+  const WorkspaceLayout w =
+      workspace_layout(config_.max_batch, hkv, Hq, d, params_.tables, max_context_, gpu_mode);
+  char* base = static_cast<char*>(workspace_.ptr);
+  auto* dense_rows = reinterpret_cast<int32_t*>(base + w.dense_rows);
+  auto* dense_counts = reinterpret_cast<int32_t*>(base + w.dense_counts);
+  auto* o_dense = reinterpret_cast<bf16*>(base + w.o_dense);
+  auto* lse_dense = reinterpret_cast<float*>(base + w.lse_dense);
+  auto* o_sampled = reinterpret_cast<float*>(base + w.o_sampled);
+  auto* lse_sampled = reinterpret_cast<float*>(base + w.lse_sampled);
+  auto* q_codes = reinterpret_cast<uint16_t*>(base + w.q_codes);
+  auto* bitmap = gpu_mode ? reinterpret_cast<uint32_t*>(base + w.bitmap) : nullptr;
+  void* dense_ws = base + w.dense_ws;
+  const size_t dense_ws_bytes = workspace_.bytes - w.dense_ws;
   unsigned long long* counters = device_counters_;
   if (counters)
     KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv, counters + 3, stream));
@@ -639,7 +661,9 @@ void MagicPigEngine::decode_cuda(int layer, const bf16* q, const PagedKV& kv, bf
   Layer& l = checked_layer(layer, "decode");
   const int rows = kv.batch * Hq;
   KVS_CUDA_CHECK(mp::hash_queries_cuda(q, rows, d, device_w_, params_, q_codes, stream));
-  const bool offload = config_.magicpig.mode == MagicPigMode::CpuOffload;
+  const bool offload = !gpu_mode;
+  // The sampled part's partial states per row: one from the CPU, `splits` CTAs on the GPU.
+  const int splits = offload ? 1 : mp::sampled_attention_splits(rows, l.capacity, sm_count_);
   if (offload) {
     Staging& s = *staging_;
     KVS_CUDA_CHECK(cudaMemcpyAsync(s.codes.data(), q_codes, size_t(rows) * params_.tables * 2,
@@ -676,14 +700,14 @@ void MagicPigEngine::decode_cuda(int layer, const bf16* q, const PagedKV& kv, bf
     t.starts = l.starts_d.data();
     t.lens = l.lens_d.data();
     t.capacity = l.capacity;
-    KVS_CUDA_CHECK(mp::sampled_attention_cuda(q, q_codes, Hq, kv, t, params_, scale, o_sampled,
-                                              lse_sampled, bitmap,
+    KVS_CUDA_CHECK(mp::sampled_attention_cuda(q, q_codes, Hq, kv, t, params_, scale, splits,
+                                              o_sampled, lse_sampled, bitmap,
                                               counters ? counters + 1 : nullptr, stream));
     last_gpu_layer_ = layer;
     for (int b = 0; b < kv.batch; ++b) host_mp_.hashed_keys += uint64_t(l.lens[size_t(b)]) * Hq;
   }
-  KVS_CUDA_CHECK(
-      mp::merge_parts_cuda(o_dense, lse_dense, o_sampled, lse_sampled, rows, d, out, lse, stream));
+  KVS_CUDA_CHECK(mp::merge_parts_cuda(o_dense, lse_dense, o_sampled, lse_sampled, splits, rows, d,
+                                      out, lse, stream));
 }
 
 void CUDART_CB MagicPigEngine::host_entry(void* task) {
@@ -736,13 +760,19 @@ std::vector<std::vector<int32_t>> MagicPigEngine::last_read(int layer, int b) co
     seq = l.last_seq.empty() ? 0 : l.last_seq[size_t(b)];
     for (int qh = 0; qh < Hq; ++qh) ids[size_t(qh)] = l.last[size_t(b) * Hq + qh];
   } else {
+    if (!workspace_.ptr)
+      throw std::logic_error(
+          "magicpig engine last_read: no workspace bound (it reads the last "
+          "decode's dense counts and hit maps there: keep it bound)");
     KVS_CUDA_CHECK(cudaDeviceSynchronize());
+    const WorkspaceLayout w =
+        workspace_layout(config_.max_batch, hkv, Hq, shape_.head_dim, params_.tables, max_context_,
+                         config_.magicpig.mode == MagicPigMode::Gpu);
+    const char* base = static_cast<const char*>(workspace_.ptr);
     // The dense part's count of (b, head 0) is start + (seq - start - n).
-    const size_t subs = size_t(config_.max_batch) * hkv;
-    const char* p =
-        static_cast<const char*>(workspace_.ptr) + align_up(subs * size_t(max_context_) * 4);
     int32_t count = 0;
-    KVS_CUDA_CHECK(cudaMemcpy(&count, p + size_t(b) * hkv * 4, 4, cudaMemcpyDeviceToHost));
+    KVS_CUDA_CHECK(
+        cudaMemcpy(&count, base + w.dense_counts + size_t(b) * hkv * 4, 4, cudaMemcpyDeviceToHost));
     seq = count + n;
     if (config_.magicpig.mode == MagicPigMode::CpuOffload) {
       for (int qh = 0; qh < Hq; ++qh) ids[size_t(qh)] = l.last[size_t(b) * Hq + qh];
@@ -751,20 +781,15 @@ std::vector<std::vector<int32_t>> MagicPigEngine::last_read(int layer, int b) co
         throw std::logic_error("magicpig engine last_read (gpu mode): layer " + str(layer) +
                                " is not the last decoded layer (" + str(last_gpu_layer_) +
                                "); the hit maps of earlier layers are overwritten");
-      const size_t rows_max = size_t(config_.max_batch) * Hq, d = size_t(shape_.head_dim);
-      const char* bm = static_cast<const char*>(workspace_.ptr) +
-                       align_up(subs * size_t(max_context_) * 4) + align_up(subs * 4) +
-                       align_up(rows_max * d * 2) + align_up(rows_max * 4) +
-                       align_up(rows_max * d * 4) + align_up(rows_max * 4) +
-                       align_up(rows_max * size_t(params_.tables) * 2);
+      const char* bm = base + w.bitmap;
       const int words = mp::bitmap_words(l.capacity);
       std::vector<uint32_t> host(size_t(Hq) * words);
       KVS_CUDA_CHECK(cudaMemcpy(host.data(), bm + size_t(b) * Hq * words * 4, host.size() * 4,
                                 cudaMemcpyDeviceToHost));
       for (int qh = 0; qh < Hq; ++qh)
-        for (int w = 0; w < words; ++w)
-          for (uint32_t bits = host[size_t(qh) * words + w]; bits; bits &= bits - 1)
-            ids[size_t(qh)].push_back(w * 32 + __builtin_ctz(bits));
+        for (int wd = 0; wd < words; ++wd)
+          for (uint32_t bits = host[size_t(qh) * words + wd]; bits; bits &= bits - 1)
+            ids[size_t(qh)].push_back(wd * 32 + __builtin_ctz(bits));
     }
   }
   std::vector<std::vector<int32_t>> tokens(static_cast<size_t>(Hq));

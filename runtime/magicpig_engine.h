@@ -21,9 +21,13 @@
 //                              back; meanwhile the main stream runs the dense part
 //                              (dense_decode_cuda over a sub-request view of sink + local +
 //                              new tokens); an event joins the two before the merge kernel.
-//   Backend::Cuda, gpu         tables, norms and centre on the device; one CTA per (b, query
-//                              head) retrieves into 2-bit hit maps in shared memory and
-//                              attends the keys hit twice straight from the paged cache.
+//   Backend::Cuda, gpu         tables, norms and centre on the device; each (b, query head)
+//                              has up to kMaxSplits CTAs (enough to fill the device), each
+//                              owning a contiguous range of hashed ids: it retrieves its
+//                              part of every bucket into 2-bit hit maps in shared memory,
+//                              attends its keys hit twice straight from the paged cache and
+//                              leaves a partial (o, lse); the merge kernel folds the splits
+//                              and the dense part together.
 //
 // CUDA graphs. GPU-only mode: decode() is launches only (no sync, no allocation, no host
 // copy): capturable like the dense engine. cpu_offload: decode() is kernels, async copies
@@ -62,12 +66,16 @@
 // - u in fp32 on the production paths, fp64 in the reference; a zero centred key gets
 //   cos = 0.
 // - Limits: CUDA backend L <= 768 (key hashing keeps a tile's codes in 48 KB of shared
-//   memory); GPU-only mode needs 2 bits of shared memory per hashed token (its hit maps),
-//   about 880K tokens on an H100; head_dim 64 or 128, group size <= 8 (dense_decode_cuda).
+//   memory); GPU-only mode needs 2 bits of shared memory per hashed token (its hit maps)
+//   for the case of one split, about 880K tokens on an H100; head_dim 64 or 128, group
+//   size <= 8 (dense_decode_cuda).
 // - Prefill (CUDA): centre, norms and codes on the GPU (CUDA cores, fp32: tensor cores
 //   would round the inputs and break the CPU/GPU bit agreement), one sequence at a time;
 //   codes go to pinned memory and the tables are built by counting sort on the thread pool.
 //   It synchronises and allocates; it is not part of a captured step.
+//
+// last_read (CUDA backend) reads the last decode's dense counts and (gpu mode) hit maps from
+// the bound workspace: the workspace must still be bound and not reused since that decode.
 //
 // Stats: kv_rows_read = dense rows (once per kv head) + candidates (per query head, as the
 // CPU path reads them per head); selection_bytes_read = table ids scanned * 4; kv_rows_context
@@ -162,6 +170,7 @@ class MagicPigEngine : public Engine {
   float* device_w_ = nullptr;
   unsigned long long* device_counters_ = nullptr;  // [dense rows, candidates, scanned, context]
   int last_gpu_layer_ = -1;
+  int sm_count_ = 1;  // CUDA backend: sizes the GPU-only mode's splits per query head
   mutable EngineStats host_stats_;
   mutable MagicPigStats host_mp_;
 };

@@ -11,6 +11,8 @@ namespace kvs {
 // Throws with the failing call's text, the file and line, and CUDA's own message.
 inline void cuda_check(cudaError_t err, const char* what, const char* file, int line) {
   if (err == cudaSuccess) return;
+  // Clear the error state too, or the next launcher's cudaGetLastError() reports it again.
+  (void)cudaGetLastError();
   throw std::runtime_error(std::string("CUDA error: ") + cudaGetErrorString(err) + " (" +
                            cudaGetErrorName(err) + ") in " + what + " at " + file + ":" +
                            std::to_string(line));

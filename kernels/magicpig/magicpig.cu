@@ -123,14 +123,21 @@ __global__ void gather_rows_kernel(PagedKV kv, int b, int start, int len, int ca
 
 // ---- decode ---------------------------------------------------------------------------------
 
+// One CTA per query, one thread per projection column (coalesced reads of w, one FMA chain
+// each: simhash_projection, so the bits equal simhash_code's); bits OR-ed into the codes.
 __global__ void hash_queries_kernel(const bf16* q, int head_dim, const float* w, int K, int L,
                                     uint16_t* codes) {
-  extern __shared__ float qs[];
+  extern __shared__ float qs[];  // [head_dim], then the codes [L] as uint32
+  uint32_t* code_s = reinterpret_cast<uint32_t*>(qs + head_dim);
   const int64_t row = blockIdx.x;
   for (int i = threadIdx.x; i < head_dim; i += blockDim.x) qs[i] = to_float(q[row * head_dim + i]);
+  for (int l = threadIdx.x; l < L; l += blockDim.x) code_s[l] = 0u;
   __syncthreads();
-  for (int l = threadIdx.x; l < L; l += blockDim.x)
-    codes[row * L + l] = uint16_t(simhash_code(qs, w, head_dim, K, L, l));
+  const int cols = K * L;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x)
+    if (simhash_projection(qs, w, head_dim, cols, c) > 0.f) atomicOr(&code_s[c / K], 1u << (c % K));
+  __syncthreads();
+  for (int l = threadIdx.x; l < L; l += blockDim.x) codes[row * L + l] = uint16_t(code_s[l]);
 }
 
 __global__ void dense_rows_kernel(PagedKV kv, const int32_t* starts, const int32_t* lens,
@@ -154,36 +161,66 @@ __global__ void dense_rows_kernel(PagedKV kv, const int32_t* starts, const int32
   }
 }
 
-// GPU-only sampled attention. One CTA per (b, query head), kWarps warps. Retrieval: warps
-// take tables; each bucket entry sets its bit in `once`, or in `twice` when already in
-// `once` (atomicOr returns the old word). Attention: warps take words of `twice`; within a
-// warp, 4 groups of 8 lanes take the set bits round-robin and run an online softmax each
-// (D / 8 dims per lane); groups, then warps, merge through merge_states.cuh.
+// GPU-only sampled attention. One CTA per (b, query head, split), kWarps warps; the split
+// owns the hashed ids of bitmap words [split * chunk_words, + chunk_words). Retrieval: warps
+// take tables; a warp finds the part of its bucket inside the split's id range (ids ascend
+// within a bucket) and each entry there sets its bit in `once`, or in `twice` when already
+// in `once` (atomicOr returns the old word). Attention: warps take words of `twice`; within
+// a warp, 4 groups of 8 lanes take the set bits round-robin and run an online softmax each
+// (D / 8 dims per lane); groups, then warps, merge through merge_states.cuh into the
+// split's partial state.
 constexpr int kWarps = 16;
 constexpr int kGroup = 8;
+constexpr int kScanUnroll = 4;  // bucket entries in flight per lane
+
+// First j in [lo, hi) with ids[j] >= key, or hi; ids ascending. All 32 lanes call it with the
+// same arguments and get the answer: 32 probes per step shrink the range 32-fold.
+__device__ __forceinline__ int32_t warp_lower_bound(const int32_t* ids, int32_t lo, int32_t hi,
+                                                    int32_t key, int lane) {
+  while (lo < hi) {
+    const int32_t step = (hi - lo + 31) / 32;
+    const int32_t pos = lo + lane * step;
+    const bool less = pos < hi && __ldg(ids + pos) < key;
+    const int c = __popc(__ballot_sync(0xffffffffu, less));
+    if (c == 0) return lo;
+    // ids[lo + (c-1) step] < key <= ids[lo + c step] (or the end): the answer lies between.
+    const int32_t next_lo = lo + (c - 1) * step + 1;
+    hi = min(hi, lo + c * step);
+    lo = next_lo;
+  }
+  return lo;
+}
+
+size_t smem_for_words(int words) {
+  return 2 * size_t(words) * sizeof(uint32_t) + (128 + kWarps * 128 + kWarps) * sizeof(float);
+}
 
 template <int D>
 __global__ void __launch_bounds__(kWarps * 32)
     sampled_attention_kernel(const bf16* q, const uint16_t* q_codes, int num_q_heads, PagedKV kv,
-                             DeviceTables t, int K, int L, float epsilon, float scale, float* o,
-                             float* lse, uint32_t* bitmap, unsigned long long* counters) {
+                             DeviceTables t, int K, int L, float epsilon, float scale,
+                             int chunk_words, float* o, float* lse, uint32_t* bitmap,
+                             unsigned long long* counters) {
   constexpr int E = D / kGroup;  // dims per lane
   extern __shared__ uint32_t smem[];
   const int words_cap = (max(t.capacity, 1) + 31) / 32;  // bitmap_words(), on the device
   uint32_t* once = smem;
-  uint32_t* twice = smem + words_cap;
-  float* qs = reinterpret_cast<float*>(twice + words_cap);
+  uint32_t* twice = smem + chunk_words;
+  float* qs = reinterpret_cast<float*>(twice + chunk_words);
   float* part_o = qs + D;                 // [kWarps][D]
   float* part_lse = part_o + kWarps * D;  // [kWarps]
   __shared__ float q_norm, q_centre;
   __shared__ unsigned long long scanned_total, found_total;
 
-  const int row = blockIdx.x;
+  const int row = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
   const int b = row / num_q_heads, qh = row % num_q_heads;
   const int group = num_q_heads / kv.num_kv_heads, h = qh / group;
   const int bh = b * kv.num_kv_heads + h;
   const int n = t.lens[b], start = t.starts[b];
-  const int words = (n + 31) / 32;
+  // This split's words of the hit maps that hold ids < n, and its id range [id_lo, id_hi).
+  const int w0 = split * chunk_words;
+  const int words = max(0, min((n + 31) / 32, w0 + chunk_words) - w0);
+  const int id_lo = w0 * 32, id_hi = min(n, (w0 + words) * 32);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   for (int i = threadIdx.x; i < words; i += blockDim.x) once[i] = twice[i] = 0u;
@@ -208,16 +245,25 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   const int64_t per_table = (int64_t(1) << K) + 1;
   unsigned long long scanned = 0;
-  for (int l = warp; l < L; l += kWarps) {
+  for (int l = warp; words > 0 && l < L; l += kWarps) {
     const uint16_t code = q_codes[int64_t(row) * L + l];
     const int32_t* off = t.offsets + (int64_t(bh) * L + l) * per_table;
     const int32_t* ids = t.ids + (int64_t(bh) * L + l) * t.capacity;
-    const int32_t e = off[code + 1];
-    scanned += e - off[code];
-    for (int32_t j = off[code] + lane; j < e; j += 32) {
-      const int32_t id = ids[j];
-      const uint32_t bit = 1u << (id & 31);
-      if (atomicOr(&once[id >> 5], bit) & bit) atomicOr(&twice[id >> 5], bit);
+    int32_t s = off[code], e = off[code + 1];
+    if (id_lo > 0) s = warp_lower_bound(ids, s, e, id_lo, lane);
+    if (id_hi < n) e = warp_lower_bound(ids, s, e, id_hi, lane);
+    scanned += e - s;
+    for (int32_t j = s + lane; j < e; j += kScanUnroll * 32) {
+      int32_t id[kScanUnroll];  // loads first, so kScanUnroll of them are in flight
+#pragma unroll
+      for (int u = 0; u < kScanUnroll; ++u)
+        id[u] = j + 32 * u < e ? __ldg(ids + j + 32 * u) - id_lo : -1;
+#pragma unroll
+      for (int u = 0; u < kScanUnroll; ++u) {
+        if (id[u] < 0) continue;
+        const uint32_t bit = 1u << (id[u] & 31);
+        if (atomicOr(&once[id[u] >> 5], bit) & bit) atomicOr(&twice[id[u] >> 5], bit);
+      }
     }
   }
   if (lane == 0 && scanned) atomicAdd(&scanned_total, scanned);
@@ -236,7 +282,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int pos = __ffs(bits) - 1;
       bits &= bits - 1;
       if (r % 4 != g) continue;
-      const int id = wd * 32 + pos;
+      const int id = id_lo + wd * 32 + pos;
       const int64_t base = kv.offset(b, start + id, h) + gl * E;
       float kf[E], vf[E];
 #pragma unroll
@@ -295,6 +341,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (lane == 0) part_lse[warp] = warp_lse;
   __syncthreads();
 
+  const int64_t part = int64_t(row) * splits + split;
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
     LseAccumulator all;
     for (int w = 0; w < kWarps; ++w) all.add(part_lse[w]);
@@ -305,31 +352,36 @@ __global__ void __launch_bounds__(kWarps * 32)
         const float ww = merge_weight(part_lse[w], total);
         if (ww > 0.f) x += ww * part_o[w * D + i];
       }
-    o[int64_t(row) * D + i] = x;
-    if (i == 0) lse[row] = total;
+    o[part * D + i] = x;
+    if (i == 0) lse[part] = total;
   }
-  for (int i = threadIdx.x; i < words_cap; i += blockDim.x)
-    bitmap[int64_t(row) * words_cap + i] = i < words ? twice[i] : 0u;
+  for (int i = threadIdx.x; i < chunk_words && w0 + i < words_cap; i += blockDim.x)
+    bitmap[int64_t(row) * words_cap + w0 + i] = i < words ? twice[i] : 0u;
   if (counters && threadIdx.x == 0) {
     atomicAdd(&counters[0], found_total);
     atomicAdd(&counters[1], scanned_total);
   }
 }
 
+// One CTA per row: the dense part and the row's `splits` sampled parts.
 __global__ void merge_parts_kernel(const bf16* o_dense, const float* lse_dense,
-                                   const float* o_sampled, const float* lse_sampled, int rows,
+                                   const float* o_sampled, const float* lse_sampled, int splits,
                                    int head_dim, bf16* out, float* lse_out) {
   const int64_t row = blockIdx.x;
+  const float* ls = lse_sampled + row * splits;
   LseAccumulator a;
   a.add(lse_dense[row]);
-  a.add(lse_sampled[row]);
+  for (int s = 0; s < splits; ++s) a.add(ls[s]);
   const float total = a.lse();
   const float wd = total == -INFINITY ? 0.f : merge_weight(lse_dense[row], total);
-  const float ws = total == -INFINITY ? 0.f : merge_weight(lse_sampled[row], total);
   for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
     float x = 0.f;
     if (wd > 0.f) x += wd * to_float(o_dense[row * head_dim + i]);
-    if (ws > 0.f) x += ws * o_sampled[row * head_dim + i];
+    if (total != -INFINITY)
+      for (int s = 0; s < splits; ++s) {
+        const float ws = merge_weight(ls[s], total);
+        if (ws > 0.f) x += ws * o_sampled[(row * splits + s) * head_dim + i];
+      }
     reinterpret_cast<__nv_bfloat16*>(out)[row * head_dim + i] = __float2bfloat16_rn(x);
   }
   if (lse_out && threadIdx.x == 0) lse_out[row] = total;
@@ -387,8 +439,9 @@ cudaError_t gather_rows_cuda(const PagedKV& kv, int b, int start, int len, int c
 cudaError_t hash_queries_cuda(const bf16* q, int rows, int head_dim, const float* w,
                               const Params& p, uint16_t* codes, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  hash_queries_kernel<<<rows, 128, head_dim * sizeof(float), stream>>>(q, head_dim, w, p.bits,
-                                                                       p.tables, codes);
+  const size_t smem = (size_t(head_dim) + size_t(p.tables)) * sizeof(float);
+  if (smem > 48 * 1024) return cudaErrorInvalidValue;
+  hash_queries_kernel<<<rows, 512, smem, stream>>>(q, head_dim, w, p.bits, p.tables, codes);
   return cudaGetLastError();
 }
 
@@ -414,10 +467,16 @@ PagedKV dense_view(const PagedKV& kv, int32_t* rows, int32_t* counts, int max_to
 
 int bitmap_words(int capacity) { return (std::max(capacity, 1) + 31) / 32; }
 
-size_t sampled_attention_smem_bytes(int capacity) {
-  return 2 * size_t(bitmap_words(capacity)) * sizeof(uint32_t) +
-         (128 + kWarps * 128 + kWarps) * sizeof(float);
+int sampled_attention_splits(int rows, int capacity, int sm_count) {
+  const int words = bitmap_words(capacity);
+  const int want = (4 * std::max(sm_count, 1) + std::max(rows, 1) - 1) / std::max(rows, 1);
+  const int splits = std::max(1, std::min({want, kMaxSplits, words}));
+  // Drop the splits that whole-word chunks would leave empty.
+  const int chunk_words = (words + splits - 1) / splits;
+  return (words + chunk_words - 1) / chunk_words;
 }
+
+size_t sampled_attention_smem_bytes(int capacity) { return smem_for_words(bitmap_words(capacity)); }
 
 cudaError_t prepare_sampled_attention_cuda(int head_dim, int capacity) {
   const size_t smem = sampled_attention_smem_bytes(capacity);
@@ -432,28 +491,35 @@ cudaError_t prepare_sampled_attention_cuda(int head_dim, int capacity) {
 
 cudaError_t sampled_attention_cuda(const bf16* q, const uint16_t* q_codes, int num_q_heads,
                                    const PagedKV& kv, const DeviceTables& t, const Params& p,
-                                   float scale, float* o, float* lse, uint32_t* bitmap,
+                                   float scale, int splits, float* o, float* lse, uint32_t* bitmap,
                                    unsigned long long* counters, cudaStream_t stream) {
   const int rows = kv.batch * num_q_heads;
   if (rows <= 0) return cudaSuccess;
-  const size_t smem = sampled_attention_smem_bytes(t.capacity);
+  if (splits < 1 || splits > kMaxSplits) return cudaErrorInvalidValue;
+  const int words = bitmap_words(t.capacity);
+  const int chunk_words = (words + splits - 1) / splits;
+  const size_t smem = smem_for_words(chunk_words);
+  const dim3 grid(rows, splits);
   const float eps = float(p.epsilon);
   if (kv.head_dim == 128)
-    sampled_attention_kernel<128><<<rows, kWarps * 32, smem, stream>>>(
-        q, q_codes, num_q_heads, kv, t, p.bits, p.tables, eps, scale, o, lse, bitmap, counters);
+    sampled_attention_kernel<128>
+        <<<grid, kWarps * 32, smem, stream>>>(q, q_codes, num_q_heads, kv, t, p.bits, p.tables, eps,
+                                              scale, chunk_words, o, lse, bitmap, counters);
   else if (kv.head_dim == 64)
-    sampled_attention_kernel<64><<<rows, kWarps * 32, smem, stream>>>(
-        q, q_codes, num_q_heads, kv, t, p.bits, p.tables, eps, scale, o, lse, bitmap, counters);
+    sampled_attention_kernel<64>
+        <<<grid, kWarps * 32, smem, stream>>>(q, q_codes, num_q_heads, kv, t, p.bits, p.tables, eps,
+                                              scale, chunk_words, o, lse, bitmap, counters);
   else
     return cudaErrorInvalidValue;
   return cudaGetLastError();
 }
 
 cudaError_t merge_parts_cuda(const bf16* o_dense, const float* lse_dense, const float* o_sampled,
-                             const float* lse_sampled, int rows, int head_dim, bf16* out,
-                             float* lse_out, cudaStream_t stream) {
+                             const float* lse_sampled, int splits, int rows, int head_dim,
+                             bf16* out, float* lse_out, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  merge_parts_kernel<<<rows, 128, 0, stream>>>(o_dense, lse_dense, o_sampled, lse_sampled, rows,
+  if (splits < 1) return cudaErrorInvalidValue;
+  merge_parts_kernel<<<rows, 128, 0, stream>>>(o_dense, lse_dense, o_sampled, lse_sampled, splits,
                                                head_dim, out, lse_out);
   return cudaGetLastError();
 }

@@ -164,11 +164,16 @@ cudaError_t dense_rows_cuda(const PagedKV& kv, const int32_t* starts, const int3
                             unsigned long long* counter, cudaStream_t stream);
 PagedKV dense_view(const PagedKV& kv, int32_t* rows, int32_t* counts, int max_tokens);
 
-// GPU-only mode: per (b, query head) one CTA scans its L buckets into 2-bit hit maps in
-// shared memory and attends the keys hit twice (read from the paged cache). Writes o
-// [batch * Hq, d] fp32, lse [batch * Hq] and the candidate bitmap [batch * Hq, words]
-// (words = bitmap_words(capacity)). counters (may be null): [0] += candidates, [1] +=
-// table entries scanned. Tables/norms/centre in the layouts above, on the device.
+// GPU-only mode. The hashed ids [0, n) of each (b, query head) are split into `splits`
+// contiguous ranges of whole bitmap words, one CTA each (grid rows x splits): a CTA scans
+// the part of each of its L buckets that falls in its range (ids ascend within a bucket,
+// so a warp-wide search finds it), counts hits in 2-bit hit maps of its range in shared
+// memory and attends the keys hit twice (read from the paged cache). A key's hits all land
+// in the CTA owning its id, so the ">= 2 tables" rule is exact per CTA. Writes the partial
+// states o [batch * Hq, splits, d] fp32 and lse [batch * Hq, splits] (merged by
+// merge_parts_cuda) and the candidate bitmap [batch * Hq, words] (words =
+// bitmap_words(capacity)). counters (may be null): [0] += candidates, [1] += table entries
+// scanned. Tables/norms/centre in the layouts above, on the device.
 struct DeviceTables {
   const float* centre = nullptr;
   const float* norms = nullptr;
@@ -178,18 +183,24 @@ struct DeviceTables {
   const int32_t* lens = nullptr;
   int capacity = 0;
 };
+constexpr int kMaxSplits = 32;  ///< most CTAs per (b, query head) in GPU-only mode
 int bitmap_words(int capacity);
+// Splits for `rows` query rows of a layer of `capacity` hashed ids on a device of sm_count
+// SMs: enough CTAs to fill the device (4 per SM), at most kMaxSplits, at most one per word.
+int sampled_attention_splits(int rows, int capacity, int sm_count);
+// Dynamic shared memory of one CTA at the largest split (splits = 1): the opt-in bound.
 size_t sampled_attention_smem_bytes(int capacity);
 cudaError_t prepare_sampled_attention_cuda(int head_dim, int capacity);  // smem opt-in
 cudaError_t sampled_attention_cuda(const bf16* q, const uint16_t* q_codes, int num_q_heads,
                                    const PagedKV& kv, const DeviceTables& t, const Params& p,
-                                   float scale, float* o, float* lse, uint32_t* bitmap,
+                                   float scale, int splits, float* o, float* lse, uint32_t* bitmap,
                                    unsigned long long* counters, cudaStream_t stream);
 
-// out = merge of (o_dense bf16, lse_dense) and (o_sampled fp32, lse_sampled), rows x d,
+// out = merge of (o_dense bf16 [rows, d], lse_dense [rows]) and the `splits` sampled
+// partial states (o_sampled fp32 [rows, splits, d], lse_sampled [rows, splits]), rows x d,
 // through merge_states.cuh; lse_out may be null.
 cudaError_t merge_parts_cuda(const bf16* o_dense, const float* lse_dense, const float* o_sampled,
-                             const float* lse_sampled, int rows, int head_dim, bf16* out,
-                             float* lse_out, cudaStream_t stream);
+                             const float* lse_sampled, int splits, int rows, int head_dim,
+                             bf16* out, float* lse_out, cudaStream_t stream);
 
 }  // namespace kvs::kernels::magicpig

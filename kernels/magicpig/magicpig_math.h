@@ -17,18 +17,23 @@ namespace kvs::kernels::magicpig {
 
 constexpr int kMaxBits = 16;  ///< K <= 16: codes are uint16 and 2^K buckets per table
 
+// x . w[:, col] for the [d, cols] row-major projection w: the sequential fp32 FMA chain
+// over dims 0..d-1 that every hashing path uses (one column's chain, in this order).
+KVS_HOST_DEVICE float simhash_projection(const float* x, const float* w, int d, int64_t cols,
+                                         int64_t col) {
+  float acc = 0.f;
+  for (int i = 0; i < d; ++i) acc = fmaf(x[i], w[i * cols + col], acc);
+  return acc;
+}
+
 // Code of `x` (d fp32 values) in table `table`: bit j is [x . w[:, table * K + j] > 0] with
 // w the [d, K * L] row-major projection. An all-zero x gets code 0.
 KVS_HOST_DEVICE uint32_t simhash_code(const float* x, const float* w, int d, int K, int L,
                                       int table) {
   const int64_t cols = int64_t(K) * L;
   uint32_t code = 0;
-  for (int j = 0; j < K; ++j) {
-    const int64_t col = int64_t(table) * K + j;
-    float acc = 0.f;
-    for (int i = 0; i < d; ++i) acc = fmaf(x[i], w[i * cols + col], acc);
-    code |= uint32_t(acc > 0.f) << j;
-  }
+  for (int j = 0; j < K; ++j)
+    code |= uint32_t(simhash_projection(x, w, d, cols, int64_t(table) * K + j) > 0.f) << j;
   return code;
 }
 

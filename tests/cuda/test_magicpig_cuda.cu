@@ -176,13 +176,17 @@ EngineRun run_engine(Backend backend, MagicPigMode mode, const ModelShape& shape
   r.out.resize(size_t(rows) * d);
   r.lse.resize(size_t(rows));
   kv.set_lens(prefill_lens);
+  // Bound for the engine's whole life: last_read reads the last decode's state from it.
+  DeviceBuffer<char> ws;
+  if (backend == Backend::Cuda) {
+    ws.resize(std::max<size_t>(e->workspace_bytes(), 1));
+    e->bind_workspace({ws.get(), ws.size()});
+  }
   if (backend == Backend::Cpu) {
     e->prefill(layer, kv.host(), nullptr);
     kv.set_lens(decode_lens);
     e->decode(layer, q.data(), nullptr, kv.host(), r.out.data(), r.lse.data(), nullptr);
   } else {
-    DeviceBuffer<char> ws(std::max<size_t>(e->workspace_bytes(), 1));
-    e->bind_workspace({ws.get(), ws.size()});
     cudaStream_t stream;
     KVS_CUDA_CHECK(cudaStreamCreate(&stream));
     e->prefill(layer, kv.device(), stream);
@@ -238,6 +242,13 @@ TEST(MagicPigCuda, BothModesAgreeWithTheCpuReference) {
     for (auto& x : q) x = float_to_bf16(n01(rng));
     // Sequence 1 is short (hashes 1800 - 68 keys) and both grew by a few new tokens.
     const std::vector<int32_t> pre = {2490, 1800}, dec = {2500, 1805};
+    // GPU-only mode splits each query head's ids over several CTAs here (the merge of
+    // partial states and the bucket range searches are under test), some left empty for
+    // the short sequence.
+    int dev = 0, sms = 0;
+    KVS_CUDA_CHECK(cudaGetDevice(&dev));
+    KVS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    EXPECT_GT(mp::sampled_attention_splits(2 * 8, 2490 - 68, sms), 2);
     for (int layer : {0, 1}) {
       const EngineRun ref =
           run_engine(Backend::Cpu, MagicPigMode::CpuOffload, shape, c, kv, pre, dec, q, layer);
