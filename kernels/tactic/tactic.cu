@@ -18,13 +18,17 @@
 // (SIMT distances: a block is 2048 x 128 x d), sharing the csr and update device code.
 //
 // Decode selection (one launch each, no host sync, graph-safe):
-//   score   q.centroid for the g query heads of a kv head (each centroid read once per group)
+//   score   q.centroid for the g query heads of a kv head, one CTA per 128-cluster tile that
+//           stages the (contiguous) centroids through shared memory with coalesced loads
 //   sort    descending, per (sequence, query head); with the sorted-position prefix of
 //           cluster sizes. One block radix sort + scan per row up to 8192 clusters (128K
 //           tokens), else a CUB segmented radix sort and a prefix kernel
-//   sample  logits of the exact and window positions (thread per sampled token)
-//   budget  max, exact prefix, window means, fit, K, round up to clusters, bitmap OR (union)
-//   index   compaction of the union's members + recent tokens into the sub-request page table
+//   sample  logits of the exact and window positions: a group of d / 8 lanes per sampled
+//           token ((L+1)-ary search of the prefix, one coalesced key-row read, shuffle sum)
+//   budget  max, exact prefix (in shared memory), window means, fit, K, round up to clusters
+//           by a block-wide count over the prefix, bitmap OR (union)
+//   index   compaction of the union's members + recent tokens into the sub-request page
+//           table, a thread per cluster
 // Attention is then the dense split-KV kernel over the sub-request view (tactic.h).
 #include <cuda_bf16.h>
 #include <mma.h>
@@ -511,16 +515,23 @@ struct SelectParams {
   unsigned long long* counters;
 };
 
+// One CTA per (sequence, kv head, tile of kScoreTile clusters). The tile's centroids are
+// contiguous in memory, so the CTA stages them through shared memory with coalesced 16-byte
+// loads (a thread reading its own 256-byte row directly would touch 32 rows per warp load);
+// each thread then scores one centroid against the group's g queries from shared memory.
+constexpr int kScoreTile = 128;
+
 template <int D>
-__global__ void __launch_bounds__(128) score_kernel(SelectParams p) {
+__global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
+  constexpr int LD = D + 8;  // bf16 row pitch: 16-byte pad keeps row reads conflict-free
   __shared__ float qs[kMaxGroup][D];
+  __shared__ __align__(16) bf cs[kScoreTile * LD];
   const int Hkv = p.kv.num_kv_heads;
   const int b = blockIdx.y / Hkv, h = blockIdx.y % Hkv;
   const int64_t slot = p.st.slot(b, h);
   const int C = p.st.num_clusters[slot];
   const int row0 = b * p.num_q_heads + h * p.group;
-  for (int x = threadIdx.x; x < p.group * D; x += blockDim.x)
-    qs[x / D][x % D] = __bfloat162float(p.q[int64_t(row0) * D + x]);
+  const int c0 = blockIdx.x * kScoreTile;
   if (blockIdx.x == 0) {
     if (int(threadIdx.x) < p.group) {
       const int row = row0 + threadIdx.x;
@@ -530,14 +541,22 @@ __global__ void __launch_bounds__(128) score_kernel(SelectParams p) {
     if (threadIdx.x == 0 && p.counters)
       atomicAdd(&p.counters[1], (unsigned long long)C * D * sizeof(bf));
   }
+  if (c0 >= C) return;
+  for (int x = threadIdx.x; x < p.group * D; x += blockDim.x)
+    qs[x / D][x % D] = __bfloat162float(p.q[int64_t(row0) * D + x]);
+  const int tile = min(kScoreTile, C - c0);
+  const uint4* src = reinterpret_cast<const uint4*>(p.st.centroid(b, h, c0));
+  for (int x = threadIdx.x; x < tile * (D / 8); x += blockDim.x)
+    *reinterpret_cast<uint4*>(cs + (x / (D / 8)) * LD + (x % (D / 8)) * 8) = src[x];
   __syncthreads();
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int c = c0 + threadIdx.x;
   if (c >= C) return;
   if (c % 32 == 0) p.bitmap[slot * p.words + c / 32] = 0u;
   float dot[kMaxGroup];
 #pragma unroll
   for (int j = 0; j < kMaxGroup; ++j) dot[j] = 0.f;
-  const uint4* mu = reinterpret_cast<const uint4*>(p.st.centroid(b, h, c));
+  const uint4* mu = reinterpret_cast<const uint4*>(cs + threadIdx.x * LD);
+#pragma unroll 4
   for (int ch = 0; ch < D / 8; ++ch) {
     const uint4 v = mu[ch];
     const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -633,67 +652,89 @@ __global__ void __launch_bounds__(kSortThreads) sort_prefix_kernel(SelectParams 
   if (threadIdx.x == 0) prefix[0] = 0;
 }
 
-// Sorted position x (0-based) -> token id, through the prefix of sorted cluster sizes.
-__device__ __forceinline__ int token_at(const int* prefix, const int* ids, const int32_t* off,
-                                        const int32_t* members, int C, int x) {
-  int lo = 0, hi = C;  // largest j with prefix[j] <= x
+// Sorted position x (0-based) -> token id, through the prefix of sorted cluster sizes, by a
+// group of L lanes (the lanes of one sample, all with the same x): an (L + 1)-ary search, so
+// the chain of dependent loads is log_{L+1}(C) long (4 at C = 8192, L = 16) instead of
+// log_2(C) (13). Every lane returns the token.
+template <int L>
+__device__ __forceinline__ int group_token_at(const int* prefix, const int* ids, const int32_t* off,
+                                              const int32_t* members, int C, int x, int sub,
+                                              unsigned gmask, int gbase) {
+  int lo = 0, hi = C;  // largest j with prefix[j] <= x (prefix[0] = 0 <= x)
   while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (prefix[mid] <= x)
-      lo = mid;
-    else
-      hi = mid;
+    const int m = lo + int(int64_t(sub + 1) * (hi - lo) / (L + 1));  // nondecreasing in sub
+    const bool le = prefix[m] <= x;  // m == lo probes a known true: harmless
+    const unsigned ball = (__ballot_sync(gmask, le) & gmask) >> gbase;
+    const int k = __popc(ball);  // prefix is nondecreasing: the true probes are lanes [0, k)
+    const int mlo = __shfl_sync(gmask, m, gbase + (k > 0 ? k - 1 : 0));
+    const int mhi = __shfl_sync(gmask, m, gbase + (k < L ? k : L - 1));
+    if (k > 0) lo = max(lo, mlo);
+    if (k < L) hi = mhi;
   }
   return members[off[ids[lo]] + (x - prefix[lo])];
 }
 
+// One group of D / 8 lanes per sampled token (16 for d = 128): the key row is read as one
+// coalesced 256-byte segment and reduced by shuffles, instead of one thread streaming the row.
+constexpr int kSampleThreads = 256;
+
 template <int D>
-__global__ void __launch_bounds__(128) sample_kernel(SelectParams p) {
+__global__ void __launch_bounds__(kSampleThreads) sample_kernel(SelectParams p) {
+  constexpr int L = D / 8, kPerCta = kSampleThreads / L;
   __shared__ float qs[D];
   const int row = blockIdx.y;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
   const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
   const int S = plan.num_samples();
-  if (int(blockIdx.x) * int(blockDim.x) >= S) return;
+  if (int(blockIdx.x) * kPerCta >= S) return;
   for (int x = threadIdx.x; x < D; x += blockDim.x)
     qs[x] = __bfloat162float(p.q[int64_t(row) * D + x]);
   if (blockIdx.x == 0 && threadIdx.x == 0 && p.counters)
     atomicAdd(&p.counters[1], (unsigned long long)S * D * sizeof(bf));
   __syncthreads();
-  const int s = blockIdx.x * blockDim.x + threadIdx.x;
-  if (s >= S) return;
+  const int lane = threadIdx.x % 32, sub = threadIdx.x % L;
+  const int gbase = lane - sub;
+  const unsigned gmask = (L == 32 ? 0xffffffffu : ((1u << L) - 1u)) << gbase;
+  const int s = blockIdx.x * kPerCta + int(threadIdx.x) / L;
+  if (s >= S) return;  // the whole group leaves together
   const int C = p.st.num_clusters[slot];
-  const int t = token_at(p.prefix + int64_t(row) * (p.st.max_clusters + 1),
-                         p.sorted + int64_t(row) * p.st.max_clusters, p.st.offsets_of(b, h),
-                         p.st.members_of(b, h), C, plan.position(s) - 1);
-  const uint4* k = reinterpret_cast<const uint4*>(key_row(p.kv, b, t, h));
+  const int t =
+      group_token_at<L>(p.prefix + int64_t(row) * (p.st.max_clusters + 1),
+                        p.sorted + int64_t(row) * p.st.max_clusters, p.st.offsets_of(b, h),
+                        p.st.members_of(b, h), C, plan.position(s) - 1, sub, gmask, gbase);
+  const uint4 v = reinterpret_cast<const uint4*>(key_row(p.kv, b, t, h))[sub];
+  const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
   float dot = 0.f;
-#pragma unroll 4
-  for (int ch = 0; ch < D / 8; ++ch) {
-    const uint4 v = k[ch];
-    const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = __bfloat1622float2(v2[e]);
-      dot = fmaf(f.x, qs[ch * 8 + 2 * e], dot);
-      dot = fmaf(f.y, qs[ch * 8 + 2 * e + 1], dot);
-    }
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __bfloat1622float2(v2[e]);
+    dot = fmaf(f.x, qs[sub * 8 + 2 * e], dot);
+    dot = fmaf(f.y, qs[sub * 8 + 2 * e + 1], dot);
   }
-  p.logits[int64_t(row) * p.smax + s] = dot * p.scale;
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(gmask, dot, o);
+  if (sub == 0) p.logits[int64_t(row) * p.smax + s] = dot * p.scale;
 }
+
+// Exact prefix sums kept in shared memory for the budget's serial search (thread 0): enough
+// for n up to 136K at the default exact_fraction; longer lists spill the rest to global.
+constexpr int kExactSmem = 2048;
 
 __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   using ScanD = cub::BlockScan<double, kRowThreads>;
   using ReduceF = cub::BlockReduce<float, kRowThreads>;
   using ReduceD = cub::BlockReduce<double, kRowThreads>;
+  using ReduceI = cub::BlockReduce<int, kRowThreads>;
   __shared__ union {
     typename ScanD::TempStorage scan;
     typename ReduceF::TempStorage rf;
     typename ReduceD::TempStorage rd;
+    typename ReduceI::TempStorage ri;
   } tmp;
+  __shared__ double s_exact[kExactSmem];
   __shared__ float s_max;
-  __shared__ int s_clusters;
+  __shared__ int s_budget, s_clusters;
   const int row = blockIdx.x;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
@@ -721,7 +762,10 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
     double incl, total;
     ScanD(tmp.scan).InclusiveSum(e, incl, total);
     __syncthreads();
-    if (s < plan.num_exact) exact[s] = carry + incl;
+    if (s < kExactSmem)
+      s_exact[s] = carry + incl;
+    else if (s < plan.num_exact)
+      exact[s] = carry + incl;
     carry += total;
   }
   double w1 = 0.0, w2 = 0.0;
@@ -732,21 +776,25 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   w1 = ReduceD(tmp.rd).Sum(w1);
   __syncthreads();
   w2 = ReduceD(tmp.rd).Sum(w2);
-  __syncthreads();  // exact[] complete for thread 0
+  __syncthreads();  // exact prefix complete for thread 0
   if (threadIdx.x == 0) {
     TailModel tail;
     if (plan.fitted) tail = fit_tail(w1 / plan.w, w2 / plan.w, plan.x1(), plan.x2(), plan.n);
-    const int K = budget_tokens(plan, tail, p.fit.target, [&](int k) { return exact[k - 1]; });
-    int lo = 1, hi = C;  // smallest J with prefix[J] >= K (spec 8.2: whole clusters)
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (prefix[mid] >= K)
-        hi = mid;
-      else
-        lo = mid + 1;
-    }
-    s_clusters = lo;
-    p.sel.selected[row] = prefix[lo];
+    s_budget = budget_tokens(plan, tail, p.fit.target, [&](int k) {
+      return k - 1 < kExactSmem ? s_exact[k - 1] : exact[k - 1];
+    });
+  }
+  __syncthreads();
+  // Whole clusters (spec 8.2): the smallest J in [1, C] with prefix[J] >= K. prefix is
+  // nondecreasing, so J = 1 + #{j in [1, C) : prefix[j] < K}: one coalesced pass of the block
+  // instead of a serial binary search of dependent loads.
+  const int K = s_budget;
+  int below = 0;
+  for (int j = 1 + int(threadIdx.x); j < C; j += kRowThreads) below += prefix[j] < K ? 1 : 0;
+  below = ReduceI(tmp.ri).Sum(below);
+  if (threadIdx.x == 0) {
+    s_clusters = 1 + below;
+    p.sel.selected[row] = prefix[1 + below];
   }
   __syncthreads();
   for (int j = threadIdx.x; j < s_clusters; j += kRowThreads) {
@@ -755,28 +803,24 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   }
 }
 
-__global__ void __launch_bounds__(kRowThreads) index_kernel(SelectParams p) {
-  using Scan = cub::BlockScan<int, kRowThreads>;
+// One CTA per (sequence, kv head); a thread per cluster of each kIndexThreads-cluster chunk:
+// flagged sizes, block scan, then each flagged cluster's members copied by its thread. The
+// serial work of a thread is one cluster's members (a thread per 32-cluster bitmap word
+// would copy up to 32 clusters in a row). Output order: flagged clusters ascending, members in
+// CSR order, then the recent tokens.
+constexpr int kIndexThreads = 1024;
+
+__global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
+  using Scan = cub::BlockScan<int, kIndexThreads>;
   __shared__ typename Scan::TempStorage tmp;
   const int Hkv = p.kv.num_kv_heads;
   const int b = blockIdx.x / Hkv, h = blockIdx.x % Hkv;
   const int64_t slot = p.st.slot(b, h);
   const int C = p.st.num_clusters[slot], clen = p.st.clustered_len[slot];
   const int len = p.kv.seq_lens[b];
-  const int W = (C + 31) / 32;
-  const int per = (W + kRowThreads - 1) / kRowThreads;
-  const int w0 = threadIdx.x * per, w1 = min(W, w0 + per);
   const int32_t* off = p.st.offsets_of(b, h);
   const int32_t* members = p.st.members_of(b, h);
   const uint32_t* bits = p.bitmap + slot * p.words;
-  int count = 0;
-  for (int w = w0; w < w1; ++w)
-    for (uint32_t m = bits[w]; m; m &= m - 1) {
-      const int c = w * 32 + __ffs(m) - 1;
-      count += off[c + 1] - off[c];
-    }
-  int pos, total;
-  Scan(tmp).ExclusiveSum(count, pos, total);
   int32_t* tokens = p.sel.tokens + blockIdx.x * int64_t(p.sel.max_tokens);
   int32_t* rows = p.sel.rows + blockIdx.x * int64_t(p.sel.max_tokens);
   auto put = [&](int i, int t) {
@@ -784,14 +828,20 @@ __global__ void __launch_bounds__(kRowThreads) index_kernel(SelectParams p) {
     tokens[i] = t;
     rows[i] = int32_t((page * p.kv.page_size + t % p.kv.page_size) * Hkv + h);
   };
-  for (int w = w0; w < w1; ++w)
-    for (uint32_t m = bits[w]; m; m &= m - 1) {
-      const int c = w * 32 + __ffs(m) - 1;
-      for (int i = off[c]; i < off[c + 1]; ++i) put(pos++, members[i]);
-    }
-  for (int t = clen + threadIdx.x; t < len; t += kRowThreads) put(total + (t - clen), t);
+  int carry = 0;
+  for (int c0 = 0; c0 < C; c0 += kIndexThreads) {
+    const int c = c0 + int(threadIdx.x);
+    const bool flagged = c < C && ((bits[c / 32] >> (c % 32)) & 1u);
+    const int lo = flagged ? off[c] : 0, hi = flagged ? off[c + 1] : 0;
+    int pos, total;
+    Scan(tmp).ExclusiveSum(hi - lo, pos, total);
+    __syncthreads();  // tmp is reused by the next chunk's scan
+    for (int i = lo; i < hi; ++i) put(carry + pos + (i - lo), members[i]);
+    carry += total;
+  }
+  for (int t = clen + threadIdx.x; t < len; t += kIndexThreads) put(carry + (t - clen), t);
   if (threadIdx.x == 0) {
-    const int n = total + max(0, len - clen);
+    const int n = carry + max(0, len - clen);
     p.sel.counts[blockIdx.x] = n;
     if (p.counters) atomicAdd(&p.counters[0], (unsigned long long)n);
   }
@@ -803,7 +853,8 @@ cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int 
   const int rows = batch * p.num_q_heads;
   const int subs = batch * p.kv.num_kv_heads;
   const int M = p.st.max_clusters;
-  score_kernel<D><<<dim3(unsigned((M + 127) / 128), unsigned(subs)), 128, 0, stream>>>(p);
+  score_kernel<D><<<dim3(unsigned((M + kScoreTile - 1) / kScoreTile), unsigned(subs)), kScoreTile,
+                    0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (M <= kBlockSortMax) {
@@ -826,9 +877,11 @@ cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int 
     p.sorted = vals.Current();
     prefix_kernel<<<rows, kRowThreads, 0, stream>>>(p);
   }
-  sample_kernel<D><<<dim3(unsigned((p.smax + 127) / 128), unsigned(rows)), 128, 0, stream>>>(p);
+  constexpr int kSamplesPerCta = kSampleThreads / (D / 8);
+  sample_kernel<D><<<dim3(unsigned((p.smax + kSamplesPerCta - 1) / kSamplesPerCta), unsigned(rows)),
+                     kSampleThreads, 0, stream>>>(p);
   budget_kernel<<<rows, kRowThreads, 0, stream>>>(p);
-  index_kernel<<<subs, kRowThreads, 0, stream>>>(p);
+  index_kernel<<<subs, kIndexThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
