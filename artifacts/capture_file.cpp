@@ -16,6 +16,15 @@ int num_blocks(int tokens) { return (tokens + kAttnBlockSize - 1) / kAttnBlockSi
 
 }  // namespace
 
+ModelShape CaptureMeta::captured_shape() const {
+  ModelShape s = shape;
+  if (!all_heads()) {
+    s.num_kv_heads = int(kv_heads.size());
+    s.num_q_heads = int(kv_heads.size()) * shape.group_size();
+  }
+  return s;
+}
+
 void pool_attention_row(const float* probs, int len, int width_tokens, float* pooled) {
   const int nb = num_blocks(width_tokens);
   std::fill(pooled, pooled + nb, 0.0f);
@@ -70,6 +79,15 @@ CaptureWriter::CaptureWriter(const std::string& path, const CaptureMeta& meta)
       throw std::invalid_argument("capture " + path + ": layer " + std::to_string(l) +
                                   " outside [0, " + std::to_string(meta.shape.num_layers) + ")");
   std::sort(impl_->meta.layers.begin(), impl_->meta.layers.end());
+  std::vector<int>& heads = impl_->meta.kv_heads;
+  if (heads.empty())
+    for (int h = 0; h < meta.shape.num_kv_heads; ++h) heads.push_back(h);
+  std::sort(heads.begin(), heads.end());
+  for (size_t i = 0; i < heads.size(); ++i)
+    if (heads[i] < 0 || heads[i] >= meta.shape.num_kv_heads || (i > 0 && heads[i] == heads[i - 1]))
+      throw std::invalid_argument("capture " + path + ": kv head " + std::to_string(heads[i]) +
+                                  " is out of [0, " + std::to_string(meta.shape.num_kv_heads) +
+                                  ") or repeated");
   const h5::Group root = impl_->writer.root();
   root.set_attr_int("format_version", kCaptureFormatVersion);
   root.set_attr_string("kind", kKind);
@@ -78,6 +96,7 @@ CaptureWriter::CaptureWriter(const std::string& path, const CaptureMeta& meta)
   root.set_attr_string("tokenizer", meta.tokenizer);
   root.set_attr_int("vocab_size", meta.vocab_size);
   root.set_attr_ints("layers", std::vector<int64_t>(impl_->meta.layers.begin(), impl_->meta.layers.end()));
+  root.set_attr_ints("kv_heads", std::vector<int64_t>(heads.begin(), heads.end()));
 }
 
 CaptureWriter::~CaptureWriter() = default;
@@ -100,7 +119,7 @@ void CaptureWriter::begin_sequence(const std::vector<int32_t>& tokens, int decod
   h5::write_dataset(m.group, "tokens", tokens, {T});
   m.group.set_attr_int("decode_start", decode_start);
   m.group.set_attr_string("source", source);
-  const ModelShape& s = m.meta.shape;
+  const ModelShape s = m.meta.captured_shape();
   const size_t n = m.meta.layers.size();
   m.q.assign(n, {});
   m.k.assign(n, {});
@@ -173,6 +192,13 @@ CaptureFile CaptureFile::open(const std::string& path) {
   c.meta_.tokenizer = root.attr_string("tokenizer");
   c.meta_.vocab_size = int(root.attr_int("vocab_size"));
   for (int64_t l : root.attr_ints("layers")) c.meta_.layers.push_back(int(l));
+  for (int64_t h : root.attr_ints("kv_heads")) c.meta_.kv_heads.push_back(int(h));
+  for (size_t i = 0; i < c.meta_.kv_heads.size(); ++i)
+    if (c.meta_.kv_heads[i] < 0 || c.meta_.kv_heads[i] >= c.meta_.shape.num_kv_heads ||
+        (i > 0 && c.meta_.kv_heads[i] <= c.meta_.kv_heads[i - 1]))
+      throw h5::Error(path + ": kv_heads attribute is not an ascending list of heads in [0, " +
+                      std::to_string(c.meta_.shape.num_kv_heads) + ")");
+  if (c.meta_.kv_heads.empty()) throw h5::Error(path + ": kv_heads attribute is empty");
   const int64_t n = root.attr_int("num_sequences");
   for (int64_t i = 0; i < n; ++i) {
     CaptureSequence s;
@@ -188,7 +214,7 @@ CaptureFile CaptureFile::open(const std::string& path) {
   // Validate every array's shape up front, so a damaged file fails at open, not mid-run.
   for (int i = 0; i < int(n); ++i)
     for (int l : c.meta_.layers) {
-      const ModelShape& m = c.meta_.shape;
+      const ModelShape m = c.meta_.captured_shape();
       const int T = c.sequences_[i].num_tokens, S = c.sequences_[i].num_steps();
       c.dataset(i, l, "q_pre", h5::DType::BF16, {T, m.num_q_heads, m.head_dim});
       c.dataset(i, l, "k_pre", h5::DType::BF16, {T, m.num_kv_heads, m.head_dim});

@@ -2,7 +2,8 @@
 // kvs-eval and the trainers read.
 //
 //   /                      attrs: format_version, kind = "kvsparse-capture", the ModelShape
-//                          (artifacts/model_io.h), dtype, tokenizer, vocab_size, layers
+//                          (artifacts/model_io.h), dtype, tokenizer, vocab_size, layers,
+//                          kv_heads (captured KV heads; Hq, Hkv below count captured heads)
 //   /seq<i>/tokens         int32 [T]
 //          attrs           decode_start (first teacher-forced/greedy decode position), source
 //   /seq<i>/layer<l>/q_pre bf16 [T, Hq, d]   queries before RoPE
@@ -33,6 +34,13 @@ struct CaptureMeta {
   std::string tokenizer = "bytes"; ///< "bytes" (token = byte) or "ids" (pre-tokenized)
   int vocab_size = 0;
   std::vector<int> layers;         ///< captured layers, ascending
+  std::vector<int> kv_heads;       ///< captured KV heads, ascending, with all the query heads
+                                   ///< of their groups; empty when writing = every head
+
+  bool all_heads() const { return int(kv_heads.size()) == shape.num_kv_heads; }
+  // The shape of the captured arrays: the model's, with the head counts of the captured
+  // heads (equal to `shape` when every head was captured).
+  ModelShape captured_shape() const;
 };
 
 // Writes a capture file; nothing appears at `path` until commit().

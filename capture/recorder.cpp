@@ -20,19 +20,30 @@ std::vector<bf16> to_bf16(const torch::Tensor& t) {
 class Recorder : public LlamaObserver {
  public:
   Recorder(CaptureWriter& writer, const std::vector<int>& layers, int width)
-      : writer_(writer), layers_(layers), width_(width) {}
+      : writer_(writer), layers_(layers), width_(width) {
+    const CaptureMeta& m = writer.meta();
+    if (!m.all_heads()) {
+      // Captured KV heads and the query heads of their groups, as index tensors.
+      std::vector<int64_t> kv(m.kv_heads.begin(), m.kv_heads.end()), q;
+      for (int h : m.kv_heads)
+        for (int j = 0; j < m.shape.group_size(); ++j) q.push_back(int64_t(h) * m.shape.group_size() + j);
+      kv_index_ = torch::tensor(kv, torch::kInt64);
+      q_index_ = torch::tensor(q, torch::kInt64);
+    }
+  }
 
   void on_qkv(int layer, int64_t start, const torch::Tensor& q_pre, const torch::Tensor& k_pre,
               const torch::Tensor& v) override {
     if (!wants(layer)) return;
-    const auto q = to_bf16(q_pre), k = to_bf16(k_pre), vv = to_bf16(v);
+    const auto q = to_bf16(heads(q_pre, q_index_, 1)), k = to_bf16(heads(k_pre, kv_index_, 1)),
+               vv = to_bf16(heads(v, kv_index_, 1));
     writer_.append_qkv(layer, int(q_pre.size(0)), q.data(), k.data(), vv.data());
   }
 
   bool wants_attention(int layer) const override { return recording_ && wants(layer); }
 
   void on_attention(int layer, int64_t pos, const torch::Tensor& probs) override {
-    const torch::Tensor p = probs.to(torch::kCPU, torch::kFloat32).contiguous();
+    const torch::Tensor p = heads(probs, q_index_, 0).to(torch::kCPU, torch::kFloat32).contiguous();
     const int heads = int(p.size(0)), len = int(p.size(1));
     const int nb = (width_ + kAttnBlockSize - 1) / kAttnBlockSize;
     std::vector<float> pooled(size_t(heads) * nb);
@@ -45,6 +56,11 @@ class Recorder : public LlamaObserver {
   void set_recording(bool on) { recording_ = on; }
 
  private:
+  // The captured heads along `dim` (all of them when no subset was asked for).
+  static torch::Tensor heads(const torch::Tensor& t, const torch::Tensor& index, int64_t dim) {
+    return index.defined() ? t.index_select(dim, index.to(t.device())) : t;
+  }
+  torch::Tensor kv_index_, q_index_;  // undefined: every head
   bool wants(int layer) const {
     for (int l : layers_)
       if (l == layer) return true;

@@ -121,6 +121,9 @@ AttnPredTrainResult train_attnpred(const AttnPredTrainConfig& cfg, const TrainPr
   int most_steps = 0;
   for (size_t ci = 0; ci < cfg.captures.size(); ++ci) {
     const CaptureFile cap = CaptureFile::open(cfg.captures[ci]);
+    if (!cap.meta().all_heads())
+      throw std::invalid_argument(cfg.captures[ci] + ": captured a subset of the KV heads; "
+                                  "train from a capture of every head (kvs-capture without --kv-heads)");
     if (ci == 0) {
       res.shape = cap.meta().shape;
     } else if (cap.meta().shape.fingerprint() != res.shape.fingerprint()) {

@@ -165,11 +165,15 @@ SaapTrainResult train_saap(const std::vector<std::string>& paths, const SaapTrai
   std::vector<CaptureFile> caps;
   for (const std::string& p : paths) caps.push_back(CaptureFile::open(p));
   const ModelShape shape = caps[0].meta().shape;
-  for (const CaptureFile& c : caps)
+  for (const CaptureFile& c : caps) {
+    if (!c.meta().all_heads())
+      throw std::invalid_argument(c.path() + ": captured a subset of the KV heads; train from a "
+                                  "capture of every head (kvs-capture without --kv-heads)");
     if (c.meta().shape.fingerprint() != shape.fingerprint())
       throw std::invalid_argument(c.path() + ": captured from another model than " +
                                   caps[0].path() + "; differing fields:\n" +
                                   c.meta().shape.diff(shape));
+  }
   const int hq = shape.num_q_heads, hkv = shape.num_kv_heads, d = shape.head_dim;
   const int g = shape.group_size(), C = o.kmeans.num_clusters;
   auto is_dense = [&](int l) {

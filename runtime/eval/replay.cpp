@@ -72,7 +72,9 @@ Selection all_tokens(int num_q_heads, int len) {
 
 Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config,
                           const ReplayProgress& progress) {
-  const ModelShape& shape = capture.meta().shape;
+  // Engines see the captured heads: the model's shape when every head was captured (a
+  // bundle for the model then fits); with a head subset, a bundle's fingerprint check refuses.
+  const ModelShape shape = capture.meta().captured_shape();
   const int hq = shape.num_q_heads, hkv = shape.num_kv_heads, d = shape.head_dim;
   std::vector<int> layers = config.layers.empty() ? capture.meta().layers : config.layers;
   for (int l : layers)

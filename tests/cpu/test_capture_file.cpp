@@ -168,3 +168,42 @@ TEST(CaptureFile, PoolingTakesTheBlockMaximum) {
 
 }  // namespace
 }  // namespace kvs
+
+namespace kvs {
+namespace {
+
+TEST(CaptureFile, AHeadSubsetStoresOnlyThoseHeads) {
+  testing_h5::TempDir dir;
+  const std::string path = dir.path("cap.h5");
+  CaptureMeta m = small_meta();  // Hq 4, Hkv 2: group 2
+  m.kv_heads = {1};
+  const ModelShape cs = m.captured_shape();
+  EXPECT_EQ(cs.num_kv_heads, 1);
+  EXPECT_EQ(cs.num_q_heads, 2);
+  {
+    CaptureWriter w(path, m);
+    std::vector<int32_t> tokens(12, 7);
+    w.begin_sequence(tokens, 10, "unit-test");
+    for (int layer : w.meta().layers) {
+      const auto q = ramp(size_t(12) * 2 * 8, 1), k = ramp(size_t(12) * 1 * 8, 2);
+      w.append_qkv(layer, 12, q.data(), k.data(), k.data());
+      std::vector<float> row(size_t(2) * 1, 0.5f);
+      w.append_attn_row(layer, row.data());
+      w.append_attn_row(layer, row.data());
+    }
+    w.commit();
+  }
+  const CaptureFile f = CaptureFile::open(path);
+  EXPECT_EQ(f.meta().kv_heads, (std::vector<int>{1}));
+  EXPECT_FALSE(f.meta().all_heads());
+  EXPECT_EQ(f.meta().shape.num_q_heads, 4);  // the model's shape is kept as it is
+  EXPECT_EQ(f.q_pre(0, 2).size(), size_t(12) * 2 * 8);
+  EXPECT_EQ(f.k_pre(0, 0).size(), size_t(12) * 1 * 8);
+  m.kv_heads = {2};
+  EXPECT_THROW(CaptureWriter(dir.path("bad.h5"), m), std::invalid_argument);
+  m.kv_heads = {1, 1};
+  EXPECT_THROW(CaptureWriter(dir.path("bad2.h5"), m), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace kvs

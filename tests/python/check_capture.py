@@ -20,7 +20,11 @@ def main(path):
         a = f.attrs
         if a.get("kind") not in ("kvsparse-capture", b"kvsparse-capture"):
             fail(f"{path}: kind attribute is {a.get('kind')!r}")
-        hq, hkv, d = int(a["num_q_heads"]), int(a["num_kv_heads"]), int(a["head_dim"])
+        d = int(a["head_dim"])
+        group = int(a["num_q_heads"]) // int(a["num_kv_heads"])
+        kv_heads = [int(h) for h in a["kv_heads"]]  # captured heads; arrays hold only these
+        hkv = len(kv_heads)
+        hq = hkv * group
         layers = [int(x) for x in a["layers"]]
         nseq = int(a["num_sequences"])
         for s in range(nseq):
@@ -53,7 +57,7 @@ def main(path):
                     # Max-pooled probabilities: the row maximum is at least 1/(pos+1).
                     if (att[i].max(axis=1) < 1.0 / (pos + 1) - 1e-7).any():
                         fail(f"seq{s}/layer{l}/attn_blocks step {i} is not a softmax row")
-    print(f"OK {path}: {nseq} sequence(s), layers {layers}, Hq {hq}, Hkv {hkv}, d {d}")
+    print(f"OK {path}: {nseq} sequence(s), layers {layers}, kv heads {kv_heads}, Hq {hq}, Hkv {hkv}, d {d}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ done
 rm -f "$out"
 "$capture" --model "$model" --text "$text" --context 300 --sequences 2 --decode-steps 20 \
   --device cpu --out "$out" || exit 1
+"$python" "$check" "$out" || exit 1
+# A subset: one KV head (with its query heads) of two layers.
+"$capture" --model "$model" --text "$text" --context 200 --decode-steps 10 --layers 1,3 \
+  --kv-heads 1 --device cpu --out "$out" || exit 1
 "$python" "$check" "$out"
 status=$?
 rm -f "$out"

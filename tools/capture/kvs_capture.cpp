@@ -15,7 +15,7 @@
 namespace po = boost::program_options;
 
 int main(int argc, char** argv) try {
-  std::string model_dir, text_path, ids_path, out, layers_arg, device_arg, dtype_arg;
+  std::string model_dir, text_path, ids_path, out, layers_arg, heads_arg, device_arg, dtype_arg;
   int context = 0, steps = 0, sequences = 0;
   int64_t offset = 0, chunk = 0;
   po::options_description opts("kvs-capture: record pre-RoPE q/k, v and attention maps");
@@ -30,6 +30,8 @@ int main(int argc, char** argv) try {
       ("decode-steps", po::value(&steps)->default_value(64), "last positions run as recorded decode steps")
       ("greedy", "decode steps continue with the model's argmax instead of the text")
       ("layers", po::value(&layers_arg)->default_value(""), "layers to capture, e.g. 0,2 (default: all)")
+      ("kv-heads", po::value(&heads_arg)->default_value(""),
+       "KV heads to capture, each with the query heads of its group, e.g. 1 (default: all)")
       ("device", po::value(&device_arg)->default_value("auto"), "cpu, cuda or auto")
       ("dtype", po::value(&dtype_arg)->default_value("auto"), "bf16, fp32 or auto (bf16 on cuda, fp32 on cpu)")
       ("chunk", po::value(&chunk)->default_value(512), "prefill chunk in tokens")
@@ -105,6 +107,7 @@ int main(int argc, char** argv) try {
   meta.layers = kvs::cli::parse_int_list(layers_arg, "layers");
   if (meta.layers.empty())
     for (int l = 0; l < cfg.shape.num_layers; ++l) meta.layers.push_back(l);
+  meta.kv_heads = kvs::cli::parse_int_list(heads_arg, "kv-heads");
 
   kvs::RecordOptions ro;
   ro.decode_steps = steps;
