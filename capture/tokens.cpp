@@ -1,5 +1,7 @@
 #include "capture/tokens.h"
 
+#include "artifacts/h5.h"
+
 #include <cctype>
 #include <fstream>
 #include <sstream>
@@ -58,6 +60,30 @@ std::vector<int32_t> load_token_ids(const std::string& path, int vocab_size) {
   std::ostringstream text;
   text << in.rdbuf();
   return parse_token_ids(text.str(), vocab_size, path);
+}
+
+std::vector<int32_t> load_token_ids_h5(const std::string& path, const std::string& dataset,
+                                       int vocab_size) {
+  const h5::File f = h5::File::open_read(path);
+  const h5::Dataset ds = f.root().open_dataset(dataset);
+  const std::string where = ds.describe();
+  if (ds.rank() != 1)
+    throw std::invalid_argument(where + ": token ids must be a 1-D dataset, got shape " +
+                                h5::to_string(ds.shape()));
+  const h5::DType t = ds.dtype();
+  if (t != h5::DType::I32 && t != h5::DType::I64)
+    throw std::invalid_argument(where + ": token ids must be int32 or int64, got " +
+                                h5::to_string(t));
+  const std::vector<int64_t> ids = ds.read<int64_t>();
+  std::vector<int32_t> out(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= vocab_size)
+      throw std::invalid_argument(where + ": id " + std::to_string(ids[i]) + " at index " +
+                                  std::to_string(i) + " is outside the vocabulary [0, " +
+                                  std::to_string(vocab_size) + ")");
+    out[i] = int32_t(ids[i]);
+  }
+  return out;
 }
 
 }  // namespace kvs

@@ -24,4 +24,9 @@ std::vector<int32_t> parse_token_ids(const std::string& text, int vocab_size,
                                      const std::string& source);
 std::vector<int32_t> load_token_ids(const std::string& path, int vocab_size);
 
+// Ids from a 1-D integer dataset of an HDF5 file (int32 or int64, e.g. what h5py writes from
+// a tokenizer's output). Throws naming the file, the dataset and the first bad id.
+std::vector<int32_t> load_token_ids_h5(const std::string& path, const std::string& dataset,
+                                       int vocab_size);
+
 }  // namespace kvs

@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "artifacts/h5.h"
 #include "capture/hf_config.h"
 #include "capture/tokens.h"
 #include "tests/torch/test_util.h"
@@ -203,6 +204,38 @@ TEST(Tokens, ByteTokensAndIdFiles) {
   testing::write_file(dir.file("ids.txt"), "2 72 105\n");
   EXPECT_EQ(load_token_ids(dir.file("ids.txt"), 256), (std::vector<int32_t>{2, 72, 105}));
   EXPECT_THROW(load_token_ids(dir.file("none.txt"), 256), std::runtime_error);
+}
+
+}  // namespace
+}  // namespace kvs
+
+namespace kvs {
+namespace {
+
+TEST(Tokens, IdsFromAnHdf5Dataset) {
+  kvs::testing::TempDir dir;
+  const std::string path = dir.file("ids.h5");
+  {
+    h5::AtomicWriter w(path);
+    h5::write_dataset(w.root(), "input_ids", std::vector<int64_t>{2, 72, 105, 255}, {4});
+    h5::write_dataset(w.root(), "bad", std::vector<int32_t>{1, 256}, {2});
+    h5::write_dataset(w.root(), "matrix", std::vector<int32_t>{1, 2, 3, 4}, {2, 2});
+    h5::write_dataset(w.root(), "floats", std::vector<float>{1.f}, {1});
+    w.commit();
+  }
+  EXPECT_EQ(load_token_ids_h5(path, "input_ids", 256), (std::vector<int32_t>{2, 72, 105, 255}));
+  auto message = [&](const std::string& ds) {
+    try {
+      load_token_ids_h5(path, ds, 256);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message("bad").find("id 256 at index 1 is outside the vocabulary"), std::string::npos);
+  EXPECT_NE(message("matrix").find("1-D"), std::string::npos);
+  EXPECT_NE(message("floats").find("int32 or int64"), std::string::npos);
+  EXPECT_NE(message("missing").find("missing"), std::string::npos);
 }
 
 }  // namespace

@@ -15,7 +15,7 @@
 namespace po = boost::program_options;
 
 int main(int argc, char** argv) try {
-  std::string model_dir, text_path, ids_path, out, layers_arg, heads_arg, device_arg, dtype_arg;
+  std::string model_dir, text_path, ids_path, ids_dataset, out, layers_arg, heads_arg, device_arg, dtype_arg;
   int context = 0, steps = 0, sequences = 0;
   int64_t offset = 0, chunk = 0;
   po::options_description opts("kvs-capture: record pre-RoPE q/k, v and attention maps");
@@ -23,7 +23,9 @@ int main(int argc, char** argv) try {
       ("help,h", "show this help")
       ("model", po::value(&model_dir)->default_value("models/kvs-tiny-a"), "Hugging Face model folder")
       ("text", po::value(&text_path), "text file (.gz read transparently) for a byte-level model")
-      ("ids", po::value(&ids_path), "file of whitespace-separated token ids (any model)")
+      ("ids", po::value(&ids_path), "token ids (any model): a text file of whitespace-separated ids, "
+       "or an HDF5 file with --ids-dataset")
+      ("ids-dataset", po::value(&ids_dataset), "1-D int dataset of the --ids HDF5 file, e.g. /input_ids")
       ("context", po::value(&context)->default_value(4096), "tokens per sequence (BOS included)")
       ("sequences", po::value(&sequences)->default_value(1), "consecutive windows to capture")
       ("offset", po::value(&offset)->default_value(0), "bytes (or ids) of the input to skip first")
@@ -86,7 +88,9 @@ int main(int argc, char** argv) try {
       windows.push_back(kvs::byte_tokens(cfg, text.substr(size_t(offset + s * per), size_t(per))));
     source = text_path;
   } else {
-    const std::vector<int32_t> ids = kvs::load_token_ids(ids_path, cfg.vocab_size);
+    const std::vector<int32_t> ids =
+        vm.count("ids-dataset") ? kvs::load_token_ids_h5(ids_path, ids_dataset, cfg.vocab_size)
+                                : kvs::load_token_ids(ids_path, cfg.vocab_size);
     const int64_t need = offset + int64_t(context) * sequences;
     if (int64_t(ids.size()) < need)
       throw std::invalid_argument(ids_path + " has " + std::to_string(ids.size()) +
