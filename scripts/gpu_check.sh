@@ -92,8 +92,12 @@ fi
 # The sparse methods: their CUDA tests ran in kvs_tests_cuda; racecheck on a subset of
 # each, then each method's benchmark against the dense kernel in the same process.
 if [ "${KVS_GPU_METHODS:-1}" = 1 ] && [ -x "$tests_cuda" ]; then
-  run_step "racecheck methods" 120 sanitizer.log "$sanitizer" --tool racecheck --error-exitcode 3 \
-    "$tests_cuda" --gtest_filter='TacticCuda.TargetOneIsDenseAttention:*MacCuda*Graph*:*MagicPig*Gpu*:*SaapCuda*:*AttnPred*'
+  # One small test per method: the tools slow kernels down by orders of magnitude.
+  methods_filter='TacticCuda.SelectionAndAttentionMatchCpuGqa4:MacCuda.MissesMatchTheDenseEngine:MagicPigCuda.NoCandidate*:SaapCuda.MlpRouter*:AttnPredCuda.TopBlocksEqualCpu:AttnPredCuda.CnnEquals*'
+  run_step "memcheck methods" 150 sanitizer.log "$sanitizer" --tool memcheck --error-exitcode 3 \
+    "$tests_cuda" --gtest_filter="$methods_filter"
+  run_step "racecheck methods" 150 sanitizer.log "$sanitizer" --tool racecheck --error-exitcode 3 \
+    "$tests_cuda" --gtest_filter="$methods_filter"
   for b in "kvs-bench --method tactic --contexts 128K --batches 1,8" kvs-bench-mac \
            "kvs-bench-magicpig ${KVS_MAGICPIG_ARGS:-}" kvs-bench-saap kvs-bench-attnpred; do
     read -r exe args <<< "$b"
