@@ -192,7 +192,12 @@ CaptureFile CaptureFile::open(const std::string& path) {
   c.meta_.tokenizer = root.attr_string("tokenizer");
   c.meta_.vocab_size = int(root.attr_int("vocab_size"));
   for (int64_t l : root.attr_ints("layers")) c.meta_.layers.push_back(int(l));
-  for (int64_t h : root.attr_ints("kv_heads")) c.meta_.kv_heads.push_back(int(h));
+  // Captures written before head subsets existed hold every head.
+  if (root.has_attr("kv_heads")) {
+    for (int64_t h : root.attr_ints("kv_heads")) c.meta_.kv_heads.push_back(int(h));
+  } else {
+    for (int h = 0; h < c.meta_.shape.num_kv_heads; ++h) c.meta_.kv_heads.push_back(h);
+  }
   for (size_t i = 0; i < c.meta_.kv_heads.size(); ++i)
     if (c.meta_.kv_heads[i] < 0 || c.meta_.kv_heads[i] >= c.meta_.shape.num_kv_heads ||
         (i > 0 && c.meta_.kv_heads[i] <= c.meta_.kv_heads[i - 1]))
