@@ -40,7 +40,7 @@ step "capture training text"
 step "train SAAP and AttentionPredictor"
 "$bin/kvs-train" saap --capture "$out/train4k.h5" --clusters 128 --recent 256 --hidden 256 \
   --iterations 200 --batch 256 --lr 1e-3 --probes 8 --device $device -o "$out/saap.h5"
-"$bin/kvs-train" attnpred --capture "$out/train_ap.h5" --epochs 10 -o "$out/attnpred.h5"
+"$bin/kvs-train" attnpred --capture "$out/train_ap.h5" --epochs 3 -o "$out/attnpred.h5"
 
 step "indexbuild"
 "$bin/kvs-indexbuild" --model $model --trained "$out/saap.h5" "$out/attnpred.h5" --magicpig \
