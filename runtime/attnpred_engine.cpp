@@ -20,13 +20,6 @@ namespace tk = kernels::tactic;
 std::string str(int64_t x) { return std::to_string(x); }
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
-template <typename T>
-T* device_alloc(int64_t count) {
-  void* p = nullptr;
-  KVS_CUDA_CHECK(cudaMalloc(&p, size_t(std::max<int64_t>(count, 1)) * sizeof(T)));
-  return static_cast<T*>(p);
-}
-
 // Device counters: what each kernel adds to (pairs are [count, errors] of one call site).
 enum Counter {
   kRowsRead = 0,          // build_selection: rows attended
@@ -176,8 +169,7 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
     device_params_ = device_alloc<float>(ap::kParamCount);
     KVS_CUDA_CHECK(cudaMemcpy(device_params_, host_params_.data(),
                               host_params_.size() * sizeof(float), cudaMemcpyHostToDevice));
-    counters_ = device_alloc<unsigned long long>(kNumCounters);
-    KVS_CUDA_CHECK(cudaMemset(counters_, 0, kNumCounters * sizeof(unsigned long long)));
+    counters_ = DeviceCounters(kNumCounters);
     if (c.offload) KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   }
   layers_.resize(size_t(shape_.num_layers));
@@ -208,7 +200,6 @@ AttnPredEngine::~AttnPredEngine() {
   }
   if (side_stream_) cudaStreamDestroy(side_stream_);
   cudaFree(device_params_);
-  cudaFree(counters_);
 }
 
 bool AttnPredEngine::is_dense_layer(int layer) const {
@@ -359,14 +350,14 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   void* dense_ws = ws + dense_off;
   const size_t dense_bytes = workspace_.bytes - dense_off;
   if (config_.collect_stats)
-    KVS_CUDA_CHECK(
-        kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv, counters_ + kContextRows, stream));
+    KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv,
+                                               counters_.get() + kContextRows, stream));
   if (dense) {
     KVS_CUDA_CHECK(
         kernels::dense_decode_cuda(q, hq, kv, scale, out, lse, dense_ws, dense_bytes, stream));
     if (config_.collect_stats)
-      KVS_CUDA_CHECK(
-          kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv, counters_ + kRowsRead, stream));
+      KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv,
+                                                 counters_.get() + kRowsRead, stream));
     return;
   }
   LayerState& ls = layers_[size_t(layer)];
@@ -375,7 +366,8 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   const bool warm = c < warmup_;
   const bool full_row = warm || (c + 1) % period_ == 0;
   if (offload && ls.prefetch_pending) {
-    KVS_CUDA_CHECK(ap::prefetch_probe_cuda(ls.done, ls.expected_done, counters_ + kLate, stream));
+    KVS_CUDA_CHECK(
+        ap::prefetch_probe_cuda(ls.done, ls.expected_done, counters_.get() + kLate, stream));
     KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.prefetched, 0));
     ls.prefetch_pending = false;
   }
@@ -386,18 +378,18 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
     KVS_CUDA_CHECK(
         kernels::dense_decode_cuda(q, hq, kv, scale, out, lse, dense_ws, dense_bytes, stream));
     if (config_.collect_stats)
-      KVS_CUDA_CHECK(
-          kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv, counters_ + kRowsRead, stream));
+      KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv,
+                                                 counters_.get() + kRowsRead, stream));
   } else {
     if (offload)
       // The newest token arrived after the prefetch: the block holding it (and any the
       // sequence grew into since) is copied again, as are blocks still missing.
       KVS_CUDA_CHECK(ap::make_resident_cuda(kv, ls.flags, geo_, 0, false, ls.len_snapshot, ls.cache,
-                                            counters_ + kBlocksOnDemand, nullptr,
+                                            counters_.get() + kBlocksOnDemand, nullptr,
                                             ap::default_copy_ctas(), stream));
     KVS_CUDA_CHECK(ap::build_selection_cuda(kv, ls.flags, max_blocks_, geo_,
                                             offload ? ls.cache.block_slot : nullptr, sel,
-                                            counters_ + kRowsRead, stream));
+                                            counters_.get() + kRowsRead, stream));
     view = tk::subrequest_view(offload ? ls.cache.as_view(geo_.block) : kv, sel);
     KVS_CUDA_CHECK(kernels::dense_decode_cuda(q, shape_.group_size(), view, scale, out, lse,
                                               dense_ws, dense_bytes, stream));
@@ -408,7 +400,7 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
     if (config_.collect_stats)
       KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch,
                                                  hkv * shape_.head_dim * int(sizeof(bf16)),
-                                                 counters_ + kFullRowKeyBytes, stream));
+                                                 counters_.get() + kFullRowKeyBytes, stream));
   } else {
     KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, view, sel.tokens, sel.max_tokens, kv.seq_lens,
                                        kv.batch, hkv, scale, geo_, ls.hist, scratch, scratch_bytes,
@@ -430,7 +422,7 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
     // into them: it must not start before this step's attention and history row have read
     // the cache (the `selected` event is recorded after them).
     KVS_CUDA_CHECK(ap::make_resident_cuda(snap, ls.flags, geo_, 1, true, nullptr, ls.cache,
-                                          counters_ + kBlocksPrefetched, ls.done,
+                                          counters_.get() + kBlocksPrefetched, ls.done,
                                           ap::default_copy_ctas(), side_stream_));
     KVS_CUDA_CHECK(cudaEventRecord(ls.prefetched, side_stream_));
     ls.expected_done += unsigned(ap::default_copy_ctas());
@@ -573,22 +565,10 @@ std::vector<std::vector<int32_t>> AttnPredEngine::last_read(int layer, int b) co
     // The selection in the workspace belongs to the last decode call, whichever layer it was;
     // a warm-up decode (dense) leaves it untouched, so report dense for those.
     if (ls.calls <= warmup_) return {};
-    const tk::Selection sel = selection();
     KVS_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<int32_t> counts(static_cast<size_t>(hkv));
-    KVS_CUDA_CHECK(cudaMemcpy(counts.data(), sel.counts + size_t(b) * hkv,
-                              counts.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    for (int h = 0; h < hkv; ++h) {
-      auto& t = per_kv[size_t(h)];
-      t.resize(size_t(counts[size_t(h)]));
-      KVS_CUDA_CHECK(cudaMemcpy(t.data(), sel.tokens + (size_t(b) * hkv + h) * sel.max_tokens,
-                                t.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    }
+    per_kv = read_kv_head_lists(selection(), b, hkv);
   }
-  std::vector<std::vector<int32_t>> out;
-  for (int h = 0; h < hkv; ++h)
-    for (int j = 0; j < g; ++j) out.push_back(per_kv[size_t(h)]);
-  return out;
+  return per_query_head_lists(std::move(per_kv), g, false);
 }
 
 std::vector<uint8_t> AttnPredEngine::block_flags(int layer) const {
@@ -676,8 +656,7 @@ AttnPredEngine::OffloadStats AttnPredEngine::offload_stats() const {
   s.prefetches = prefetches_;
   if (!counters_) return s;
   KVS_CUDA_CHECK(cudaDeviceSynchronize());
-  unsigned long long c[kNumCounters] = {};
-  KVS_CUDA_CHECK(cudaMemcpy(c, counters_, sizeof c, cudaMemcpyDeviceToHost));
+  const std::vector<uint64_t> c = counters_.read();
   s.late_prefetches = c[kLate];
   s.blocks_prefetched = c[kBlocksPrefetched];
   s.blocks_on_demand = c[kBlocksOnDemand];
@@ -691,11 +670,7 @@ EngineStats AttnPredEngine::stats() const {
     // The counters are added to on the caller's stream and on the non-blocking prefetch
     // stream, neither of which a plain cudaMemcpy waits for.
     KVS_CUDA_CHECK(cudaDeviceSynchronize());
-    unsigned long long c[kNumCounters] = {};
-    KVS_CUDA_CHECK(cudaMemcpy(c, counters_, sizeof c, cudaMemcpyDeviceToHost));
-    s.kv_rows_read = c[kRowsRead];
-    s.kv_rows_context = c[kContextRows];
-    s.selection_bytes_read = c[kFullRowKeyBytes];
+    counters_.read_into(&s, kRowsRead, kFullRowKeyBytes, kContextRows);
   }
   return s;
 }
@@ -705,7 +680,7 @@ void AttnPredEngine::reset_stats() {
   prefetches_ = 0;
   if (counters_) {
     KVS_CUDA_CHECK(cudaDeviceSynchronize());  // no kernel of any stream still adding
-    KVS_CUDA_CHECK(cudaMemset(counters_, 0, kNumCounters * sizeof(unsigned long long)));
+    counters_.reset();
   }
 }
 

@@ -42,6 +42,7 @@
 
 #include "kernels/attnpred/attnpred.h"
 #include "runtime/engine.h"
+#include "runtime/engine_support.h"
 
 namespace kvs {
 
@@ -133,8 +134,8 @@ class AttnPredEngine : public Engine {
   float* device_params_ = nullptr;
   std::vector<LayerState> layers_;
   EngineStats host_stats_;
-  unsigned long long* counters_ = nullptr;  // CUDA device counters (see attnpred_engine.cpp)
-  cudaStream_t side_stream_ = nullptr;      // offload prefetch stream
+  DeviceCounters counters_;             // CUDA (see attnpred_engine.cpp)
+  cudaStream_t side_stream_ = nullptr;  // offload prefetch stream
   uint64_t prefetches_ = 0;
 };
 

@@ -10,14 +10,7 @@ namespace kvs {
 
 DenseEngine::DenseEngine(const ModelShape& shape, const EngineConfig& config)
     : Engine(shape, config) {
-  if (config_.backend == Backend::Cuda && config_.collect_stats) {
-    KVS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&device_rows_), sizeof(unsigned long long)));
-    KVS_CUDA_CHECK(cudaMemset(device_rows_, 0, sizeof(unsigned long long)));
-  }
-}
-
-DenseEngine::~DenseEngine() {
-  if (device_rows_) cudaFree(device_rows_);
+  if (config_.backend == Backend::Cuda && config_.collect_stats) device_rows_ = DeviceCounters(1);
 }
 
 size_t DenseEngine::workspace_bytes() const {
@@ -36,7 +29,7 @@ void DenseEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Page
                                               workspace_.ptr, workspace_.bytes, stream));
     if (device_rows_)
       KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, kv.num_kv_heads,
-                                                 device_rows_, stream));
+                                                 device_rows_.get(), stream));
     return;
   }
   const size_t rows = size_t(kv.batch) * shape_.num_q_heads;
@@ -53,17 +46,13 @@ void DenseEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Page
 
 EngineStats DenseEngine::stats() const {
   EngineStats s = host_stats_;
-  if (device_rows_) {
-    unsigned long long rows = 0;
-    KVS_CUDA_CHECK(cudaMemcpy(&rows, device_rows_, sizeof rows, cudaMemcpyDeviceToHost));
-    s.kv_rows_read = s.kv_rows_context = rows;
-  }
+  if (device_rows_) s.kv_rows_read = s.kv_rows_context = device_rows_.read()[0];
   return s;
 }
 
 void DenseEngine::reset_stats() {
   host_stats_ = EngineStats{};
-  if (device_rows_) KVS_CUDA_CHECK(cudaMemset(device_rows_, 0, sizeof(unsigned long long)));
+  device_rows_.reset();
 }
 
 }  // namespace kvs

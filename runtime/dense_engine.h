@@ -3,13 +3,13 @@
 #pragma once
 
 #include "runtime/engine.h"
+#include "runtime/engine_support.h"
 
 namespace kvs {
 
 class DenseEngine : public Engine {
  public:
   DenseEngine(const ModelShape& shape, const EngineConfig& config);
-  ~DenseEngine() override;
 
   Method method() const override { return Method::Dense; }
   Backend backend() const override { return config_.backend; }
@@ -21,8 +21,8 @@ class DenseEngine : public Engine {
   void reset_stats() override;
 
  private:
-  EngineStats host_stats_;                    // CPU backend, and call counts on CUDA
-  unsigned long long* device_rows_ = nullptr; // CUDA: rows read, summed on the device
+  EngineStats host_stats_;      // CPU backend, and call counts on CUDA
+  DeviceCounters device_rows_;  // CUDA: rows read, summed on the device
 };
 
 }  // namespace kvs

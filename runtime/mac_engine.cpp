@@ -16,13 +16,6 @@ namespace mk = kernels::mac;
 std::string str(double x) { return std::to_string(x); }
 std::string str(int64_t x) { return std::to_string(x); }
 
-template <typename T>
-T* device_alloc(int64_t count) {
-  void* p = nullptr;
-  KVS_CUDA_CHECK(cudaMalloc(&p, size_t(std::max<int64_t>(count, 1)) * sizeof(T)));
-  return static_cast<T*>(p);
-}
-
 void validate(const MacConfig& m, const ModelShape& s) {
   auto need = [](bool ok, const std::string& what) {
     if (!ok) throw std::invalid_argument("MacConfig: " + what);
@@ -77,11 +70,7 @@ MacEngine::MacEngine(const ModelShape& shape, const EngineConfig& config)
       KVS_CUDA_CHECK(
           cudaMemcpy(head_thresholds_, t.data(), t.size() * sizeof(float), cudaMemcpyHostToDevice));
     }
-    if (config_.collect_stats) {
-      device_counters_ = device_alloc<unsigned long long>(mk::kNumCounters);
-      KVS_CUDA_CHECK(
-          cudaMemset(device_counters_, 0, mk::kNumCounters * sizeof(unsigned long long)));
-    }
+    if (config_.collect_stats) device_counters_ = DeviceCounters(mk::kNumCounters);
   }
   layers_.resize(size_t(shape_.num_layers));
   allocated_.assign(size_t(shape_.num_layers), false);
@@ -101,7 +90,6 @@ MacEngine::~MacEngine() {
   }
   if (head_thresholds_) cudaFree(head_thresholds_);
   if (sync_) cudaFree(sync_);
-  if (device_counters_) cudaFree(device_counters_);
 }
 
 size_t MacEngine::workspace_bytes() const {
@@ -189,15 +177,7 @@ MacEngine::LayerState& MacEngine::allocate_layer(int layer) {
 }
 
 std::vector<int32_t> MacEngine::host_lengths(const PagedKV& kv, cudaStream_t stream) const {
-  std::vector<int32_t> lens(size_t(kv.batch));
-  if (config_.backend == Backend::Cuda) {
-    KVS_CUDA_CHECK(cudaMemcpyAsync(lens.data(), kv.seq_lens, lens.size() * sizeof(int32_t),
-                                   cudaMemcpyDeviceToHost, stream));
-    KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
-  } else {
-    std::copy(kv.seq_lens, kv.seq_lens + kv.batch, lens.begin());
-  }
-  return lens;
+  return host_seq_lens(kv, config_.backend, stream);
 }
 
 void MacEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
@@ -301,16 +281,15 @@ void MacEngine::decode(int layer, const bf16* q, const bf16* q_pre, const PagedK
     return;
   }
   KVS_CUDA_CHECK(mk::decode_cuda(st, mp, q, q_pre, shape_.num_q_heads, kv, float(shape_.scale()),
-                                 out, lse, device_counters_, sync_, workspace_.ptr,
+                                 out, lse, device_counters_.get(), sync_, workspace_.ptr,
                                  workspace_.bytes, stream));
 }
 
 void MacEngine::read_counters(uint64_t* c) const {
   std::copy(host_counters_, host_counters_ + mk::kNumCounters, c);
   if (device_counters_) {
-    unsigned long long d[mk::kNumCounters];
-    KVS_CUDA_CHECK(cudaMemcpy(d, device_counters_, sizeof d, cudaMemcpyDeviceToHost));
-    for (int i = 0; i < mk::kNumCounters; ++i) c[i] = d[i];
+    const std::vector<uint64_t> d = device_counters_.read();
+    std::copy(d.begin(), d.end(), c);
   }
 }
 
@@ -339,8 +318,7 @@ EngineStats MacEngine::stats() const {
 void MacEngine::reset_stats() {
   decode_calls_ = 0;
   std::fill(host_counters_, host_counters_ + mk::kNumCounters, 0);
-  if (device_counters_)
-    KVS_CUDA_CHECK(cudaMemset(device_counters_, 0, mk::kNumCounters * sizeof(unsigned long long)));
+  device_counters_.reset();
 }
 
 std::vector<std::vector<int32_t>> MacEngine::last_read(int layer, int b) const {

@@ -54,6 +54,7 @@
 
 #include "kernels/mac/mac.h"
 #include "runtime/engine.h"
+#include "runtime/engine_support.h"
 
 namespace kvs {
 
@@ -125,7 +126,7 @@ class MacEngine : public Engine {
   int32_t* sync_ = nullptr;           // CUDA: the decode's arrival counters
   uint64_t host_counters_[kernels::mac::kNumCounters] = {};
   uint64_t decode_calls_ = 0;
-  unsigned long long* device_counters_ = nullptr;  // CUDA with collect_stats
+  DeviceCounters device_counters_;  // CUDA with collect_stats
 };
 
 }  // namespace kvs

@@ -306,11 +306,7 @@ MagicPigEngine::MagicPigEngine(const ModelShape& shape, const EngineConfig& conf
         cudaMalloc(reinterpret_cast<void**>(&device_w_), projection_.w.size() * sizeof(float)));
     KVS_CUDA_CHECK(cudaMemcpy(device_w_, projection_.w.data(), projection_.w.size() * sizeof(float),
                               cudaMemcpyHostToDevice));
-    if (config_.collect_stats) {
-      KVS_CUDA_CHECK(
-          cudaMalloc(reinterpret_cast<void**>(&device_counters_), 4 * sizeof(unsigned long long)));
-      KVS_CUDA_CHECK(cudaMemset(device_counters_, 0, 4 * sizeof(unsigned long long)));
-    }
+    if (config_.collect_stats) device_counters_ = DeviceCounters(4);
     if (c.mode == MagicPigMode::CpuOffload) {
       staging_ = std::make_unique<Staging>();
       const size_t rows = size_t(config_.max_batch) * shape_.num_q_heads;
@@ -330,7 +326,6 @@ MagicPigEngine::MagicPigEngine(const ModelShape& shape, const EngineConfig& conf
 MagicPigEngine::~MagicPigEngine() {
   if (staging_ && staging_->side) cudaStreamSynchronize(staging_->side);
   if (device_w_) cudaFree(device_w_);
-  if (device_counters_) cudaFree(device_counters_);
 }
 
 bool MagicPigEngine::is_dense_layer(int layer) const {
@@ -371,17 +366,7 @@ size_t MagicPigEngine::workspace_bytes() const {
 }
 
 void MagicPigEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
-  const std::string who = "magicpig engine prefill: ";
-  if (layer < 0 || layer >= shape_.num_layers)
-    throw std::out_of_range(who + "layer " + str(layer) + " outside [0, " + str(shape_.num_layers) +
-                            ")");
-  if (kv.batch <= 0 || kv.batch > config_.max_batch)
-    throw std::invalid_argument(who + "batch " + str(kv.batch) + " outside [1, " +
-                                str(config_.max_batch) + "] (EngineConfig.max_batch)");
-  if (kv.num_kv_heads != shape_.num_kv_heads || kv.head_dim != shape_.head_dim)
-    throw std::invalid_argument(who + "KV cache has " + str(kv.num_kv_heads) + " kv heads of dim " +
-                                str(kv.head_dim) + ", the model has " + str(shape_.num_kv_heads) +
-                                " of dim " + str(shape_.head_dim));
+  check_prefill_args("magicpig engine prefill: ", layer, kv, shape_, config_.max_batch);
   if (is_dense_layer(layer)) return;
   if (config_.backend == Backend::Cpu)
     prefill_cpu(layer, kv);
@@ -647,7 +632,7 @@ void MagicPigEngine::decode_cuda(int layer, const bf16* q, const PagedKV& kv, bf
   auto* bitmap = gpu_mode ? reinterpret_cast<uint32_t*>(base + w.bitmap) : nullptr;
   void* dense_ws = base + w.dense_ws;
   const size_t dense_ws_bytes = workspace_.bytes - w.dense_ws;
-  unsigned long long* counters = device_counters_;
+  unsigned long long* counters = device_counters_.get();
   if (counters)
     KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv, counters + 3, stream));
 
@@ -808,8 +793,7 @@ MagicPigStats MagicPigEngine::magicpig_stats() const {
   if (staging_) KVS_CUDA_CHECK(cudaStreamSynchronize(staging_->side));
   MagicPigStats m = host_mp_;
   if (device_counters_) {
-    unsigned long long c[4] = {0, 0, 0, 0};
-    KVS_CUDA_CHECK(cudaMemcpy(c, device_counters_, sizeof c, cudaMemcpyDeviceToHost));
+    const std::vector<uint64_t> c = device_counters_.read();
     m.candidates += c[1];
     m.table_entries += c[2];
   }
@@ -826,8 +810,7 @@ EngineStats MagicPigEngine::stats() const {
   s.selection_bytes_read = m.table_entries * sizeof(int32_t);
   s.kv_rows_read = m.candidates;
   if (device_counters_) {
-    unsigned long long c[4] = {0, 0, 0, 0};
-    KVS_CUDA_CHECK(cudaMemcpy(c, device_counters_, sizeof c, cudaMemcpyDeviceToHost));
+    const std::vector<uint64_t> c = device_counters_.read();
     s.kv_rows_read += c[0];
     s.kv_rows_context = c[3];
   }
@@ -838,8 +821,7 @@ void MagicPigEngine::reset_stats() {
   if (staging_) KVS_CUDA_CHECK(cudaStreamSynchronize(staging_->side));
   host_stats_ = EngineStats{};
   host_mp_ = MagicPigStats{};
-  if (device_counters_)
-    KVS_CUDA_CHECK(cudaMemset(device_counters_, 0, 4 * sizeof(unsigned long long)));
+  device_counters_.reset();
 }
 
 }  // namespace kvs

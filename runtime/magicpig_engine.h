@@ -89,6 +89,7 @@
 #include "kernels/magicpig/magicpig.h"
 #include "kernels/magicpig/thread_pool.h"
 #include "runtime/engine.h"
+#include "runtime/engine_support.h"
 
 namespace kvs {
 
@@ -168,7 +169,7 @@ class MagicPigEngine : public Engine {
   struct Staging;
   std::unique_ptr<Staging> staging_;  // cpu_offload pinned buffers, side stream, events
   float* device_w_ = nullptr;
-  unsigned long long* device_counters_ = nullptr;  // [dense rows, candidates, scanned, context]
+  DeviceCounters device_counters_;  // [dense rows, candidates, scanned, context]
   int last_gpu_layer_ = -1;
   int sm_count_ = 1;  // CUDA backend: sizes the GPU-only mode's splits per query head
   mutable EngineStats host_stats_;

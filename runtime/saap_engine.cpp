@@ -25,13 +25,6 @@ T* device_upload(const T* src, size_t count) {
   return static_cast<T*>(p);
 }
 
-template <typename T>
-T* device_alloc(int64_t count) {
-  void* p = nullptr;
-  KVS_CUDA_CHECK(cudaMalloc(&p, size_t(std::max<int64_t>(count, 1)) * sizeof(T)));
-  return static_cast<T*>(p);
-}
-
 std::vector<bf16> to_bf16(const std::vector<float>& x) {
   std::vector<bf16> out(x.size());
   for (size_t i = 0; i < x.size(); ++i) out[i] = float_to_bf16(x[i]);
@@ -88,10 +81,7 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
                                   " above " + str(sk::kMaxClustersCuda));
     KVS_CUDA_CHECK(sk::prepare_cuda(parts_.hidden_dim));
     d_inv_freq_ = device_upload(inv_freq_.data(), inv_freq_.size());
-    if (config_.collect_stats) {
-      device_counters_ = device_alloc<unsigned long long>(3);
-      KVS_CUDA_CHECK(cudaMemset(device_counters_, 0, 3 * sizeof(unsigned long long)));
-    }
+    if (config_.collect_stats) device_counters_ = DeviceCounters(3);
   }
   const int C = parts_.num_clusters, d = parts_.head_dim;
   for (size_t i = 0; i < parts_.layers.size(); ++i) {
@@ -147,7 +137,6 @@ SaapEngine::~SaapEngine() {
     cudaFree(li.view.csr_len);
   }
   cudaFree(d_inv_freq_);
-  if (device_counters_) cudaFree(device_counters_);
 }
 
 bool SaapEngine::is_dense_layer(int layer) const {
@@ -303,26 +292,10 @@ SaapEngine::LayerIndex& SaapEngine::allocate_index(int layer) {
 
 void SaapEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
   const std::string who = "saap engine prefill: ";
-  if (layer < 0 || layer >= shape_.num_layers)
-    throw std::out_of_range(who + "layer " + str(layer) + " outside [0, " + str(shape_.num_layers) +
-                            ")");
-  if (kv.batch <= 0 || kv.batch > config_.max_batch)
-    throw std::invalid_argument(who + "batch " + str(kv.batch) + " outside [1, " +
-                                str(config_.max_batch) + "] (EngineConfig.max_batch)");
-  if (kv.num_kv_heads != shape_.num_kv_heads || kv.head_dim != shape_.head_dim)
-    throw std::invalid_argument(who + "KV cache has " + str(kv.num_kv_heads) + " kv heads of dim " +
-                                str(kv.head_dim) + ", the model has " + str(shape_.num_kv_heads) +
-                                " of dim " + str(shape_.head_dim));
+  check_prefill_args(who, layer, kv, shape_, config_.max_batch);
   if (is_dense_layer(layer)) return;
   const int slot = require_slot(layer, "prefill");
-  std::vector<int32_t> lens(size_t(kv.batch));
-  if (config_.backend == Backend::Cuda) {
-    KVS_CUDA_CHECK(cudaMemcpyAsync(lens.data(), kv.seq_lens, lens.size() * sizeof(int32_t),
-                                   cudaMemcpyDeviceToHost, stream));
-    KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
-  } else {
-    std::copy(kv.seq_lens, kv.seq_lens + kv.batch, lens.begin());
-  }
+  const std::vector<int32_t> lens = host_seq_lens(kv, config_.backend, stream);
   int max_len = 0;
   for (int b = 0; b < kv.batch; ++b) {
     if (lens[size_t(b)] > max_context_)
@@ -341,14 +314,10 @@ void SaapEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
   }
   const size_t ws_bytes =
       sk::index_prefill_workspace_bytes(max_len, shape_.num_kv_heads, shape_.head_dim);
-  void* ws = nullptr;
-  KVS_CUDA_CHECK(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 1)));
-  const cudaError_t err = sk::index_prefill_cuda(kv, lens.data(), d_inv_freq_, window(),
-                                                 cuda_router(slot), li.view, ws, ws_bytes, stream);
-  const cudaError_t sync = cudaStreamSynchronize(stream);  // the workspace dies here
-  cudaFree(ws);
-  KVS_CUDA_CHECK(err);
-  KVS_CUDA_CHECK(sync);
+  with_temporary_workspace(ws_bytes, stream, [&](void* ws) {
+    return sk::index_prefill_cuda(kv, lens.data(), d_inv_freq_, window(), cuda_router(slot),
+                                  li.view, ws, ws_bytes, stream);
+  });
 }
 
 void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv, bf16* out,
@@ -379,14 +348,14 @@ void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Paged
                                               workspace_.bytes - select_bytes(), stream));
     if (device_counters_)
       KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, kv.num_kv_heads,
-                                                 device_counters_, stream));
+                                                 device_counters_.get(), stream));
   } else {
     const int slot = parts_.layer_slot(layer);
     const kernels::tactic::Selection sel = lists();
     const size_t router_ws = selected_bytes() + lists_bytes();
     KVS_CUDA_CHECK(sk::decode_select_cuda(
         q_pre, kv, d_inv_freq_, window(), cuda_router(slot), config_.saap.probes,
-        index_[size_t(layer)].view, selected_ptr(), sel, device_counters_,
+        index_[size_t(layer)].view, selected_ptr(), sel, device_counters_.get(),
         router_bytes_per_kv_head(), ws + router_ws, select_bytes() - router_ws, stream));
     KVS_CUDA_CHECK(kernels::dense_decode_cuda(
         q, shape_.group_size(), kernels::tactic::subrequest_view(kv, sel), scale, out, lse,
@@ -394,7 +363,7 @@ void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Paged
   }
   if (device_counters_)
     KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, kv.num_kv_heads,
-                                               device_counters_ + 2, stream));
+                                               device_counters_.get() + 2, stream));
 }
 
 void SaapEngine::decode_cpu(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv,
@@ -483,41 +452,20 @@ std::vector<std::vector<int32_t>> SaapEngine::last_read(int layer, int b) const 
     for (int h = 0; h < hkv; ++h) per_kv_head[size_t(h)] = last[size_t(b) * hkv + h];
   } else {
     // The lists in the workspace belong to the last decode call, whichever layer it was.
-    const kernels::tactic::Selection sel = lists();
-    std::vector<int32_t> counts(static_cast<size_t>(hkv));
-    KVS_CUDA_CHECK(cudaMemcpy(counts.data(), sel.counts + size_t(b) * hkv,
-                              counts.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    for (int h = 0; h < hkv; ++h) {
-      auto& t = per_kv_head[size_t(h)];
-      t.resize(size_t(counts[size_t(h)]));
-      KVS_CUDA_CHECK(cudaMemcpy(t.data(), sel.tokens + (size_t(b) * hkv + h) * sel.max_tokens,
-                                t.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    }
+    per_kv_head = read_kv_head_lists(lists(), b, hkv);
   }
-  std::vector<std::vector<int32_t>> out;
-  for (int h = 0; h < hkv; ++h) {
-    std::sort(per_kv_head[size_t(h)].begin(), per_kv_head[size_t(h)].end());
-    for (int j = 0; j < g; ++j) out.push_back(per_kv_head[size_t(h)]);
-  }
-  return out;
+  return per_query_head_lists(std::move(per_kv_head), g, true);
 }
 
 EngineStats SaapEngine::stats() const {
   EngineStats s = host_stats_;
-  if (device_counters_) {
-    unsigned long long c[3] = {0, 0, 0};
-    KVS_CUDA_CHECK(cudaMemcpy(c, device_counters_, sizeof c, cudaMemcpyDeviceToHost));
-    s.kv_rows_read = c[0];
-    s.selection_bytes_read = c[1];
-    s.kv_rows_context = c[2];
-  }
+  if (device_counters_) device_counters_.read_into(&s, 0, 1, 2);
   return s;
 }
 
 void SaapEngine::reset_stats() {
   host_stats_ = EngineStats{};
-  if (device_counters_)
-    KVS_CUDA_CHECK(cudaMemset(device_counters_, 0, 3 * sizeof(unsigned long long)));
+  device_counters_.reset();
 }
 
 }  // namespace kvs

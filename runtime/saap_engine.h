@@ -25,6 +25,7 @@
 
 #include "kernels/saap/saap.h"
 #include "runtime/engine.h"
+#include "runtime/engine_support.h"
 #include "runtime/saap_parts.h"
 
 namespace kvs {
@@ -99,7 +100,7 @@ class SaapEngine : public Engine {
   EngineStats host_stats_;
   // CPU backend: per layer, per (b * Hkv + h): the tokens attended and clusters selected.
   std::vector<std::vector<std::vector<int32_t>>> last_tokens_, last_clusters_;
-  unsigned long long* device_counters_ = nullptr;  // CUDA: [rows, selection bytes, context]
+  DeviceCounters device_counters_;  // CUDA: [rows read, selection bytes, context rows]
 };
 
 }  // namespace kvs

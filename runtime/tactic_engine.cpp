@@ -19,13 +19,6 @@ std::string str(int64_t x) { return std::to_string(x); }
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
-template <typename T>
-T* device_alloc(int64_t count) {
-  void* p = nullptr;
-  KVS_CUDA_CHECK(cudaMalloc(&p, size_t(std::max<int64_t>(count, 1)) * sizeof(T)));
-  return static_cast<T*>(p);
-}
-
 void validate(const TacticConfig& t, const ModelShape& s) {
   auto need = [](bool ok, const std::string& what) {
     if (!ok) throw std::invalid_argument("TacticConfig: " + what);
@@ -75,10 +68,7 @@ TacticEngine::TacticEngine(const ModelShape& shape, const EngineConfig& config)
           " exceeds what one CTA can cluster in shared memory (" +
           str(int64_t(tk::recluster_block_max_tokens(shape_.head_dim, t.cluster_size))) + ")");
     KVS_CUDA_CHECK(tk::prepare_cuda(shape_.head_dim));
-    if (config_.collect_stats) {
-      device_counters_ = device_alloc<unsigned long long>(3);
-      KVS_CUDA_CHECK(cudaMemset(device_counters_, 0, 3 * sizeof(unsigned long long)));
-    }
+    if (config_.collect_stats) device_counters_ = DeviceCounters(3);
   }
   layers_.resize(size_t(shape_.num_layers));
   allocated_.assign(size_t(shape_.num_layers), false);
@@ -97,7 +87,6 @@ TacticEngine::~TacticEngine() {
       cudaFree(v.clustered_len);
     }
   }
-  if (device_counters_) cudaFree(device_counters_);
 }
 
 bool TacticEngine::is_dense_layer(int layer) const {
@@ -211,26 +200,9 @@ TacticEngine::LayerState& TacticEngine::allocate_layer(int layer) {
 
 void TacticEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
   const std::string who = "tactic engine prefill: ";
-  if (layer < 0 || layer >= shape_.num_layers)
-    throw std::out_of_range(who + "layer " + str(int64_t(layer)) + " outside [0, " +
-                            str(int64_t(shape_.num_layers)) + ")");
-  if (kv.batch <= 0 || kv.batch > config_.max_batch)
-    throw std::invalid_argument(who + "batch " + str(int64_t(kv.batch)) + " outside [1, " +
-                                str(int64_t(config_.max_batch)) + "] (EngineConfig.max_batch)");
-  if (kv.num_kv_heads != shape_.num_kv_heads || kv.head_dim != shape_.head_dim)
-    throw std::invalid_argument(who + "KV cache has " + str(int64_t(kv.num_kv_heads)) +
-                                " kv heads of dim " + str(int64_t(kv.head_dim)) +
-                                ", the model has " + str(int64_t(shape_.num_kv_heads)) +
-                                " of dim " + str(int64_t(shape_.head_dim)));
+  check_prefill_args(who, layer, kv, shape_, config_.max_batch);
   if (is_dense_layer(layer)) return;
-  std::vector<int32_t> lens(size_t(kv.batch));
-  if (config_.backend == Backend::Cuda) {
-    KVS_CUDA_CHECK(cudaMemcpyAsync(lens.data(), kv.seq_lens, lens.size() * sizeof(int32_t),
-                                   cudaMemcpyDeviceToHost, stream));
-    KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
-  } else {
-    std::copy(kv.seq_lens, kv.seq_lens + kv.batch, lens.begin());
-  }
+  const std::vector<int32_t> lens = host_seq_lens(kv, config_.backend, stream);
   int max_len = 0;
   for (int b = 0; b < kv.batch; ++b) {
     if (lens[size_t(b)] > max_context_)
@@ -253,14 +225,9 @@ void TacticEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
   }
   const size_t ws_bytes =
       tk::cluster_prefill_workspace_bytes(kv.batch, kv.num_kv_heads, max_len, km.cluster_size);
-  void* ws = nullptr;
-  KVS_CUDA_CHECK(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 1)));
-  const cudaError_t err =
-      tk::cluster_prefill_cuda(kv, lens.data(), layer, km, st, ws, ws_bytes, stream);
-  const cudaError_t sync = cudaStreamSynchronize(stream);  // the workspace dies here
-  cudaFree(ws);
-  KVS_CUDA_CHECK(err);
-  KVS_CUDA_CHECK(sync);
+  with_temporary_workspace(ws_bytes, stream, [&](void* ws) {
+    return tk::cluster_prefill_cuda(kv, lens.data(), layer, km, st, ws, ws_bytes, stream);
+  });
 }
 
 void TacticEngine::decode(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv, bf16* out,
@@ -283,7 +250,7 @@ void TacticEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Pag
                                               workspace_.bytes - select_bytes(), stream));
     if (device_counters_)
       KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, kv.num_kv_heads,
-                                                 device_counters_, stream));
+                                                 device_counters_.get(), stream));
   } else {
     const tk::ClusterState& st = layers_[size_t(layer)].view;
     const tk::KMeansParams km = kmeans_params();
@@ -293,15 +260,15 @@ void TacticEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Pag
     const tk::Selection sel = last_selection();
     const size_t outputs = selection_output_bytes();
     KVS_CUDA_CHECK(tk::select_tokens_cuda(q, shape_.num_q_heads, kv, scale, fit_params(), st, sel,
-                                          device_counters_, ws + outputs, select_bytes() - outputs,
-                                          stream));
+                                          device_counters_.get(), ws + outputs,
+                                          select_bytes() - outputs, stream));
     KVS_CUDA_CHECK(kernels::dense_decode_cuda(q, shape_.group_size(), tk::subrequest_view(kv, sel),
                                               scale, out, lse, ws + select_bytes(),
                                               workspace_.bytes - select_bytes(), stream));
   }
   if (device_counters_)
     KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, kv.num_kv_heads,
-                                               device_counters_ + 2, stream));
+                                               device_counters_.get() + 2, stream));
 }
 
 void TacticEngine::decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf16* out, float* lse) {
@@ -375,41 +342,20 @@ std::vector<std::vector<int32_t>> TacticEngine::last_read(int layer, int b) cons
     for (int h = 0; h < hkv; ++h) per_kv_head[size_t(h)] = last[size_t(b) * hkv + h];
   } else {
     // The selection in the workspace belongs to the last decode call, whichever layer it was.
-    const tk::Selection sel = last_selection();
-    std::vector<int32_t> counts(static_cast<size_t>(hkv));
-    KVS_CUDA_CHECK(cudaMemcpy(counts.data(), sel.counts + size_t(b) * hkv,
-                              counts.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    for (int h = 0; h < hkv; ++h) {
-      auto& t = per_kv_head[size_t(h)];
-      t.resize(size_t(counts[size_t(h)]));
-      KVS_CUDA_CHECK(cudaMemcpy(t.data(), sel.tokens + (size_t(b) * hkv + h) * sel.max_tokens,
-                                t.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    }
+    per_kv_head = read_kv_head_lists(last_selection(), b, hkv);
   }
-  std::vector<std::vector<int32_t>> out;
-  for (int h = 0; h < hkv; ++h) {
-    std::sort(per_kv_head[size_t(h)].begin(), per_kv_head[size_t(h)].end());
-    for (int j = 0; j < g; ++j) out.push_back(per_kv_head[size_t(h)]);
-  }
-  return out;
+  return per_query_head_lists(std::move(per_kv_head), g, true);
 }
 
 EngineStats TacticEngine::stats() const {
   EngineStats s = host_stats_;
-  if (device_counters_) {
-    unsigned long long c[3] = {0, 0, 0};
-    KVS_CUDA_CHECK(cudaMemcpy(c, device_counters_, sizeof c, cudaMemcpyDeviceToHost));
-    s.kv_rows_read = c[0];
-    s.selection_bytes_read = c[1];
-    s.kv_rows_context = c[2];
-  }
+  if (device_counters_) device_counters_.read_into(&s, 0, 1, 2);
   return s;
 }
 
 void TacticEngine::reset_stats() {
   host_stats_ = EngineStats{};
-  if (device_counters_)
-    KVS_CUDA_CHECK(cudaMemset(device_counters_, 0, 3 * sizeof(unsigned long long)));
+  device_counters_.reset();
 }
 
 }  // namespace kvs

@@ -34,6 +34,7 @@
 
 #include "kernels/tactic/tactic.h"
 #include "runtime/engine.h"
+#include "runtime/engine_support.h"
 
 namespace kvs {
 
@@ -86,8 +87,7 @@ class TacticEngine : public Engine {
   EngineStats host_stats_;
   // CPU backend: the tokens each (sequence, kv head) attended in the layer's last decode.
   std::vector<std::vector<std::vector<int32_t>>> last_tokens_;  // [layer][b * Hkv + h]
-  unsigned long long* device_counters_ =
-      nullptr;  // CUDA: [rows read, selection bytes, context rows]
+  DeviceCounters device_counters_;  // CUDA: [rows read, selection bytes, context rows]
 };
 
 }  // namespace kvs

@@ -8,16 +8,12 @@
 #include "kernels/dense/dense_decode.h"
 #include "runtime/engine.h"
 #include "runtime/kv_cache.h"
+#include "tests/common/test_util.h"
 
 namespace kvs {
 namespace {
 
-std::vector<bf16> random_bf16(size_t n, std::mt19937& gen) {
-  std::normal_distribution<float> dist(0.f, 1.f);
-  std::vector<bf16> v(n);
-  for (auto& x : v) x = float_to_bf16(dist(gen));
-  return v;
-}
+using test::random_bf16;
 
 ModelShape tiny_shape() {
   ModelShape s;
@@ -30,15 +26,7 @@ ModelShape tiny_shape() {
 }
 
 KVCacheConfig cpu_cache(const ModelShape& s, int page_size, int max_batch, int max_len) {
-  KVCacheConfig c;
-  c.num_layers = s.num_layers;
-  c.num_kv_heads = s.num_kv_heads;
-  c.head_dim = s.head_dim;
-  c.page_size = page_size;
-  c.max_batch = max_batch;
-  c.max_seq_len = max_len;
-  c.device = Device::Cpu;
-  return c;
+  return test::cache_config(s, page_size, max_batch, max_len, Device::Cpu);
 }
 
 TEST(KVCache, WriteThenViewReadsBackThroughInterleavedPages) {

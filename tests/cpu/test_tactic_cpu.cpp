@@ -14,6 +14,7 @@
 #include "runtime/engine.h"
 #include "runtime/kv_cache.h"
 #include "runtime/tactic_engine.h"
+#include "tests/common/test_util.h"
 
 namespace kvs {
 namespace {
@@ -355,15 +356,7 @@ struct Scene {
   }
 
   static KVCacheConfig config(const ModelShape& s, int batch, int capacity) {
-    KVCacheConfig c;
-    c.num_layers = s.num_layers;
-    c.num_kv_heads = s.num_kv_heads;
-    c.head_dim = s.head_dim;
-    c.page_size = 16;
-    c.max_batch = batch;
-    c.max_seq_len = capacity;
-    c.device = Device::Cpu;
-    return c;
+    return test::cache_config(s, 16, batch, capacity, Device::Cpu);
   }
 
   // Appends one random token to every sequence in every layer.

@@ -10,16 +10,12 @@
 #include "kernels/common/cuda_check.h"
 #include "runtime/engine.h"
 #include "runtime/kv_cache.h"
+#include "tests/common/test_util.h"
 
 namespace kvs {
 namespace {
 
-std::vector<bf16> random_bf16(size_t n, std::mt19937& gen) {
-  std::normal_distribution<float> dist(0.f, 1.f);
-  std::vector<bf16> v(n);
-  for (auto& x : v) x = float_to_bf16(dist(gen));
-  return v;
-}
+using test::random_bf16;
 
 template <typename T>
 T* to_device(const std::vector<T>& h) {

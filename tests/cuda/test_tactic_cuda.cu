@@ -16,6 +16,7 @@
 #include "runtime/engine.h"
 #include "runtime/kv_cache.h"
 #include "runtime/tactic_engine.h"
+#include "tests/common/test_util.h"
 #include "tests/cuda/cuda_test_util.h"
 
 namespace kvs {
@@ -35,15 +36,7 @@ ModelShape shape(int hq, int hkv, int d) {
 }
 
 KVCacheConfig cache_config(const ModelShape& s, int batch, int capacity, Device dev) {
-  KVCacheConfig c;
-  c.num_layers = s.num_layers;
-  c.num_kv_heads = s.num_kv_heads;
-  c.head_dim = s.head_dim;
-  c.page_size = 16;
-  c.max_batch = batch;
-  c.max_seq_len = capacity;
-  c.device = dev;
-  return c;
+  return test::cache_config(s, 16, batch, capacity, dev);
 }
 
 // The same keys in a CPU and a GPU cache: per (sequence, kv head) a mixture of 64 Gaussian

@@ -1,0 +1,103 @@
+#include "runtime/engine_support.h"
+
+#include <stdexcept>
+#include <utility>
+
+namespace kvs {
+
+DeviceCounters::DeviceCounters(int count)
+    : ptr_(device_alloc<unsigned long long>(count)), count_(count) {
+  reset();
+}
+
+DeviceCounters::~DeviceCounters() {
+  if (ptr_) cudaFree(ptr_);
+}
+
+DeviceCounters::DeviceCounters(DeviceCounters&& o) noexcept
+    : ptr_(std::exchange(o.ptr_, nullptr)), count_(std::exchange(o.count_, 0)) {}
+
+DeviceCounters& DeviceCounters::operator=(DeviceCounters&& o) noexcept {
+  if (this != &o) {
+    if (ptr_) cudaFree(ptr_);
+    ptr_ = std::exchange(o.ptr_, nullptr);
+    count_ = std::exchange(o.count_, 0);
+  }
+  return *this;
+}
+
+std::vector<uint64_t> DeviceCounters::read() const {
+  std::vector<unsigned long long> c(size_t(count_), 0);
+  if (ptr_)
+    KVS_CUDA_CHECK(
+        cudaMemcpy(c.data(), ptr_, c.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  return std::vector<uint64_t>(c.begin(), c.end());
+}
+
+void DeviceCounters::read_into(EngineStats* s, int rows_read, int selection_bytes,
+                               int context_rows) const {
+  const std::vector<uint64_t> c = read();
+  s->kv_rows_read = c.at(size_t(rows_read));
+  s->selection_bytes_read = c.at(size_t(selection_bytes));
+  s->kv_rows_context = c.at(size_t(context_rows));
+}
+
+void DeviceCounters::reset() {
+  if (ptr_) KVS_CUDA_CHECK(cudaMemset(ptr_, 0, size_t(count_) * sizeof(unsigned long long)));
+}
+
+void check_prefill_args(const std::string& who, int layer, const PagedKV& kv,
+                        const ModelShape& shape, int max_batch) {
+  auto str = [](int x) { return std::to_string(x); };
+  if (layer < 0 || layer >= shape.num_layers)
+    throw std::out_of_range(who + "layer " + str(layer) + " outside [0, " + str(shape.num_layers) +
+                            ")");
+  if (kv.batch <= 0 || kv.batch > max_batch)
+    throw std::invalid_argument(who + "batch " + str(kv.batch) + " outside [1, " + str(max_batch) +
+                                "] (EngineConfig.max_batch)");
+  if (kv.num_kv_heads != shape.num_kv_heads || kv.head_dim != shape.head_dim)
+    throw std::invalid_argument(who + "KV cache has " + str(kv.num_kv_heads) + " kv heads of dim " +
+                                str(kv.head_dim) + ", the model has " + str(shape.num_kv_heads) +
+                                " of dim " + str(shape.head_dim));
+}
+
+std::vector<int32_t> host_seq_lens(const PagedKV& kv, Backend backend, cudaStream_t stream) {
+  std::vector<int32_t> lens(size_t(kv.batch));
+  if (backend == Backend::Cuda) {
+    KVS_CUDA_CHECK(cudaMemcpyAsync(lens.data(), kv.seq_lens, lens.size() * sizeof(int32_t),
+                                   cudaMemcpyDeviceToHost, stream));
+    KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  } else {
+    std::copy(kv.seq_lens, kv.seq_lens + kv.batch, lens.begin());
+  }
+  return lens;
+}
+
+std::vector<std::vector<int32_t>> read_kv_head_lists(const kernels::tactic::Selection& sel, int b,
+                                                     int num_kv_heads) {
+  const int hkv = num_kv_heads;
+  std::vector<int32_t> counts(static_cast<size_t>(hkv));
+  KVS_CUDA_CHECK(cudaMemcpy(counts.data(), sel.counts + size_t(b) * hkv,
+                            counts.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  std::vector<std::vector<int32_t>> lists(static_cast<size_t>(hkv));
+  for (int h = 0; h < hkv; ++h) {
+    auto& t = lists[size_t(h)];
+    t.resize(size_t(counts[size_t(h)]));
+    KVS_CUDA_CHECK(cudaMemcpy(t.data(), sel.tokens + (size_t(b) * hkv + h) * sel.max_tokens,
+                              t.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  }
+  return lists;
+}
+
+std::vector<std::vector<int32_t>> per_query_head_lists(
+    std::vector<std::vector<int32_t>> per_kv_head, int group_size, bool sort) {
+  std::vector<std::vector<int32_t>> out;
+  out.reserve(per_kv_head.size() * size_t(group_size));
+  for (auto& list : per_kv_head) {
+    if (sort) std::sort(list.begin(), list.end());
+    for (int j = 0; j < group_size; ++j) out.push_back(list);
+  }
+  return out;
+}
+
+}  // namespace kvs

@@ -1,0 +1,92 @@
+// Device-side bookkeeping the CUDA engines share: counter arrays for EngineStats, device
+// allocation, and reading a decode's per-(sequence, kv head) selection back for last_read().
+// Implementation support for the engines in runtime/, not part of the engine API
+// (runtime/engine.h) that callers program against.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/common/cuda_check.h"
+#include "kernels/tactic/tactic.h"
+#include "runtime/engine.h"
+
+namespace kvs {
+
+// cudaMalloc of `count` elements (at least one, so a zero-sized array still has an address
+// kernels may be handed); throws on failure.
+template <typename T>
+T* device_alloc(int64_t count) {
+  void* p = nullptr;
+  KVS_CUDA_CHECK(cudaMalloc(&p, size_t(std::max<int64_t>(count, 1)) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+// Throws, prefixed by `who` ("tactic engine prefill: "), when a prefill's layer is outside
+// the model, its batch outside [1, max_batch], or the cache's kv heads or head dim are not
+// the model's.
+void check_prefill_args(const std::string& who, int layer, const PagedKV& kv,
+                        const ModelShape& shape, int max_batch);
+
+// kv.seq_lens on the host: read on `stream` and synchronized for Backend::Cuda, copied for
+// Backend::Cpu.
+std::vector<int32_t> host_seq_lens(const PagedKV& kv, Backend backend, cudaStream_t stream);
+
+// Runs launch(ws) with a temporary device workspace of `bytes`, for steps outside any graph
+// (prefill): waits for `stream` before the workspace is freed, then throws on the launch's
+// error or the wait's. launch returns a cudaError_t and does not throw.
+template <typename Launch>
+void with_temporary_workspace(size_t bytes, cudaStream_t stream, Launch launch) {
+  void* ws = nullptr;
+  KVS_CUDA_CHECK(cudaMalloc(&ws, std::max<size_t>(bytes, 1)));
+  const cudaError_t err = launch(ws);
+  const cudaError_t sync = cudaStreamSynchronize(stream);
+  cudaFree(ws);
+  KVS_CUDA_CHECK(err);
+  KVS_CUDA_CHECK(sync);
+}
+
+// A zeroed array of 64-bit counters on the device that decode kernels atomically add to, so
+// collecting stats costs no host sync inside a step. Empty (get() null) when stats are off
+// or on the CPU backend; kernels take a null pointer as "do not count".
+class DeviceCounters {
+ public:
+  DeviceCounters() = default;
+  explicit DeviceCounters(int count);  // allocates and zeroes `count` counters
+  ~DeviceCounters();
+  DeviceCounters(const DeviceCounters&) = delete;
+  DeviceCounters& operator=(const DeviceCounters&) = delete;
+  DeviceCounters(DeviceCounters&& o) noexcept;
+  DeviceCounters& operator=(DeviceCounters&& o) noexcept;
+
+  explicit operator bool() const { return ptr_ != nullptr; }
+  unsigned long long* get() const { return ptr_; }
+  int size() const { return count_; }
+
+  // The counters' values; a plain cudaMemcpy, so it waits for the legacy default stream
+  // only: callers with work on other streams synchronize first.
+  std::vector<uint64_t> read() const;
+  // Copies counters [rows_read], [selection_bytes], [context_rows] into s.
+  void read_into(EngineStats* s, int rows_read, int selection_bytes, int context_rows) const;
+  void reset();  // zeroes every counter (cudaMemset)
+
+ private:
+  unsigned long long* ptr_ = nullptr;
+  int count_ = 0;
+};
+
+// The token lists a Selection holds for sequence b, one per kv head ([Hkv][count]), copied
+// from the device (cudaMemcpy: synchronizes with the default stream).
+std::vector<std::vector<int32_t>> read_kv_head_lists(const kernels::tactic::Selection& sel, int b,
+                                                     int num_kv_heads);
+
+// last_read()'s per-query-head form of per-kv-head lists: each kv head's list repeated for
+// the `group_size` query heads that share it, sorted ascending first when `sort` (methods
+// whose lists already ascend pass false).
+std::vector<std::vector<int32_t>> per_query_head_lists(
+    std::vector<std::vector<int32_t>> per_kv_head, int group_size, bool sort);
+
+}  // namespace kvs
