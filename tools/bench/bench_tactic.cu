@@ -37,6 +37,7 @@
 #include "kernels/common/cuda_check.h"
 #include "kernels/dense/dense_decode.h"
 #include "kernels/tactic/tactic.h"
+#include "tools/bench/bench_common.h"
 #include "tools/bench/bench_tactic.h"
 
 namespace kvs {
@@ -44,14 +45,7 @@ namespace {
 
 namespace tk = kernels::tactic;
 
-__device__ __forceinline__ uint32_t mix(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x7FEB352Du;
-  h ^= h >> 15;
-  h *= 0x846CA68Bu;
-  h ^= h >> 16;
-  return h;
-}
+__device__ __forceinline__ uint32_t mix(uint32_t h) { return bench::fmix32(h); }
 __device__ __forceinline__ float unit(uint32_t h) {  // uniform in [-sqrt3, sqrt3): variance 1
   return (float(mix(h)) * (2.f / 4294967296.f) - 1.f) * 1.7320508f;
 }
@@ -99,56 +93,8 @@ __global__ void fill_queries(__nv_bfloat16* q, int batch, int hq, int hkv, int d
 }
 
 template <typename T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Dev(size_t count) : n(count) {
-    KVS_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
-  }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    KVS_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
-
-float median_of(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5f * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-
-// Median ms of `iters` launches of a graph captured from `body` (after 3 warm-up launches).
-template <typename Body>
-float time_graph(cudaStream_t stream, int iters, Body body) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  body();
-  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t e0, e1;
-  KVS_CUDA_CHECK(cudaEventCreate(&e0));
-  KVS_CUDA_CHECK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) {
-    KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
-    KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
-    KVS_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0.f;
-    KVS_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  return median_of(ms);
-}
+using Dev = bench::DeviceBuffer<T>;
+using bench::time_graph;
 
 struct Layer {
   std::unique_ptr<Dev<bf16>> k, v;

@@ -27,6 +27,7 @@
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/dense/dense_decode.h"
+#include "tools/bench/bench_common.h"
 #include "tools/bench/bench_tactic.h"
 
 namespace po = boost::program_options;
@@ -34,93 +35,26 @@ namespace po = boost::program_options;
 namespace kvs {
 namespace {
 
-// Uniform in [-2, 2) from a per-element hash: cheap to fill many GB, and never zeros.
-__global__ void fill_random_bf16(__nv_bfloat16* x, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 0x9E3779B1u ^ uint32_t(i >> 32) * 0x85EBCA77u ^ seed;
-    h ^= h >> 16;
-    h *= 0x7FEB352Du;
-    h ^= h >> 15;
-    h *= 0x846CA68Bu;
-    h ^= h >> 16;
-    x[i] = __float2bfloat16_rn(float(h) * (4.f / 4294967296.f) - 2.f);
-  }
-}
-
-void fill_random(bf16* x, size_t n, uint32_t seed) {
-  fill_random_bf16<<<2048, 256>>>(reinterpret_cast<__nv_bfloat16*>(x), n, seed);
-  KVS_CUDA_CHECK(cudaGetLastError());
-}
-
-// Parses "8K,32K,1M,1000" (K = 1024, M = 1024 * 1024).
-std::vector<int> parse_list(const std::string& text, const char* option) {
-  std::vector<int> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (item.empty()) continue;
-    int64_t mult = 1;
-    const char suffix = item.back();
-    if (suffix == 'K' || suffix == 'k') mult = 1024;
-    if (suffix == 'M' || suffix == 'm') mult = 1024 * 1024;
-    if (mult != 1) item.pop_back();
-    size_t used = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != item.size() || v <= 0 || v * mult > (1LL << 30))
-      throw std::invalid_argument(std::string("--") + option + ": '" + item +
-                                  "' is not a positive count (e.g. 8K,32K or 1,8)");
-    out.push_back(int(v * mult));
-  }
-  if (out.empty()) throw std::invalid_argument(std::string("--") + option + " is empty");
-  return out;
-}
-
-template <typename T>
-struct DeviceArray {
-  T* p = nullptr;
-  explicit DeviceArray(size_t n) {
-    KVS_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  }
-  ~DeviceArray() { cudaFree(p); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-};
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::DeviceBuffer;
+using bench::fill_random;
+using bench::parse_counts;
+using bench::time_calls;
+using bench::time_graph;
 
 // Device-to-device copy of a large buffer; GB/s counting bytes read + written.
 double copy_bandwidth_gbps(cudaStream_t stream) {
   size_t free_bytes = 0, total = 0;
   KVS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
   const size_t bytes = std::min<size_t>(size_t(1) << 30, free_bytes / 4);
-  DeviceArray<char> a(bytes), b(bytes);
+  DeviceBuffer<char> a(bytes), b(bytes);
   KVS_CUDA_CHECK(cudaMemsetAsync(a.p, 1, bytes, stream));
-  cudaEvent_t e0, e1;
-  KVS_CUDA_CHECK(cudaEventCreate(&e0));
-  KVS_CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms;
-  for (int i = 0; i < 23; ++i) {
-    KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
-    KVS_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, stream));
-    KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
-    KVS_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0.f;
-    KVS_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    if (i >= 3) ms.push_back(t);  // the first copies warm up
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return 2.0 * double(bytes) / (median(ms) * 1e-3) / 1e9;
+  // 3 untimed copies warm up, then the median of 20.
+  const float ms = time_calls(
+      [&] {
+        KVS_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, stream));
+      },
+      3, 20, stream);
+  return 2.0 * double(bytes) / (ms * 1e-3) / 1e9;
 }
 
 struct Shape {
@@ -155,12 +89,12 @@ bool bench_one(const Shape& s, int context, int batch, size_t l2_bytes, double c
     return false;
   }
 
-  std::vector<std::unique_ptr<DeviceArray<bf16>>> k, v;
-  std::vector<std::unique_ptr<DeviceArray<int32_t>>> tables;
+  std::vector<std::unique_ptr<DeviceBuffer<bf16>>> k, v;
+  std::vector<std::unique_ptr<DeviceBuffer<int32_t>>> tables;
   std::mt19937_64 rng(1234 + context + batch);
   for (int i = 0; i < sets; ++i) {
-    k.push_back(std::make_unique<DeviceArray<bf16>>(kv_elems));
-    v.push_back(std::make_unique<DeviceArray<bf16>>(kv_elems));
+    k.push_back(std::make_unique<DeviceBuffer<bf16>>(kv_elems));
+    v.push_back(std::make_unique<DeviceBuffer<bf16>>(kv_elems));
     fill_random(k.back()->p, kv_elems, 2 * i + 1);
     fill_random(v.back()->p, kv_elems, 2 * i + 2);
     // Sequential pages lay each sequence out contiguously, as SDPA's tensors are; shuffled
@@ -168,17 +102,17 @@ bool bench_one(const Shape& s, int context, int batch, size_t l2_bytes, double c
     std::vector<int32_t> table(static_cast<size_t>(num_pages));
     std::iota(table.begin(), table.end(), 0);
     if (s.shuffled_pages) std::shuffle(table.begin(), table.end(), rng);
-    tables.push_back(std::make_unique<DeviceArray<int32_t>>(table.size()));
+    tables.push_back(std::make_unique<DeviceBuffer<int32_t>>(table.size()));
     KVS_CUDA_CHECK(cudaMemcpy(tables.back()->p, table.data(), table.size() * sizeof(int32_t),
                               cudaMemcpyHostToDevice));
   }
   const std::vector<int32_t> lens_host(batch, context);
-  DeviceArray<int32_t> lens(batch);
+  DeviceBuffer<int32_t> lens(batch);
   KVS_CUDA_CHECK(
       cudaMemcpy(lens.p, lens_host.data(), batch * sizeof(int32_t), cudaMemcpyHostToDevice));
-  DeviceArray<bf16> q(size_t(batch) * s.hq * s.d), o(size_t(batch) * s.hq * s.d);
-  DeviceArray<float> lse(size_t(batch) * s.hq);
-  DeviceArray<char> ws(ws_bytes);
+  DeviceBuffer<bf16> q(size_t(batch) * s.hq * s.d), o(size_t(batch) * s.hq * s.d);
+  DeviceBuffer<float> lse(size_t(batch) * s.hq);
+  DeviceBuffer<char> ws(ws_bytes);
   fill_random(q.p, size_t(batch) * s.hq * s.d, 99);
   KVS_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -202,35 +136,13 @@ bool bench_one(const Shape& s, int context, int batch, size_t l2_bytes, double c
       kernels::dense_decode_cuda(q.p, s.hq, view(0), scale, o.p, lse.p, ws.p, ws_bytes, stream));
   KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
 
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  for (int c = 0; c < calls; ++c)
-    KVS_CUDA_CHECK(kernels::dense_decode_cuda(q.p, s.hq, view(c % sets), scale, o.p, lse.p, ws.p,
-                                              ws_bytes, stream));
-  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const float replay_ms = time_graph(stream, s.iters, [&] {
+    for (int c = 0; c < calls; ++c)
+      KVS_CUDA_CHECK(kernels::dense_decode_cuda(q.p, s.hq, view(c % sets), scale, o.p, lse.p,
+                                                ws.p, ws_bytes, stream));
+  });
 
-  cudaEvent_t e0, e1;
-  KVS_CUDA_CHECK(cudaEventCreate(&e0));
-  KVS_CUDA_CHECK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  std::vector<float> ms;
-  for (int i = 0; i < s.iters; ++i) {
-    KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
-    KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
-    KVS_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0.f;
-    KVS_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-
-  const double us = median(ms) * 1e3 / calls;
+  const double us = replay_ms * 1e3 / calls;
   const double bytes = double(set_bytes) + double(batch) * s.hq * s.d * sizeof(bf16) * 2;
   *row = Row{context, batch, sets, calls, us, bytes / (us * 1e-6) / 1e9, 0.0};
   row->frac = row->gbps / copy_gbps;
@@ -265,15 +177,9 @@ int run(int argc, char** argv) {
       "tactic: KV sets (layers) decoded per graph replay")(
       "components", po::value(&tactic.components)->default_value(512),
       "tactic: Gaussian key components per sequence and kv head");
-  po::variables_map vm;
-  po::store(po::parse_command_line(argc, argv, desc), vm);
-  if (vm.count("help")) {
-    std::cout << desc << "\n";
-    return 0;
-  }
-  po::notify(vm);
-  const std::vector<int> contexts = parse_list(contexts_text, "contexts");
-  const std::vector<int> batches = parse_list(batches_text, "batches");
+  if (!bench::parse_options(argc, argv, desc)) return 0;
+  const std::vector<int> contexts = parse_counts(contexts_text, "contexts");
+  const std::vector<int> batches = parse_counts(batches_text, "batches");
   if (page_order != "sequential" && page_order != "shuffled")
     throw std::invalid_argument("--page-order must be sequential or shuffled, not '" + page_order +
                                 "'");

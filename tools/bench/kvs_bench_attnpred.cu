@@ -31,6 +31,7 @@
 #include "kernels/common/cuda_check.h"
 #include "kernels/dense/dense_decode.h"
 #include "runtime/attnpred_engine.h"
+#include "tools/bench/bench_common.h"
 
 namespace po = boost::program_options;
 namespace ap = kvs::kernels::attnpred;
@@ -53,33 +54,11 @@ void fill_random(kvs::bf16* x, size_t n, uint32_t seed) {
   KVS_CUDA_CHECK(cudaGetLastError());
 }
 
-struct Timer {
-  cudaEvent_t a, b;
-  Timer() {
-    KVS_CUDA_CHECK(cudaEventCreate(&a));
-    KVS_CUDA_CHECK(cudaEventCreate(&b));
-  }
-  ~Timer() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-  }
-  template <class F>
-  double median_us(int reps, int per_rep, cudaStream_t s, F&& f) {
-    std::vector<double> t;
-    f();  // warm-up
-    for (int r = 0; r < reps; ++r) {
-      KVS_CUDA_CHECK(cudaEventRecord(a, s));
-      f();
-      KVS_CUDA_CHECK(cudaEventRecord(b, s));
-      KVS_CUDA_CHECK(cudaEventSynchronize(b));
-      float ms = 0;
-      KVS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-      t.push_back(ms * 1000.0 / per_rep);
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  }
-};
+// Median microseconds per `per_rep` units over `reps` timed calls of f (one untimed first).
+template <class F>
+double median_us(int reps, int per_rep, cudaStream_t s, F&& f) {
+  return kvs::bench::time_calls(f, 1, reps, s) * 1000.0 / per_rep;
+}
 
 template <class T>
 T* dalloc(size_t n) {
@@ -106,13 +85,7 @@ int main(int argc, char** argv) try {
       "layers", po::value(&layers)->default_value(4), "layers per step (prefetch overlaps them)")(
       "steps", po::value(&steps)->default_value(10), "decode steps per repetition (whole periods)")(
       "reps", po::value(&reps)->default_value(5), "repetitions (median)");
-  po::variables_map vm;
-  po::store(po::parse_command_line(argc, argv, opts), vm);
-  if (vm.count("help")) {
-    std::cout << opts << "\n";
-    return 0;
-  }
-  po::notify(vm);
+  if (!kvs::bench::parse_options(argc, argv, opts)) return 0;
   if (!kvs::cuda_device_available()) {
     std::fprintf(stderr, "kvs-bench-attnpred: no CUDA device\n");
     return 1;
@@ -122,12 +95,7 @@ int main(int argc, char** argv) try {
                  period);
     return 1;
   }
-  std::vector<int> contexts;
-  for (size_t p = 0; p < contexts_s.size();) {
-    const size_t c = contexts_s.find(',', p);
-    contexts.push_back(std::stoi(contexts_s.substr(p, c - p)));
-    p = c == std::string::npos ? contexts_s.size() : c + 1;
-  }
+  const std::vector<int> contexts = kvs::bench::parse_counts(contexts_s, "contexts");
   cudaDeviceProp prop{};
   KVS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# %s, Hq %d, Hkv %d, d %d, budget %d, M %d, %d layers, batch 1\n", prop.name, hq,
@@ -147,7 +115,6 @@ int main(int argc, char** argv) try {
 
   cudaStream_t stream;
   KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  Timer timer;
   for (int L : contexts) {
     const int total_steps = steps * (reps + 2);  // every decode grows the sequence by one
     const int cap = L + total_steps + 16;
@@ -202,7 +169,7 @@ int main(int argc, char** argv) try {
     void* dws = dalloc<char>(dws_bytes);
 
     // Dense over the device cache.
-    const double dense = timer.median_us(reps, layers, stream, [&] {
+    const double dense = median_us(reps, layers, stream, [&] {
       for (int l = 0; l < layers; ++l)
         KVS_CUDA_CHECK(kvs::kernels::dense_decode_cuda(q, hq, view(dk[size_t(l)], dv[size_t(l)]),
                                                        scale, out, nullptr, dws, dws_bytes,
@@ -230,7 +197,7 @@ int main(int argc, char** argv) try {
       };
       loop();
       e.reset_stats();
-      const double t = timer.median_us(reps, layers * steps, stream, loop);
+      const double t = median_us(reps, layers * steps, stream, loop);
       return std::make_pair(t, ws);
     };
     kvs::AttnPredEngine gpu(shape, ec, params);
@@ -263,7 +230,7 @@ int main(int argc, char** argv) try {
     float* scores = dalloc<float>(size_t(hq) * mb);
     uint8_t* flags = dalloc<uint8_t>(size_t(hkv) * mb);
     set_len(0);
-    const double predictor = timer.median_us(reps, 1, stream, [&] {
+    const double predictor = median_us(reps, 1, stream, [&] {
       KVS_CUDA_CHECK(ap::predict_cuda(dparams, hist, 1, geo, scores, stream));
       KVS_CUDA_CHECK(
           ap::select_blocks_cuda(scores, hist, 1, hkv, geo, gpu.k_blocks(), flags, stream));
@@ -276,7 +243,7 @@ int main(int argc, char** argv) try {
     const size_t sws_bytes = kvs::kernels::dense_decode_workspace_bytes(hkv, hq / hkv, d);
     void* sws = dalloc<char>(sws_bytes);
     const kvs::PagedKV kv0 = view(dk[0], dv[0]);
-    const double sparse_attn = timer.median_us(reps, 1, stream, [&] {
+    const double sparse_attn = median_us(reps, 1, stream, [&] {
       KVS_CUDA_CHECK(ap::build_selection_cuda(kv0, flags, mb, geo, nullptr, sel, nullptr, stream));
       KVS_CUDA_CHECK(kvs::kernels::dense_decode_cuda(
           q, hq / hkv, kvs::kernels::tactic::subrequest_view(kv0, sel), scale, out, nullptr, sws,
@@ -284,7 +251,7 @@ int main(int argc, char** argv) try {
     });
     const size_t rs_bytes = ap::row_scratch_bytes(1, hq, mb * geo.block);
     void* rs = dalloc<char>(rs_bytes);
-    const double full_row = timer.median_us(reps, 1, stream, [&] {
+    const double full_row = median_us(reps, 1, stream, [&] {
       KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, kv0, nullptr, 0, len, 1, hkv, scale, geo, hist, rs,
                                          rs_bytes, stream));
     });
@@ -303,7 +270,7 @@ int main(int argc, char** argv) try {
     }
     set_len(0);
     const size_t layer_bytes = size_t(L) * hkv * d * sizeof(kvs::bf16);
-    const double offl_copy = timer.median_us(reps, layers, stream, [&] {
+    const double offl_copy = median_us(reps, layers, stream, [&] {
       for (int l = 0; l < layers; ++l) {
         KVS_CUDA_CHECK(
             cudaMemcpyAsync(dk[0], hk[size_t(l)], layer_bytes, cudaMemcpyHostToDevice, stream));
@@ -313,7 +280,7 @@ int main(int argc, char** argv) try {
                                                        nullptr, dws, dws_bytes, stream));
       }
     });
-    const double offl_zc = timer.median_us(reps, layers, stream, [&] {
+    const double offl_zc = median_us(reps, layers, stream, [&] {
       for (int l = 0; l < layers; ++l)
         KVS_CUDA_CHECK(kvs::kernels::dense_decode_cuda(q, hq, view(hk[size_t(l)], hv[size_t(l)]),
                                                        scale, out, nullptr, dws, dws_bytes,

@@ -33,6 +33,7 @@
 #include "kernels/common/cuda_check.h"
 #include "kernels/dense/dense_decode.h"
 #include "kernels/mac/mac.h"
+#include "tools/bench/bench_common.h"
 
 namespace po = boost::program_options;
 
@@ -41,36 +42,11 @@ namespace {
 
 namespace mk = kernels::mac;
 
-__global__ void fill_random_bf16(__nv_bfloat16* x, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 0x9E3779B1u ^ uint32_t(i >> 32) * 0x85EBCA77u ^ seed;
-    h ^= h >> 16;
-    h *= 0x7FEB352Du;
-    h ^= h >> 15;
-    h *= 0x846CA68Bu;
-    h ^= h >> 16;
-    x[i] = __float2bfloat16_rn(float(h) * (4.f / 4294967296.f) - 2.f);
-  }
-}
-
-void fill_random(bf16* x, size_t n, uint32_t seed) {
-  fill_random_bf16<<<2048, 256>>>(reinterpret_cast<__nv_bfloat16*>(x), n, seed);
-  KVS_CUDA_CHECK(cudaGetLastError());
-}
-
-// Owns device memory; freed on destruction.
 template <typename T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Dev(size_t count) : n(count) {
-    KVS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T)));
-  }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-};
+using Dev = bench::DeviceBuffer<T>;
+using bench::fill_random;
+using bench::parse_counts;
+using bench::time_graph;
 
 std::vector<double> parse_doubles(const std::string& text, const char* option) {
   std::vector<double> out;
@@ -87,33 +63,6 @@ std::vector<double> parse_doubles(const std::string& text, const char* option) {
     if (used != item.size())
       throw std::invalid_argument(std::string("--") + option + ": '" + item + "' is not a number");
     out.push_back(v);
-  }
-  if (out.empty()) throw std::invalid_argument(std::string("--") + option + " is empty");
-  return out;
-}
-
-// "8K,128K,16" -> counts (K = 1024).
-std::vector<int> parse_counts(const std::string& text, const char* option) {
-  std::vector<int> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    int64_t mult = 1;
-    if (!item.empty() && (item.back() == 'K' || item.back() == 'k')) {
-      mult = 1024;
-      item.pop_back();
-    }
-    size_t used = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != item.size() || v <= 0 || v * mult > (1LL << 30))
-      throw std::invalid_argument(std::string("--") + option + ": '" + item +
-                                  "' is not a positive count (e.g. 32K,128K or 1,16)");
-    out.push_back(int(v * mult));
   }
   if (out.empty()) throw std::invalid_argument(std::string("--") + option + " is empty");
   return out;
@@ -136,37 +85,7 @@ struct LayerSet {
   PagedKV kv;
 };
 
-template <typename Body>
-float time_graph(cudaStream_t stream, int iters, Body body) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  body();
-  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t e0, e1;
-  KVS_CUDA_CHECK(cudaEventCreate(&e0));
-  KVS_CUDA_CHECK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) {
-    KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
-    KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
-    KVS_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0.f;
-    KVS_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-void bench(const Args& a, int context, int batch, cudaStream_t stream) {
+void bench_one(const Args& a, int context, int batch, cudaStream_t stream) {
   const int pages_per_seq = (context + a.page_size - 1) / a.page_size;
   const int num_pages = batch * pages_per_seq;
   const size_t kv_elems = size_t(num_pages) * a.page_size * a.hkv * a.d;
@@ -340,13 +259,7 @@ int main(int argc, char** argv) {
       "layers", po::value(&a.layers)->default_value(4), "KV + ring sets rotated per replay")(
       "iters", po::value(&a.iters)->default_value(50), "timed replays (median)");
   try {
-    po::variables_map vm;
-    po::store(po::parse_command_line(argc, argv, desc), vm);
-    po::notify(vm);
-    if (vm.count("help")) {
-      std::cout << desc << "\n";
-      return 0;
-    }
+    if (!bench::parse_options(argc, argv, desc)) return 0;
     a.contexts = parse_counts(contexts, "contexts");
     a.batches = parse_counts(batches, "batches");
     a.hit_rates = parse_doubles(rates, "hit-rates");
@@ -361,7 +274,7 @@ int main(int argc, char** argv) {
     cudaStream_t stream;
     KVS_CUDA_CHECK(cudaStreamCreate(&stream));
     for (int ctx : a.contexts)
-      for (int b : a.batches) bench(a, ctx, b, stream);
+      for (int b : a.batches) bench_one(a, ctx, b, stream);
     cudaStreamDestroy(stream);
   } catch (const std::exception& e) {
     std::cerr << "kvs-bench-mac: " << e.what() << "\n";

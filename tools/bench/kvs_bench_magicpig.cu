@@ -30,26 +30,19 @@
 #include "kernels/common/cuda_check.h"
 #include "kernels/dense/dense_decode.h"
 #include "runtime/magicpig_engine.h"
+#include "tools/bench/bench_common.h"
 
 namespace po = boost::program_options;
 
 namespace kvs {
 namespace {
 
-__device__ __forceinline__ uint32_t mix(uint64_t i, uint32_t seed) {
-  uint32_t h = uint32_t(i) * 0x9E3779B1u ^ uint32_t(i >> 32) * 0x85EBCA77u ^ seed;
-  h ^= h >> 16;
-  h *= 0x7FEB352Du;
-  h ^= h >> 15;
-  h *= 0x846CA68Bu;
-  h ^= h >> 16;
-  return h;
-}
+using bench::hash_index;
 
 // Approximately N(0, 1): Irwin-Hall of 4 uniforms, rescaled.
 __device__ __forceinline__ float gauss(uint64_t i, uint32_t seed) {
   float s = 0.f;
-  for (uint32_t r = 0; r < 4; ++r) s += float(mix(i * 4 + r, seed)) * (1.f / 4294967296.f);
+  for (uint32_t r = 0; r < 4; ++r) s += float(hash_index(i * 4 + r, seed)) * (1.f / 4294967296.f);
   return (s - 2.f) * 1.7320508f;
 }
 
@@ -84,37 +77,17 @@ __global__ void fill_q(bf16* q, int batch, int hq, int hkv, int d, int topics, i
     const int i = int(e % d), qh = int((e / d) % hq), b = int(e / (int64_t(d) * hq));
     const int h = qh / (hq / hkv);
     // Each head leans towards the topic of some token of its sequence.
-    const int t = int(mix(uint64_t(b) * hq + qh, 5u) % uint32_t(context));
+    const int t = int(hash_index(uint64_t(b) * hq + qh, 5u) % uint32_t(context));
     const float x = 0.12f * topic_dirs[(int64_t(h) * topics + topic_of(b, t, topics)) * d + i] +
                     0.3f * gauss(uint64_t(e), 37u);
     reinterpret_cast<uint16_t*>(q)[e] = uint16_t(__float_as_uint(x) >> 16);
   }
 }
 
-std::vector<int> parse_list(const std::string& text, const char* option) {
-  std::vector<int> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (item.empty()) continue;
-    int64_t mult = 1;
-    if (item.back() == 'K' || item.back() == 'k') mult = 1024;
-    if (mult != 1) item.pop_back();
-    size_t used = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != item.size() || v <= 0 || v * mult > (1LL << 30))
-      throw std::invalid_argument(std::string("--") + option + ": '" + item +
-                                  "' is not a positive count (e.g. 96K,128K or 1,8)");
-    out.push_back(int(v * mult));
-  }
-  if (out.empty()) throw std::invalid_argument(std::string("--") + option + " is empty");
-  return out;
-}
+template <typename T>
+using DeviceArray = bench::DeviceBuffer<T>;
+using bench::parse_counts;
+using bench::time_calls;
 
 std::vector<std::string> parse_modes(const std::string& text) {
   std::vector<std::string> out;
@@ -129,50 +102,10 @@ std::vector<std::string> parse_modes(const std::string& text) {
   return out;
 }
 
-template <typename T>
-struct DeviceArray {
-  T* p = nullptr;
-  explicit DeviceArray(size_t n) {
-    KVS_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  }
-  ~DeviceArray() { cudaFree(p); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-};
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
-}
-
 struct Options {
   int hq, hkv, d, bits, tables, page, iters, warmup, threads, topics;
   std::vector<std::string> modes;
 };
-
-// Median milliseconds of `iters` calls of fn, each between two events on `stream`.
-template <typename F>
-float time_calls(F&& fn, int warmup, int iters, cudaStream_t stream) {
-  for (int i = 0; i < warmup; ++i) fn();
-  KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
-  cudaEvent_t e0, e1;
-  KVS_CUDA_CHECK(cudaEventCreate(&e0));
-  KVS_CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) {
-    KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
-    fn();
-    KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
-    KVS_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0.f;
-    KVS_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return median(ms);
-}
 
 void bench_one(const Options& o, int context, int batch, cudaStream_t stream) {
   const int pages_per_seq = (context + o.page - 1) / o.page;
@@ -307,21 +240,15 @@ int main(int argc, char** argv) {
       "iters", po::value(&o.iters)->default_value(20), "timed decode calls (median)")(
       "warmup", po::value(&o.warmup)->default_value(3), "untimed decode calls first");
   try {
-    po::variables_map vm;
-    po::store(po::parse_command_line(argc, argv, desc), vm);
-    if (vm.count("help")) {
-      std::cout << desc << "\n";
-      return 0;
-    }
-    po::notify(vm);
+    if (!bench::parse_options(argc, argv, desc)) return 0;
     if (o.hq <= 0 || o.hkv <= 0 || o.hq % o.hkv != 0 || o.iters <= 0 || o.warmup < 0 ||
         o.topics <= 0 || o.page <= 0)
       throw std::invalid_argument(
           "--hq must be a positive multiple of --hkv; --iters, --topics, "
           "--page-size > 0; --warmup >= 0");
     o.modes = parse_modes(modes);
-    const std::vector<int> ctx = parse_list(contexts, "contexts");
-    const std::vector<int> bs = parse_list(batches, "batches");
+    const std::vector<int> ctx = parse_counts(contexts, "contexts");
+    const std::vector<int> bs = parse_counts(batches, "batches");
     if (!cuda_device_available()) throw std::runtime_error("no CUDA device");
     cudaDeviceProp prop{};
     KVS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));

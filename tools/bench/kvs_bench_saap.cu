@@ -29,6 +29,7 @@
 #include "kernels/dense/dense_decode.h"
 #include "runtime/kv_cache.h"
 #include "runtime/saap_engine.h"
+#include "tools/bench/bench_common.h"
 
 namespace po = boost::program_options;
 
@@ -36,13 +37,7 @@ namespace kvs {
 namespace {
 
 __device__ __forceinline__ float hash_unit(uint64_t i, uint32_t seed) {
-  uint32_t h = uint32_t(i) * 0x9E3779B1u ^ uint32_t(i >> 32) * 0x85EBCA77u ^ seed;
-  h ^= h >> 16;
-  h *= 0x7FEB352Du;
-  h ^= h >> 15;
-  h *= 0x846CA68Bu;
-  h ^= h >> 16;
-  return float(h) * (1.f / 4294967296.f);  // [0, 1)
+  return float(bench::hash_index(i, seed)) * (1.f / 4294967296.f);  // [0, 1)
 }
 
 __global__ void fill_uniform(__nv_bfloat16* x, size_t n, float lo, float hi, uint32_t seed) {
@@ -66,15 +61,8 @@ __global__ void fill_clustered_keys(__nv_bfloat16* k, int n, int hkv, int d, con
 }
 
 template <typename T>
-struct Dev {
-  T* p = nullptr;
-  explicit Dev(size_t count) {
-    KVS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(count, 1) * sizeof(T)));
-  }
-  ~Dev() { cudaFree(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-};
+using Dev = bench::DeviceBuffer<T>;
+using bench::time_graph;
 
 struct Args {
   std::vector<int> contexts{131072, 524288};
@@ -83,36 +71,6 @@ struct Args {
   std::string router = "mlp";
   uint32_t seed = 7;
 };
-
-template <typename Body>
-float time_graph(cudaStream_t stream, int iters, Body body) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  body();
-  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t e0, e1;
-  KVS_CUDA_CHECK(cudaEventCreate(&e0));
-  KVS_CUDA_CHECK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) {
-    KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
-    KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
-    KVS_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0.f;
-    KVS_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 SaapParts random_parts(const Args& a, std::mt19937_64& rng) {
   SaapParts p;
@@ -294,20 +252,8 @@ int main(int argc, char** argv) try {
       ("layers", po::value(&a.layers)->default_value(a.layers), "layers decoded per graph (L2 rotation)")
       ("iters", po::value(&a.iters)->default_value(a.iters), "timed replays (median)")
       ("seed", po::value(&a.seed)->default_value(a.seed), "data seed");
-  po::variables_map vm;
-  po::store(po::parse_command_line(argc, argv, opts), vm);
-  if (vm.count("help")) {
-    std::cout << opts << "\n";
-    return 0;
-  }
-  po::notify(vm);
-  a.contexts.clear();
-  size_t start = 0;
-  while (start <= contexts.size()) {
-    const size_t end = std::min(contexts.find(',', start), contexts.size());
-    a.contexts.push_back(std::stoi(contexts.substr(start, end - start)));
-    start = end + 1;
-  }
+  if (!kvs::bench::parse_options(argc, argv, opts)) return 0;
+  a.contexts = kvs::bench::parse_counts(contexts, "contexts");
   if (!kvs::cuda_device_available()) throw std::runtime_error("no CUDA device");
   if (a.layers < 1 || a.iters < 1 || a.batch < 1)
     throw std::invalid_argument("--layers, --iters and --batch must be >= 1");
