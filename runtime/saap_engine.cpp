@@ -228,9 +228,13 @@ size_t SaapEngine::select_bytes() const {
 
 size_t SaapEngine::workspace_bytes() const {
   if (config_.backend == Backend::Cpu) return 0;
+  // The attention of a sparse layer (sub-requests of one kv head each) or of a dense layer
+  // (the whole batch), whichever is larger.
+  const int d = shape_.head_dim;
   return select_bytes() +
-         kernels::dense_decode_workspace_bytes(config_.max_batch * shape_.num_kv_heads,
-                                               shape_.group_size(), shape_.head_dim);
+         std::max(kernels::dense_decode_workspace_bytes(config_.max_batch * shape_.num_kv_heads,
+                                                        shape_.group_size(), d),
+                  kernels::dense_decode_workspace_bytes(config_.max_batch, shape_.num_q_heads, d));
 }
 
 int32_t* SaapEngine::selected_ptr() const { return static_cast<int32_t*>(workspace_.ptr); }

@@ -239,5 +239,69 @@ void run_pair(SaapRouter router) {
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngine) { run_pair(SaapRouter::Mlp); }
 TEST(SaapCuda, NearestCentroidRouterMatchesTheCpuEngine) { run_pair(SaapRouter::NearestCentroid); }
 
+// A dense layer of the SAAP engine (dense_layers) runs the dense kernel in the engine's own
+// workspace, which must hold a full dense decode as well as the sub-request attention of the
+// sparse layers (with 2 kv heads the dense form needs more than the sub-request form).
+TEST(SaapCuda, DenseLayerDecodesInTheEnginesWorkspace) {
+  KVS_SKIP_WITHOUT_CUDA();
+  const ModelShape shape = saap_test::scene_shape();
+  const SaapParts parts = saap_test::random_parts(shape, 64, 32, 11);
+  EngineConfig cfg;
+  cfg.max_batch = 2;
+  cfg.saap.max_context = 2048;
+  cfg.saap.dense_layers = {0};
+  cfg.backend = Backend::Cuda;
+  SaapEngine gpu(shape, cfg, parts);
+  test::DeviceBuffer<char> ws(gpu.workspace_bytes());
+  gpu.bind_workspace({ws.get(), gpu.workspace_bytes()});
+  const int hq = shape.num_q_heads, hkv = shape.num_kv_heads, d = shape.head_dim;
+  const std::vector<int> lens{700, 1500};
+  // The same keys and values in a device cache (the engine's) and a host one (the reference's).
+  KVCacheConfig cc;
+  cc.num_layers = shape.num_layers;
+  cc.num_kv_heads = hkv;
+  cc.head_dim = d;
+  cc.max_batch = 2;
+  cc.max_seq_len = 2048;
+  KVCache cache(cc);
+  cc.device = Device::Cpu;
+  KVCache host(cc);
+  for (int b = 0; b < 2; ++b) {
+    const std::vector<bf16> k = saap_test::random_bf16(size_t(lens[size_t(b)]) * hkv * d, 40 + b);
+    const std::vector<bf16> v = saap_test::random_bf16(size_t(lens[size_t(b)]) * hkv * d, 50 + b);
+    cache.reserve(b, 2048);
+    host.reserve(b, 2048);
+    test::DeviceBuffer<bf16> kd(k), vd(v);
+    cache.write(0, b, 0, lens[size_t(b)], kd.get(), vd.get());
+    host.write(0, b, 0, lens[size_t(b)], k.data(), v.data());
+  }
+  cache.set_lengths(lens);
+  host.set_lengths(lens);
+  gpu.prefill(0, cache.view(0), nullptr);
+  const std::vector<bf16> q = saap_test::random_bf16(2 * size_t(hq) * d, 60);
+  test::DeviceBuffer<bf16> qd(q), outd(2 * size_t(hq) * d);
+  gpu.decode(0, qd.get(), qd.get(), cache.view(0), outd.get(), nullptr, nullptr);
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<bf16> out = outd.download();
+  const PagedKV hview = host.view(0);
+  for (int b = 0; b < 2; ++b) {
+    const int len = lens[size_t(b)];
+    std::vector<int32_t> all(static_cast<size_t>(len));
+    for (int t = 0; t < len; ++t) all[size_t(t)] = t;
+    for (int h = 0; h < hq; ++h) {
+      std::vector<float> qf(static_cast<size_t>(d));
+      for (int i = 0; i < d; ++i) qf[size_t(i)] = bf16_to_float(q[(size_t(b) * hq + h) * d + i]);
+      std::vector<double> o(static_cast<size_t>(d));
+      double lse;
+      kernels::attend_cpu(qf.data(), hview, b, h / shape.group_size(), all.data(), len,
+                          shape.scale(), o.data(), &lse);
+      for (int i = 0; i < d; ++i)
+        ASSERT_NEAR(bf16_to_float(out[(size_t(b) * hq + h) * d + i]), o[size_t(i)],
+                    2e-2 * (1 + std::abs(o[size_t(i)])))
+            << "b " << b << " head " << h << " dim " << i;
+    }
+  }
+}
 }  // namespace
 }  // namespace kvs
+
