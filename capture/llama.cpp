@@ -66,6 +66,13 @@ torch::Tensor KvCache::values(int layer) const {
   return v_[size_t(layer)].narrow(0, 0, size_);
 }
 
+void KvCache::truncate(int64_t tokens) {
+  if (tokens < 0 || tokens > size_)
+    throw std::out_of_range("KvCache::truncate: " + std::to_string(tokens) +
+                            " tokens, the cache holds " + std::to_string(size_));
+  size_ = tokens;
+}
+
 void KvCache::reserve(int64_t tokens) {
   if (tokens <= capacity_) return;
   // Doubling keeps appends amortized O(1) per token; a prefill that knows its length can
@@ -159,6 +166,7 @@ torch::Tensor LlamaModel::rms_norm(const torch::Tensor& x, const torch::Tensor& 
 
 torch::Tensor LlamaModel::attention(int layer, const torch::Tensor& h, int64_t start,
                                     KvCache& cache, LlamaObserver* observer,
+                                    DecodeAttention* decode_attention,
                                     const torch::Tensor& cos, const torch::Tensor& sin) const {
   const Layer& L = layers_[size_t(layer)];
   const int64_t T = h.size(0), S = start + T;
@@ -175,6 +183,14 @@ torch::Tensor LlamaModel::attention(int layer, const torch::Tensor& h, int64_t s
   const torch::Tensor kr = k * cos + rotate_half(k) * sin;
   cache.k_[size_t(layer)].narrow(0, start, T).copy_(kr);
   cache.v_[size_t(layer)].narrow(0, start, T).copy_(v);
+  if (decode_attention && T == 1) {
+    const torch::Tensor o = decode_attention->attend(layer, start, qr[0], q[0], kr[0], v[0]);
+    if (!o.defined() || o.dim() != 2 || o.size(0) != hq || o.size(1) != d)
+      throw std::runtime_error("LlamaModel: DecodeAttention::attend of layer " +
+                               std::to_string(layer) + " did not return [" + std::to_string(hq) +
+                               ", " + std::to_string(d) + "]");
+    return F::linear(o.to(device_, dtype_).reshape({1, hq * d}), L.o);
+  }
   const torch::Tensor keys = cache.k_[size_t(layer)].narrow(0, 0, S);
   const torch::Tensor values = cache.v_[size_t(layer)].narrow(0, 0, S);
 
@@ -203,7 +219,8 @@ torch::Tensor LlamaModel::attention(int layer, const torch::Tensor& h, int64_t s
 }
 
 torch::Tensor LlamaModel::forward(const int32_t* ids, int64_t count, KvCache& cache,
-                                  LlamaObserver* observer, LogitsMode logits) const {
+                                  LlamaObserver* observer, LogitsMode logits,
+                                  DecodeAttention* decode_attention) const {
   if (count <= 0) throw std::invalid_argument("LlamaModel::forward: no tokens");
   if (cache.num_layers() != cfg_.shape.num_layers ||
       cache.num_kv_heads_ != cfg_.shape.num_kv_heads || cache.head_dim_ != cfg_.shape.head_dim ||
@@ -240,7 +257,8 @@ torch::Tensor LlamaModel::forward(const int32_t* ids, int64_t count, KvCache& ca
 
   for (int l = 0; l < cfg_.shape.num_layers; ++l) {
     const Layer& L = layers_[size_t(l)];
-    x = x + attention(l, rms_norm(x, L.input_norm), start, cache, observer, cos, sin);
+    x = x + attention(l, rms_norm(x, L.input_norm), start, cache, observer, decode_attention,
+                      cos, sin);
     const torch::Tensor h = rms_norm(x, L.post_norm);
     x = x + F::linear(torch::silu(F::linear(h, L.gate)) * F::linear(h, L.up), L.down);
   }
@@ -275,8 +293,27 @@ torch::Tensor LlamaModel::prefill(const std::vector<int32_t>& ids, KvCache& cach
   return last;
 }
 
-torch::Tensor LlamaModel::decode(int32_t id, KvCache& cache, LlamaObserver* observer) const {
-  return forward(&id, 1, cache, observer, LogitsMode::All).squeeze(0);
+torch::Tensor LlamaModel::decode(int32_t id, KvCache& cache, LlamaObserver* observer,
+                                 DecodeAttention* attention) const {
+  return forward(&id, 1, cache, observer, LogitsMode::All, attention).squeeze(0);
+}
+
+RunnerPlacement parse_placement(const std::string& device, const std::string& dtype) {
+  if (device != "cpu" && device != "cuda" && device != "auto")
+    throw std::invalid_argument("--device must be cpu, cuda or auto, got '" + device + "'");
+  if (device == "cuda" && !torch::cuda::is_available())
+    throw std::invalid_argument("--device cuda: libtorch sees no CUDA device");
+  const bool cuda = device == "cuda" || (device == "auto" && torch::cuda::is_available());
+  RunnerPlacement p;
+  p.device = cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
+  if (dtype == "bf16" || (dtype == "auto" && cuda)) {
+    p.dtype = torch::kBFloat16;
+  } else if (dtype == "fp32" || dtype == "auto") {
+    p.dtype = torch::kFloat32;
+  } else {
+    throw std::invalid_argument("--dtype must be bf16, fp32 or auto, got '" + dtype + "'");
+  }
+  return p;
 }
 
 torch::Tensor next_token_nll(const torch::Tensor& logits, const std::vector<int32_t>& ids) {

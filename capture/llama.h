@@ -41,6 +41,21 @@ struct LlamaObserver {
   virtual void on_attention(int layer, int64_t pos, const torch::Tensor& probs) {}
 };
 
+// Attention of single-token calls (decode steps) done elsewhere: the runtime's engines plug
+// into the runner here (capture/engine_attention.h). The runner still computes q, k, v and
+// RoPE and appends K/V to its own KvCache; for every layer it then asks attend() for the
+// attention output instead of attending itself.
+struct DecodeAttention {
+  virtual ~DecodeAttention() = default;
+
+  // The token at position `pos` of `layer`: q [Hq, d] after RoPE, q_pre [Hq, d] before it,
+  // k [Hkv, d] after RoPE and v [Hkv, d], in the model's dtype and device. Returns the
+  // attention output [Hq, d] (any float dtype, the model's device).
+  virtual torch::Tensor attend(int layer, int64_t pos, const torch::Tensor& q,
+                               const torch::Tensor& q_pre, const torch::Tensor& k,
+                               const torch::Tensor& v) = 0;
+};
+
 // Which logits a forward call returns.
 enum class LogitsMode {
   All,   ///< [T, vocab]
@@ -58,6 +73,9 @@ class KvCache {
   int64_t capacity() const { return capacity_; }
   int num_layers() const { return int(k_.size()); }
   void clear() { size_ = 0; }  ///< keeps the memory
+  // Forgets the tokens from position `tokens` on (keeps the memory), so that several decode
+  // runs can start from one prefilled prompt. Throws when tokens > size().
+  void truncate(int64_t tokens);
 
   torch::Tensor keys(int layer) const;    ///< [size, Hkv, d] view, post-RoPE
   torch::Tensor values(int layer) const;  ///< [size, Hkv, d] view
@@ -99,9 +117,10 @@ class LlamaModel {
   // everything cached plus causal within the call; appends their K/V to the cache. Returns
   // fp32 logits on the model's device (see LogitsMode). Throws for an id outside the
   // vocabulary, a position past max_position_embeddings, or a cache from another model.
+  // With `attention` set, single-token calls take their attention from it (DecodeAttention).
   torch::Tensor forward(const int32_t* ids, int64_t count, KvCache& cache,
-                        LlamaObserver* observer = nullptr,
-                        LogitsMode logits = LogitsMode::All) const;
+                        LlamaObserver* observer = nullptr, LogitsMode logits = LogitsMode::All,
+                        DecodeAttention* attention = nullptr) const;
 
   // forward() over `ids` in chunks of options.chunk tokens. With LogitsMode::All the result
   // is [ids.size(), vocab], the same as one unchunked call up to fp rounding.
@@ -109,8 +128,10 @@ class LlamaModel {
                         const PrefillOptions& options = {},
                         LlamaObserver* observer = nullptr) const;
 
-  // One token: logits [vocab] fp32; observers may ask for attention rows.
-  torch::Tensor decode(int32_t id, KvCache& cache, LlamaObserver* observer = nullptr) const;
+  // One token: logits [vocab] fp32; observers may ask for attention rows; `attention`
+  // (when set) replaces the runner's own attention in every layer.
+  torch::Tensor decode(int32_t id, KvCache& cache, LlamaObserver* observer = nullptr,
+                       DecodeAttention* attention = nullptr) const;
 
  private:
   struct Layer {
@@ -119,8 +140,8 @@ class LlamaModel {
 
   torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight) const;
   torch::Tensor attention(int layer, const torch::Tensor& h, int64_t start, KvCache& cache,
-                          LlamaObserver* observer, const torch::Tensor& cos,
-                          const torch::Tensor& sin) const;
+                          LlamaObserver* observer, DecodeAttention* decode_attention,
+                          const torch::Tensor& cos, const torch::Tensor& sin) const;
 
   HfConfig cfg_;
   torch::Device device_ = torch::kCPU;
@@ -129,6 +150,15 @@ class LlamaModel {
   std::vector<Layer> layers_;
   torch::Tensor inv_freq_;  ///< [d/2] fp32 on device, from rope_inv_freq
 };
+
+// Where and in what precision the runner runs, from command-line words: device "cpu",
+// "cuda" or "auto" (cuda when libtorch sees one); dtype "bf16", "fp32" or "auto" (bf16 on
+// cuda, fp32 on cpu). Throws naming the option and the value.
+struct RunnerPlacement {
+  torch::Device device = torch::kCPU;
+  torch::ScalarType dtype = torch::kFloat32;
+};
+RunnerPlacement parse_placement(const std::string& device, const std::string& dtype);
 
 // -log p(ids[t + 1] | ids[0..t]) in nats for t = 0 .. T-2, from logits [T, vocab] of `ids`
 // (fp64 on the CPU). Bits per byte of a byte-level model = mean / ln 2.

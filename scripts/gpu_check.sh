@@ -114,6 +114,21 @@ if [ "${KVS_GPU_CAPTURE:-1}" = 1 ] && [ -x "$BUILD/tools/kvs-capture" ]; then
   grep "kvs-capture:" "$OUT/capture.log" | tail -1 | sed 's/^/   /'
 fi
 
+# The methods inside the model's decode loop on the GPU: kvs-eval ppl and needle at 16K and
+# 32K context (32700 and 32000: the model has 32768 positions and the decode steps need
+# room) with the bundle of a scripts/main.sh run (carry it: KVS_GPU_BUNDLE, default
+# out/bundle.h5). KVS_GPU_MODEL_EVAL=0 skips this.
+bundle=${KVS_GPU_BUNDLE:-out/bundle.h5}
+if [ "${KVS_GPU_MODEL_EVAL:-1}" = 1 ] && [ -x "$BUILD/tools/kvs-eval" ] && [ -f "$bundle" ]; then
+  methods=(dense tactic mac magicpig saap:recent_tokens=256,probes=8 attnpred)
+  run_step "kvs-eval ppl 16K,32K" 300 model_eval.log "$BUILD/tools/kvs-eval" ppl \
+    --text data/corpus/docs.val.txt.gz --bundle "$bundle" --contexts 16384,32700 --windows 2 \
+    --steps 64 --offset 200000 --methods "${methods[@]}" --json "$OUT/ppl.json"
+  run_step "kvs-eval needle 16K,32K" 300 model_eval.log "$BUILD/tools/kvs-eval" needle \
+    --text data/corpus/docs.val.txt.gz --bundle "$bundle" --contexts 16384,32000 \
+    --depths 0.1,0.5,0.9 --trials 3 --methods "${methods[@]}" --json "$OUT/needle.json"
+fi
+
 # shellcheck disable=SC2086
 PYTHONUNBUFFERED=1 run_step "bench_sdpa.py" 150 bench.log python3 scripts/bench_sdpa.py \
   --json "$OUT/sdpa_bench.json" $BENCH_ARGS
@@ -130,6 +145,9 @@ PYTHONUNBUFFERED=1 run_step "bench_sdpa.py" 150 bench.log python3 scripts/bench_
   fi
 } | tee "$OUT/summary.txt"
 # The methods' tables (they are short) after the summary, so the reply's tail has them.
+if [ -f "$OUT/model_eval.log" ]; then
+  echo; echo "== model decode loop (model_eval.log)"; grep -v '^== \|^kvs-eval: ' "$OUT/model_eval.log" | tail -80
+fi
 if [ -f "$OUT/methods.log" ]; then
   echo; echo "== method benchmarks (methods.log)"; grep -v '^== ' "$OUT/methods.log" | tail -120
 fi

@@ -5,9 +5,12 @@
 #   indexbuild (bundle: trained parts + MagicPIG projection)      -> bundle.h5
 #   capture of held-out text, then eval: every method and the baselines against fp64 dense
 #   attention -> table on stdout, eval.json / eval.csv / eval.png
+#   the model decoding held-out text with each method in every layer: bits per byte against
+#   dense (ppl.json) and pass key retrieval (needle.json)
 # Installs dependencies if missing and builds first. Uses the GPU where there is one. The
 # training knobs are sized for a CPU in minutes (the papers' defaults are in kvs-train --help).
-#   scripts/main.sh        (KVS_OUT=out, KVS_CONTEXT=4096, KVS_SEQUENCES=2, KVS_STEPS=32)
+#   scripts/main.sh        (KVS_OUT=out, KVS_CONTEXT=4096, KVS_SEQUENCES=2, KVS_STEPS=32,
+#                           KVS_PPL_CONTEXTS=8192, KVS_PPL_STEPS=32, KVS_NEEDLE_CONTEXTS=4096)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
@@ -55,4 +58,15 @@ step "eval"
   --methods dense tactic mac magicpig saap:recent_tokens=256,probes=8 attnpred \
   --budgets 0.05,0.1,0.2 --per-layer \
   --json "$out/eval.json" --csv "$out/eval.csv" --plot "$out/eval.png"
-echo "main: done in $((SECONDS - t0)) s; wrote $out/{capture,bundle,eval}.* "
+# The same methods inside the model's decode loop (prefill dense, then every layer through the
+# method's engine); on a CPU the contexts are sized for minutes.
+methods=(dense tactic mac magicpig saap:recent_tokens=256,probes=8 attnpred)
+step "perplexity with each method in the decode loop"
+"$bin/kvs-eval" ppl --model $model --text $val_text --bundle "$out/bundle.h5" --device $device \
+  --contexts "${KVS_PPL_CONTEXTS:-8192}" --windows 1 --steps "${KVS_PPL_STEPS:-32}" \
+  --offset 200000 --methods "${methods[@]}" --json "$out/ppl.json"
+step "pass key retrieval with each method"
+"$bin/kvs-eval" needle --model $model --text $val_text --bundle "$out/bundle.h5" --device $device \
+  --contexts "${KVS_NEEDLE_CONTEXTS:-4096}" --depths 0.1,0.5,0.9 --trials 2 \
+  --methods "${methods[@]}" --json "$out/needle.json"
+echo "main: done in $((SECONDS - t0)) s; wrote $out/{capture,bundle,eval,ppl,needle}.*"

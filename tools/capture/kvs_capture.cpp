@@ -52,19 +52,9 @@ int main(int argc, char** argv) try {
   if (offset < 0) throw std::invalid_argument("--offset must be >= 0");
   if (chunk < 1) throw std::invalid_argument("--chunk must be >= 1");
 
-  const bool cuda = device_arg == "cuda" || (device_arg == "auto" && torch::cuda::is_available());
-  if (device_arg != "cpu" && device_arg != "cuda" && device_arg != "auto")
-    throw std::invalid_argument("--device must be cpu, cuda or auto, got '" + device_arg + "'");
-  if (device_arg == "cuda" && !torch::cuda::is_available())
-    throw std::invalid_argument("--device cuda: libtorch sees no CUDA device");
-  torch::ScalarType dtype;
-  if (dtype_arg == "bf16" || (dtype_arg == "auto" && cuda)) {
-    dtype = torch::kBFloat16;
-  } else if (dtype_arg == "fp32" || dtype_arg == "auto") {
-    dtype = torch::kFloat32;
-  } else {
-    throw std::invalid_argument("--dtype must be bf16, fp32 or auto, got '" + dtype_arg + "'");
-  }
+  const kvs::RunnerPlacement place = kvs::parse_placement(device_arg, dtype_arg);
+  const bool cuda = place.device.is_cuda();
+  const torch::ScalarType dtype = place.dtype;
 
   const auto t0 = std::chrono::steady_clock::now();
   torch::NoGradGuard no_grad;

@@ -1,7 +1,10 @@
 // kvs-eval: fidelity of the runtime's methods and the baselines on captured decode steps,
 // against fp64 dense attention. Prints a table; writes JSON, CSV and a PNG plot on request.
+// Subcommands `ppl` and `needle` (libtorch builds) run the methods inside the model's decode
+// loop instead (tools/eval/eval_model.h); `fidelity` (the default) is the capture replay.
 #include <boost/program_options.hpp>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 
@@ -9,6 +12,9 @@
 #include "runtime/eval/plot.h"
 #include "runtime/eval/replay.h"
 #include "tools/common/cli.h"
+#ifdef KVS_EVAL_WITH_MODEL
+#include "tools/eval/eval_model.h"
+#endif
 
 namespace po = boost::program_options;
 
@@ -24,11 +30,33 @@ void write_file(const std::string& path, void (*writer)(std::ostream&, const std
 
 }  // namespace
 
+int run_fidelity(int argc, char** argv);
+
 int main(int argc, char** argv) try {
+  const std::string sub = argc > 1 ? argv[1] : "";
+  if (sub == "ppl" || sub == "needle") {
+#ifdef KVS_EVAL_WITH_MODEL
+    return sub == "ppl" ? kvs::tools::run_ppl(argc - 1, argv + 1)
+                        : kvs::tools::run_needle(argc - 1, argv + 1);
+#else
+    throw std::invalid_argument("kvs-eval " + sub +
+                                " runs the model and needs a build with libtorch (KVS_WITH_TORCH=ON)");
+#endif
+  }
+  if (sub == "fidelity") return run_fidelity(argc - 1, argv + 1);
+  return run_fidelity(argc, argv);
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "kvs-eval: error: %s\n", e.what());
+  return 1;
+}
+
+int run_fidelity(int argc, char** argv) {
   std::string capture_path, backend, bundle, layers, budgets, json, csv, plot;
   std::vector<std::string> methods{"dense"};
   int steps = 0, sequences = 0;
-  po::options_description opts("kvs-eval: method fidelity on captured decode steps");
+  po::options_description opts(
+      "kvs-eval [fidelity]: method fidelity on captured decode steps "
+      "(also: kvs-eval ppl --help, kvs-eval needle --help)");
   opts.add_options()
       ("help,h", "show this help")
       ("capture", po::value(&capture_path)->required(), "capture file from kvs-capture")
@@ -90,7 +118,4 @@ int main(int argc, char** argv) try {
     kvs::eval::plot_fidelity(pooled, plot, pc);
   }
   return 0;
-} catch (const std::exception& e) {
-  std::fprintf(stderr, "kvs-eval: error: %s\n", e.what());
-  return 1;
 }

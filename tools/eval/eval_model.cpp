@@ -1,0 +1,177 @@
+#include "tools/eval/eval_model.h"
+
+#include <boost/program_options.hpp>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include "capture/model_eval.h"
+#include "capture/recorder.h"
+#include "capture/tokens.h"
+#include "tools/common/cli.h"
+
+namespace po = boost::program_options;
+
+namespace kvs::tools {
+namespace {
+
+// What ppl and needle share: the model, where it runs, the methods and the output.
+struct Common {
+  std::string model_dir, device, dtype, bundle, json;
+  std::vector<std::string> methods{"dense"};
+  int chunk = 512;
+
+  void add(po::options_description& opts) {
+    opts.add_options()
+        ("help,h", "show this help")
+        ("model", po::value(&model_dir)->default_value("models/kvs-tiny-a"), "Hugging Face Llama folder")
+        ("methods", po::value(&methods)->multitoken()->default_value(methods, "dense"),
+         "engines, each 'name' or 'name:knob=value,...'; dense (the runtime's dense engine) is the reference")
+        ("bundle", po::value(&bundle), "bundle from kvs-indexbuild (methods with stored parts)")
+        ("device", po::value(&device)->default_value("auto"), "cpu, cuda or auto (engines run on the same backend)")
+        ("dtype", po::value(&dtype)->default_value("auto"), "bf16, fp32 or auto (bf16 on cuda, fp32 on cpu)")
+        ("chunk", po::value(&chunk)->default_value(512), "prefill chunk in tokens")
+        ("json", po::value(&json), "write the rows as JSON");
+  }
+
+  ModelEvalConfig config() const {
+    ModelEvalConfig c;
+    c.methods = methods;
+    c.bundle = bundle;
+    c.prefill_chunk = chunk;
+    return c;
+  }
+
+  EvalMeta meta(const std::string& command, const LlamaModel& model) const {
+    std::string cmd = command + " --model " + model_dir + " --methods";
+    for (const std::string& m : methods) cmd += " " + m;
+    return {{"command", cmd},
+            {"model", model.shape().name},
+            {"device", model.device().is_cuda() ? "cuda" : "cpu"},
+            {"dtype", model.dtype() == torch::kBFloat16 ? "bf16" : "fp32"}};
+  }
+};
+
+bool parse(int argc, char** argv, po::options_description& opts) {
+  po::variables_map vm;
+  po::store(po::parse_command_line(argc, argv, opts), vm);
+  if (vm.count("help")) {
+    std::cout << opts << "\n";
+    return false;
+  }
+  po::notify(vm);
+  return true;
+}
+
+LlamaModel load(const Common& c) {
+  const RunnerPlacement place = parse_placement(c.device, c.dtype);
+  return LlamaModel::load(c.model_dir, place.device, place.dtype);
+}
+
+void progress(const std::string& what) { std::fprintf(stderr, "kvs-eval: %s\n", what.c_str()); }
+
+template <class Row>
+void write_json(const std::string& path, void (*writer)(std::ostream&, const std::vector<Row>&, const EvalMeta&),
+                const std::vector<Row>& rows, const EvalMeta& meta) {
+  std::ofstream f(path);
+  if (!f) throw std::runtime_error("cannot write " + path);
+  writer(f, rows, meta);
+  if (!f) throw std::runtime_error("writing " + path + " failed");
+}
+
+}  // namespace
+
+int run_ppl(int argc, char** argv) {
+  Common c;
+  std::string text_path, ids_path, contexts = "8192";
+  int steps = 64, windows = 2;
+  int64_t offset = 0;
+  po::options_description opts(
+      "kvs-eval ppl: bits per token (= bits per byte for a byte-level model) of held-out text, "
+      "teacher-forced decode steps with each method after a dense prefill");
+  c.add(opts);
+  opts.add_options()
+      ("text", po::value(&text_path), "held-out text (.gz read transparently), byte-level models")
+      ("ids", po::value(&ids_path), "or token ids: a text file of whitespace-separated ids")
+      ("contexts", po::value(&contexts)->default_value(contexts), "prompt lengths, comma-separated")
+      ("steps", po::value(&steps)->default_value(steps), "scored decode steps per window")
+      ("windows", po::value(&windows)->default_value(windows), "windows per context")
+      ("offset", po::value(&offset)->default_value(offset), "first byte (or id) of the first window");
+  if (!parse(argc, argv, opts)) return 0;
+  if (text_path.empty() == ids_path.empty())
+    throw std::invalid_argument("give exactly one of --text and --ids");
+  if (steps < 1 || windows < 1 || offset < 0)
+    throw std::invalid_argument("--steps and --windows must be >= 1 and --offset >= 0");
+  torch::NoGradGuard no_grad;
+  const LlamaModel model = load(c);
+  const HfConfig& cfg = model.config();
+  const std::string text = text_path.empty() ? "" : read_text_file(text_path);
+  const std::vector<int32_t> ids =
+      ids_path.empty() ? std::vector<int32_t>() : load_token_ids(ids_path, cfg.vocab_size);
+  std::vector<PplRow> rows;
+  for (int context : cli::parse_int_list(contexts, "contexts")) {
+    PplConfig pc;
+    pc.context = context;
+    pc.steps = steps;
+    const int64_t need = int64_t(context) + steps + 1;
+    std::vector<std::vector<int32_t>> ws;
+    for (int w = 0; w < windows; ++w) {
+      if (!text.empty()) {
+        // BOS + bytes, as kvs-capture makes its windows.
+        const int64_t per = need - (cfg.bos_token_id >= 0 ? 1 : 0);
+        const int64_t at = offset + w * per;
+        if (at + per > int64_t(text.size()))
+          throw std::invalid_argument(text_path + " has " + std::to_string(text.size()) +
+                                      " bytes; " + std::to_string(windows) + " windows of " +
+                                      std::to_string(per) + " from offset " +
+                                      std::to_string(offset) + " need more");
+        ws.push_back(byte_tokens(cfg, text.substr(size_t(at), size_t(per))));
+      } else {
+        const int64_t at = offset + w * need;
+        if (at + need > int64_t(ids.size()))
+          throw std::invalid_argument(ids_path + " has " + std::to_string(ids.size()) +
+                                      " ids; " + std::to_string(windows) + " windows of " +
+                                      std::to_string(need) + " from offset " +
+                                      std::to_string(offset) + " need more");
+        ws.emplace_back(ids.begin() + at, ids.begin() + at + need);
+      }
+    }
+    const std::vector<PplRow> part = eval_perplexity(model, ws, pc, c.config(), progress);
+    rows.insert(rows.end(), part.begin(), part.end());
+  }
+  std::cout << "Perplexity (" << (text_path.empty() ? ids_path : text_path) << ", " << windows
+            << " windows x " << steps << " steps per context):\n";
+  write_ppl_table(std::cout, rows);
+  if (!c.json.empty()) write_json(c.json, write_ppl_json, rows, c.meta("kvs-eval ppl", model));
+  return 0;
+}
+
+int run_needle(int argc, char** argv) {
+  Common c;
+  std::string text_path, contexts = "4096", depths = "0.1,0.5,0.9";
+  NeedleConfig nc;
+  po::options_description opts(
+      "kvs-eval needle: pass key retrieval from a haystack of held-out text (byte-level models), "
+      "the question and answer decoded with each method after a dense prefill");
+  c.add(opts);
+  opts.add_options()
+      ("text", po::value(&text_path)->required(), "haystack text (.gz read transparently)")
+      ("contexts", po::value(&contexts)->default_value(contexts), "prompt lengths, comma-separated")
+      ("depths", po::value(&depths)->default_value(depths), "needle depths in [0, 1], comma-separated")
+      ("trials", po::value(&nc.trials)->default_value(nc.trials), "keys per (context, depth)")
+      ("seed", po::value(&nc.seed)->default_value(nc.seed), "keys and haystack offsets");
+  if (!parse(argc, argv, opts)) return 0;
+  nc.contexts = cli::parse_int_list(contexts, "contexts");
+  nc.depths = cli::parse_double_list(depths, "depths");
+  torch::NoGradGuard no_grad;
+  const LlamaModel model = load(c);
+  const std::vector<NeedleRow> rows =
+      eval_needle(model, read_text_file(text_path), nc, c.config(), progress);
+  std::cout << "Needle (" << text_path << ", " << nc.trials << " trials per cell):\n";
+  write_needle_table(std::cout, rows);
+  if (!c.json.empty())
+    write_json(c.json, write_needle_json, rows, c.meta("kvs-eval needle", model));
+  return 0;
+}
+
+}  // namespace kvs::tools
