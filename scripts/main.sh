@@ -67,6 +67,6 @@ step "perplexity with each method in the decode loop"
   --offset 200000 --methods "${methods[@]}" --json "$out/ppl.json"
 step "pass key retrieval with each method"
 "$bin/kvs-eval" needle --model $model --text $val_text --bundle "$out/bundle.h5" --device $device \
-  --contexts "${KVS_NEEDLE_CONTEXTS:-4096}" --depths 0.1,0.5,0.9 --trials 2 \
+  --contexts "${KVS_NEEDLE_CONTEXTS:-4096}" --depths 0.1,0.5,0.9 --trials 1 \
   --methods "${methods[@]}" --json "$out/needle.json"
 echo "main: done in $((SECONDS - t0)) s; wrote $out/{capture,bundle,eval,ppl,needle}.*"
