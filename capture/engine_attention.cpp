@@ -36,8 +36,7 @@ torch::Tensor PromptQueryRecorder::queries(int layer) const {
 
 EngineAttention::EngineAttention(const LlamaModel& model, const std::string& method_spec,
                                  const EngineConfig& base, const Bundle* bundle, int max_tokens)
-    : model_(model),
-      shape_(model.shape()),
+    : shape_(model.shape()),
       backend_(model.device().is_cuda() ? Backend::Cuda : Backend::Cpu),
       device_(model.device()),
       max_tokens_(max_tokens) {

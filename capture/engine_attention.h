@@ -68,7 +68,6 @@ class EngineAttention : public DecodeAttention {
  private:
   torch::Tensor to_backend_bf16(const torch::Tensor& x) const;
 
-  const LlamaModel& model_;
   ModelShape shape_;
   Backend backend_;
   torch::Device device_;

@@ -76,12 +76,22 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-void write_meta(std::ostream& os, const EvalMeta& meta) {
-  os << "  \"meta\": {";
+// {"meta": {...}, "rows": [...]}: write_row(os, row) writes one row's fields.
+template <class Row, class F>
+void write_rows_json(std::ostream& os, const EvalMeta& meta, const std::vector<Row>& rows,
+                     F write_row) {
+  os << "{\n  \"meta\": {";
   for (size_t i = 0; i < meta.size(); ++i)
     os << (i ? ", " : "") << eval::json_quote(meta[i].first) << ": "
        << eval::json_quote(meta[i].second);
-  os << "},\n";
+  os << "},\n  \"rows\": [\n";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    os << "    {\"method\": " << eval::json_quote(rows[i].method)
+       << ", \"knobs\": " << eval::json_quote(rows[i].knobs);
+    write_row(os, rows[i]);
+    os << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+  }
+  os << "  ]\n}\n";
 }
 
 std::string fmt(const char* f, double x) {
@@ -275,21 +285,13 @@ void write_ppl_table(std::ostream& os, const std::vector<PplRow>& rows) {
 }
 
 void write_ppl_json(std::ostream& os, const std::vector<PplRow>& rows, const EvalMeta& meta) {
-  os << "{\n";
-  write_meta(os, meta);
-  os << "  \"rows\": [\n";
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const PplRow& r = rows[i];
-    os << "    {\"method\": " << eval::json_quote(r.method) << ", \"knobs\": "
-       << eval::json_quote(r.knobs) << ", \"context\": " << r.context
-       << ", \"windows\": " << r.windows << ", \"tokens\": " << r.tokens
-       << ", \"bits_per_token\": " << fmt("%.6f", r.bits_per_token)
-       << ", \"delta_vs_dense\": " << fmt("%.6f", r.delta_vs_dense)
-       << ", \"kv_read_fraction\": " << fmt("%.6f", r.kv_read_fraction)
-       << ", \"tokens_per_second\": " << fmt("%.3f", r.tokens_per_second) << "}"
-       << (i + 1 < rows.size() ? "," : "") << "\n";
-  }
-  os << "  ]\n}\n";
+  write_rows_json(os, meta, rows, [](std::ostream& o, const PplRow& r) {
+    o << ", \"context\": " << r.context << ", \"windows\": " << r.windows
+      << ", \"tokens\": " << r.tokens << ", \"bits_per_token\": " << fmt("%.6f", r.bits_per_token)
+      << ", \"delta_vs_dense\": " << fmt("%.6f", r.delta_vs_dense)
+      << ", \"kv_read_fraction\": " << fmt("%.6f", r.kv_read_fraction)
+      << ", \"tokens_per_second\": " << fmt("%.3f", r.tokens_per_second);
+  });
 }
 
 void write_needle_table(std::ostream& os, const std::vector<NeedleRow>& rows) {
@@ -307,19 +309,12 @@ void write_needle_table(std::ostream& os, const std::vector<NeedleRow>& rows) {
 
 void write_needle_json(std::ostream& os, const std::vector<NeedleRow>& rows,
                        const EvalMeta& meta) {
-  os << "{\n";
-  write_meta(os, meta);
-  os << "  \"rows\": [\n";
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const NeedleRow& r = rows[i];
-    os << "    {\"method\": " << eval::json_quote(r.method) << ", \"knobs\": "
-       << eval::json_quote(r.knobs) << ", \"context\": " << r.context
-       << ", \"depth\": " << fmt("%.3f", r.depth) << ", \"trials\": " << r.trials
-       << ", \"correct\": " << r.correct << ", \"accuracy\": " << fmt("%.4f", r.accuracy())
-       << ", \"kv_read_fraction\": " << fmt("%.6f", r.kv_read_fraction) << "}"
-       << (i + 1 < rows.size() ? "," : "") << "\n";
-  }
-  os << "  ]\n}\n";
+  write_rows_json(os, meta, rows, [](std::ostream& o, const NeedleRow& r) {
+    o << ", \"context\": " << r.context << ", \"depth\": " << fmt("%.3f", r.depth)
+      << ", \"trials\": " << r.trials << ", \"correct\": " << r.correct
+      << ", \"accuracy\": " << fmt("%.4f", r.accuracy())
+      << ", \"kv_read_fraction\": " << fmt("%.6f", r.kv_read_fraction);
+  });
 }
 
 }  // namespace kvs

@@ -59,6 +59,17 @@ double max_log_prob_diff(const std::vector<torch::Tensor>& a, const std::vector<
   return worst;
 }
 
+// fn() must throw std::invalid_argument whose message contains `text`.
+template <class F>
+void expect_refused(F fn, const std::string& text, const std::string& what) {
+  try {
+    fn();
+    ADD_FAILURE() << what << " was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
+}
+
 TEST(EngineAttention, DenseEngineReproducesTheRunnersAttention) {
   const std::vector<int32_t> ids = val_tokens(700);
   const auto runner = decode_logits(ids, 600, 8, "");
@@ -114,34 +125,21 @@ TEST(EngineAttention, MisuseIsRefusedWithAReason) {
   cache.truncate(200);
   {
     EngineAttention ea(m, "dense", EngineConfig{}, nullptr, 150);
-    try {
-      ea.start(cache, nullptr);
-      FAIL() << "a prompt longer than max_tokens was accepted";
-    } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find("max_tokens is 150"), std::string::npos) << e.what();
-    }
+    expect_refused([&] { ea.start(cache, nullptr); }, "max_tokens is 150",
+                   "a prompt longer than max_tokens");
   }
   {
     EngineAttention ea(m, "mac", EngineConfig{}, nullptr, 300);
-    try {
-      ea.start(cache, nullptr);
-      FAIL() << "MAC started without its prompt queries";
-    } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find("PromptQueryRecorder"), std::string::npos) << e.what();
-    }
+    expect_refused([&] { ea.start(cache, nullptr); }, "PromptQueryRecorder",
+                   "MAC without its prompt queries");
   }
   {
     EngineAttention ea(m, "dense", EngineConfig{}, nullptr, 300);
     ea.start(cache, nullptr);
     const torch::Tensor q = torch::zeros({m.shape().num_q_heads, m.shape().head_dim});
     const torch::Tensor k = torch::zeros({m.shape().num_kv_heads, m.shape().head_dim});
-    try {
-      ea.attend(1, 200, q, q, k, k);  // a step must start at layer 0
-      FAIL() << "a step starting at layer 1 was accepted";
-    } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find("expected layer 0 of position 200"), std::string::npos)
-          << e.what();
-    }
+    expect_refused([&] { ea.attend(1, 200, q, q, k, k); }, "expected layer 0 of position 200",
+                   "a step starting at layer 1");
   }
   EXPECT_THROW(EngineAttention(m, "nosuch", EngineConfig{}, nullptr, 300), std::invalid_argument);
   EXPECT_THROW(cache.truncate(201), std::out_of_range);
@@ -196,12 +194,8 @@ TEST(ModelEval, PerplexityOfAnExactSettingEqualsDense) {
   for (const PplRow& r : rows) EXPECT_GT(r.tokens_per_second, 0.0);
 
   pc.steps = 30;  // 400 + 30 + 1 > 421 tokens
-  try {
-    eval_perplexity(model(), windows, pc, mc);
-    FAIL() << "a short window was accepted";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("window 0 has 421 tokens"), std::string::npos) << e.what();
-  }
+  expect_refused([&] { eval_perplexity(model(), windows, pc, mc); }, "window 0 has 421 tokens",
+                 "a short window");
 }
 
 TEST(ModelEval, NeedlePromptPutsTheKeyOnItsOwnLineNearTheDepth) {

@@ -59,7 +59,7 @@ int main(int argc, char** argv) try {
   const auto t0 = std::chrono::steady_clock::now();
   torch::NoGradGuard no_grad;
   const kvs::LlamaModel model =
-      kvs::LlamaModel::load(model_dir, cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU), dtype);
+      kvs::LlamaModel::load(model_dir, place.device, dtype);
   const kvs::HfConfig& cfg = model.config();
 
   // The windows: BOS + context-1 bytes each for text; context ids each for an ids file.

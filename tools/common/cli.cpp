@@ -4,9 +4,24 @@
 
 #include <chrono>
 #include <cstdio>
+#include <iostream>
 #include <stdexcept>
 
 namespace kvs::cli {
+
+bool parse_options(int argc, char** argv, const boost::program_options::options_description& desc,
+                   boost::program_options::variables_map* vm) {
+  namespace po = boost::program_options;
+  po::variables_map local;
+  po::variables_map& m = vm ? *vm : local;
+  po::store(po::parse_command_line(argc, argv, desc), m);
+  if (m.count("help")) {
+    std::cout << desc << "\n";
+    return false;
+  }
+  po::notify(m);
+  return true;
+}
 namespace {
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

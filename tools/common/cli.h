@@ -1,11 +1,18 @@
-// Small helpers shared by the command-line tools: list parsing and a progress line.
+// Small helpers shared by the command-line tools: option and list parsing, a progress line.
 #pragma once
 
+#include <boost/program_options.hpp>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 namespace kvs::cli {
+
+// Parses the command line into the variables `desc` binds (and into *vm when given). Prints
+// `desc` and returns false when --help was given (the caller then exits 0); throws on an
+// unknown or bad option.
+bool parse_options(int argc, char** argv, const boost::program_options::options_description& desc,
+                   boost::program_options::variables_map* vm = nullptr);
 
 // "0,2,3" -> {0, 2, 3}; "" -> {}. Throws std::invalid_argument naming the option and the
 // element that is not an integer.

@@ -52,17 +52,6 @@ struct Common {
   }
 };
 
-bool parse(int argc, char** argv, po::options_description& opts) {
-  po::variables_map vm;
-  po::store(po::parse_command_line(argc, argv, opts), vm);
-  if (vm.count("help")) {
-    std::cout << opts << "\n";
-    return false;
-  }
-  po::notify(vm);
-  return true;
-}
-
 LlamaModel load(const Common& c) {
   const RunnerPlacement place = parse_placement(c.device, c.dtype);
   return LlamaModel::load(c.model_dir, place.device, place.dtype);
@@ -97,7 +86,7 @@ int run_ppl(int argc, char** argv) {
       ("steps", po::value(&steps)->default_value(steps), "scored decode steps per window")
       ("windows", po::value(&windows)->default_value(windows), "windows per context")
       ("offset", po::value(&offset)->default_value(offset), "first byte (or id) of the first window");
-  if (!parse(argc, argv, opts)) return 0;
+  if (!cli::parse_options(argc, argv, opts)) return 0;
   if (text_path.empty() == ids_path.empty())
     throw std::invalid_argument("give exactly one of --text and --ids");
   if (steps < 1 || windows < 1 || offset < 0)
@@ -105,41 +94,41 @@ int run_ppl(int argc, char** argv) {
   torch::NoGradGuard no_grad;
   const LlamaModel model = load(c);
   const HfConfig& cfg = model.config();
-  const std::string text = text_path.empty() ? "" : read_text_file(text_path);
-  const std::vector<int32_t> ids =
-      ids_path.empty() ? std::vector<int32_t>() : load_token_ids(ids_path, cfg.vocab_size);
+  // One stream of ids to cut windows from: the text's bytes (each window then gets BOS, as
+  // kvs-capture makes its windows) or the ids file as it is.
+  const bool text = !text_path.empty();
+  std::vector<int32_t> stream;
+  const bool bos = text && cfg.bos_token_id >= 0;
+  if (text) {
+    stream = byte_tokens(cfg, read_text_file(text_path));  // refuses a non-byte-level model
+    if (bos) stream.erase(stream.begin());
+  } else {
+    stream = load_token_ids(ids_path, cfg.vocab_size);
+  }
+  const std::string source = text ? text_path : ids_path;
   std::vector<PplRow> rows;
   for (int context : cli::parse_int_list(contexts, "contexts")) {
     PplConfig pc;
     pc.context = context;
     pc.steps = steps;
-    const int64_t need = int64_t(context) + steps + 1;
+    const int64_t per = int64_t(context) + steps + 1 - (bos ? 1 : 0);
+    if (offset + windows * per > int64_t(stream.size()))
+      throw std::invalid_argument(source + " has " + std::to_string(stream.size()) +
+                                  (text ? " bytes; " : " ids; ") + std::to_string(windows) +
+                                  " windows of " + std::to_string(per) + " from offset " +
+                                  std::to_string(offset) + " need more");
     std::vector<std::vector<int32_t>> ws;
     for (int w = 0; w < windows; ++w) {
-      if (!text.empty()) {
-        // BOS + bytes, as kvs-capture makes its windows.
-        const int64_t per = need - (cfg.bos_token_id >= 0 ? 1 : 0);
-        const int64_t at = offset + w * per;
-        if (at + per > int64_t(text.size()))
-          throw std::invalid_argument(text_path + " has " + std::to_string(text.size()) +
-                                      " bytes; " + std::to_string(windows) + " windows of " +
-                                      std::to_string(per) + " from offset " +
-                                      std::to_string(offset) + " need more");
-        ws.push_back(byte_tokens(cfg, text.substr(size_t(at), size_t(per))));
-      } else {
-        const int64_t at = offset + w * need;
-        if (at + need > int64_t(ids.size()))
-          throw std::invalid_argument(ids_path + " has " + std::to_string(ids.size()) +
-                                      " ids; " + std::to_string(windows) + " windows of " +
-                                      std::to_string(need) + " from offset " +
-                                      std::to_string(offset) + " need more");
-        ws.emplace_back(ids.begin() + at, ids.begin() + at + need);
-      }
+      const auto first = stream.begin() + (offset + w * per);
+      std::vector<int32_t> ids;
+      if (bos) ids.push_back(cfg.bos_token_id);
+      ids.insert(ids.end(), first, first + per);
+      ws.push_back(std::move(ids));
     }
     const std::vector<PplRow> part = eval_perplexity(model, ws, pc, c.config(), progress);
     rows.insert(rows.end(), part.begin(), part.end());
   }
-  std::cout << "Perplexity (" << (text_path.empty() ? ids_path : text_path) << ", " << windows
+  std::cout << "Perplexity (" << source << ", " << windows
             << " windows x " << steps << " steps per context):\n";
   write_ppl_table(std::cout, rows);
   if (!c.json.empty()) write_json(c.json, write_ppl_json, rows, c.meta("kvs-eval ppl", model));
@@ -152,7 +141,7 @@ int run_needle(int argc, char** argv) {
   NeedleConfig nc;
   po::options_description opts(
       "kvs-eval needle: pass key retrieval from a haystack of held-out text (byte-level models), "
-      "the question and answer decoded with each method after a dense prefill");
+      "the cue and the answer decoded with each method after a dense prefill");
   c.add(opts);
   opts.add_options()
       ("text", po::value(&text_path)->required(), "haystack text (.gz read transparently)")
@@ -160,7 +149,7 @@ int run_needle(int argc, char** argv) {
       ("depths", po::value(&depths)->default_value(depths), "needle depths in [0, 1], comma-separated")
       ("trials", po::value(&nc.trials)->default_value(nc.trials), "keys per (context, depth)")
       ("seed", po::value(&nc.seed)->default_value(nc.seed), "keys and haystack offsets");
-  if (!parse(argc, argv, opts)) return 0;
+  if (!cli::parse_options(argc, argv, opts)) return 0;
   nc.contexts = cli::parse_int_list(contexts, "contexts");
   nc.depths = cli::parse_double_list(depths, "depths");
   torch::NoGradGuard no_grad;
