@@ -7,11 +7,14 @@ repeat_interleave where this torch lacks it). N calls are captured in one CUDA g
 reading KV set i % S, the S sets together larger than twice the L2; CUDA events around each
 replay, warm-up first, median over --iters replays, time per call = median / N. GB/s counts
 the KV bytes plus q and o; frac_copy divides it by a device-to-device copy bandwidth (bytes
-read + written) measured in the same run.
+read + written) measured in the same run. --json writes the form of every kvs-bench*
+program (docs/formats.md, "Benchmark results").
 """
 import argparse
 import json
 import math
+import os
+import shlex
 import statistics
 import sys
 
@@ -153,10 +156,12 @@ def main():
             rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"impl": "torch_sdpa", "mode": mode, "device": prop.name,
-                       "torch": torch.__version__, "copy_gbps": copy_gbps, "hq": args.hq,
-                       "hkv": args.hkv, "head_dim": args.head_dim, "rows": rows,
-                       "skipped": skipped}, f, indent=2)
+            command = shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:])
+            json.dump({"meta": {"impl": "torch_sdpa", "device": prop.name, "command": command,
+                                "mode": mode, "torch": torch.__version__,
+                                "copy_gbps": copy_gbps, "hq": args.hq, "hkv": args.hkv,
+                                "head_dim": args.head_dim, "iters": args.iters},
+                       "rows": rows, "skipped": skipped}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -78,9 +78,9 @@ sdpa = json.load(open(os.path.join(d, "sdpa.json")))
 runs = [(os.path.basename(p)[9:-5], json.load(open(p))) for p in sorted(glob.glob(os.path.join(d, "bench_*.json")))]
 shapes = [(r["context"], r["batch"]) for r in runs[0][1]["rows"]]
 name = lambda c, b: f"{c // 1024}K/{b}"
-print(f"dense decode sweep on {sdpa['device'] if 'device' in sdpa else runs[0][1]['device']}: us per call "
-      f"(ratio to SDPA in brackets); copy GB/s: SDPA run {sdpa['copy_gbps']:.0f}, "
-      f"ours {min(r['copy_gbps'] for _, r in runs):.0f}..{max(r['copy_gbps'] for _, r in runs):.0f}")
+print(f"dense decode sweep on {sdpa['meta']['device']}: us per call "
+      f"(ratio to SDPA in brackets); copy GB/s: SDPA run {sdpa['meta']['copy_gbps']:.0f}, "
+      f"ours {min(r['meta']['copy_gbps'] for _, r in runs):.0f}..{max(r['meta']['copy_gbps'] for _, r in runs):.0f}")
 print(f"{'variant':30s}" + "".join(f"{name(c, b):>15s}" for c, b in shapes))
 s = {(r["context"], r["batch"]): r for r in sdpa["rows"]}
 print(f"{'torch SDPA':30s}" + "".join(f"{s[k]['us']:>9.1f} ({s[k]['frac_copy']:.2f})" if k in s else f"{'-':>15s}" for k in shapes))

@@ -2,8 +2,10 @@
 # The one script to run on the GPU machine as it is (see /work/shared/DEVICE.md): builds
 # with the staged deps (.deps, made by scripts/stage_gpu_deps.sh), runs the CPU and CUDA
 # tests, compute-sanitizer memcheck and racecheck on a subset of the CUDA tests, kvs-bench
-# and scripts/bench_sdpa.py, and prints a short summary and the joined benchmark table last.
-#   scripts/gpu_check.sh            (logs and JSON under ${OUT:-out}/)
+# and scripts/bench_sdpa.py, every method's benchmark, and prints a short summary and the
+# joined benchmark table last. Every benchmark writes its JSON; scripts/results.py makes
+# results.md of them, and the JSON goes back in json.tgz (docs/gpu.md: into docs/data/).
+#   scripts/gpu_check.sh            (summary.txt, results.md, json.tgz, logs.tgz in ${OUT:-out}/)
 # Environment: KVS_GPU_BUILD (build folder, default build-gpu), KVS_BENCH_ARGS (extra
 # arguments for both benchmarks, e.g. "--contexts 8K,128K --batches 1").
 # Each step has a time cap so that the whole stays under about 8 minutes.
@@ -98,11 +100,14 @@ if [ "${KVS_GPU_METHODS:-1}" = 1 ] && [ -x "$tests_cuda" ]; then
     "$tests_cuda" --gtest_filter="$methods_filter"
   run_step "racecheck methods" 150 sanitizer.log "$sanitizer" --tool racecheck --error-exitcode 3 \
     "$tests_cuda" --gtest_filter="$methods_filter"
-  for b in "kvs-bench --method tactic --contexts 128K --batches 1,8" kvs-bench-mac \
-           "kvs-bench-magicpig ${KVS_MAGICPIG_ARGS:-}" kvs-bench-saap kvs-bench-attnpred; do
-    read -r exe args <<< "$b"
+  # Each line: the JSON's name (scripts/results.py reads it by that name), program, arguments.
+  for b in "kvs_bench_tactic kvs-bench --method tactic --contexts 128K --batches 1,8" \
+           "kvs_bench_mac kvs-bench-mac" "kvs_bench_magicpig kvs-bench-magicpig ${KVS_MAGICPIG_ARGS:-}" \
+           "kvs_bench_saap kvs-bench-saap" "kvs_bench_attnpred kvs-bench-attnpred"; do
+    read -r name exe args <<< "$b"
     # shellcheck disable=SC2086
-    [ -x "$BUILD/tools/$exe" ] && run_step "$exe $args" 120 methods.log "$BUILD/tools/$exe" $args
+    [ -x "$BUILD/tools/$exe" ] && run_step "$exe $args" 120 methods.log "$BUILD/tools/$exe" $args \
+      --json "$OUT/$name.json"
   done
 fi
 # A capture of the embedded model at 16K context on the GPU, read back with h5py.
@@ -132,6 +137,9 @@ fi
 # shellcheck disable=SC2086
 PYTHONUNBUFFERED=1 run_step "bench_sdpa.py" 150 bench.log python3 scripts/bench_sdpa.py \
   --json "$OUT/sdpa_bench.json" $BENCH_ARGS
+# The Markdown report of this visit's JSON, for a first look; plots are drawn where the JSON
+# becomes docs/results.md (docs/gpu.md).
+run_step "results.py" 60 results.log python3 scripts/results.py "$OUT" --no-plots
 
 {
   echo "gpu_check summary ($((SECONDS - t0)) s):"
@@ -151,5 +159,13 @@ fi
 if [ -f "$OUT/methods.log" ]; then
   echo; echo "== method benchmarks (methods.log)"; grep -v '^== ' "$OUT/methods.log" | tail -120
 fi
-# At most 8 files come back from the GPU machine: the summary and JSON stay, logs go in one archive.
-(cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
+# At most 8 files come back from the GPU machine: summary.txt and results.md stay, the JSON
+# goes in json.tgz and the logs in logs.tgz. (A *.tmp.* file is JSON a timeout cut off.)
+(
+  cd "$OUT" || exit 1
+  shopt -s nullglob
+  json=(./*.json)
+  if [ ${#json[@]} -gt 0 ]; then tar czf json.tgz "${json[@]}" && rm -f "${json[@]}"; fi
+  rm -f ./*.tmp.*
+  tar czf logs.tgz ./*.log && rm -f ./*.log
+)

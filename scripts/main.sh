@@ -7,6 +7,7 @@
 #   attention -> table on stdout, eval.json / eval.csv / eval.png
 #   the model decoding held-out text with each method in every layer: bits per byte against
 #   dense (ppl.json) and pass key retrieval (needle.json)
+#   scripts/results.py: the Markdown report of that JSON -> results.md and its PNG plots
 # Installs dependencies if missing and builds first. Uses the GPU where there is one. The
 # training knobs are sized for a CPU in minutes (the papers' defaults are in kvs-train --help).
 #   scripts/main.sh        (KVS_OUT=out, KVS_CONTEXT=4096, KVS_SEQUENCES=2, KVS_STEPS=32,
@@ -69,4 +70,7 @@ step "pass key retrieval with each method"
 "$bin/kvs-eval" needle --model $model --text $val_text --bundle "$out/bundle.h5" --device $device \
   --contexts "${KVS_NEEDLE_CONTEXTS:-4096}" --depths 0.1,0.5,0.9 --trials 1 \
   --methods "${methods[@]}" --json "$out/needle.json"
-echo "main: done in $((SECONDS - t0)) s; wrote $out/{capture,bundle,eval,ppl,needle}.*"
+step "report"
+python3 scripts/results.py "$out"
+echo "main: done in $((SECONDS - t0)) s; wrote $out/{capture,bundle,eval,ppl,needle}.* and" \
+  "$out/results.md"

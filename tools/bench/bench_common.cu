@@ -1,9 +1,14 @@
 #include <cuda_bf16.h>
+#include <unistd.h>
 
+#include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 #include <stdexcept>
 
+#include "runtime/eval/report.h"
 #include "tools/bench/bench_common.h"
 
 namespace kvs::bench {
@@ -28,18 +33,6 @@ float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
-}
-
-bool parse_options(int argc, char** argv, const boost::program_options::options_description& desc) {
-  namespace po = boost::program_options;
-  po::variables_map vm;
-  po::store(po::parse_command_line(argc, argv, desc), vm);
-  if (vm.count("help")) {
-    std::cout << desc << "\n";
-    return false;
-  }
-  po::notify(vm);
-  return true;
 }
 
 std::vector<int> parse_counts(const std::string& text, const char* option) {
@@ -67,6 +60,82 @@ std::vector<int> parse_counts(const std::string& text, const char* option) {
   }
   if (out.empty()) throw std::invalid_argument(std::string("--") + option + " is empty");
   return out;
+}
+
+std::string JsonValue::number_text(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.15g", v);
+  return buf;
+}
+
+JsonValue::JsonValue(const std::string& s) : text_(eval::json_quote(s)) {}
+
+JsonObject& JsonObject::add(std::initializer_list<Field> fields) {
+  fields_.insert(fields_.end(), fields.begin(), fields.end());
+  return *this;
+}
+
+std::string JsonObject::text() const {
+  std::string t = "{";
+  for (size_t i = 0; i < fields_.size(); ++i)
+    t += (i ? ", " : "") + eval::json_quote(fields_[i].key) + ": " + fields_[i].value.text();
+  return t + "}";
+}
+
+std::string command_line(int argc, char** argv) {
+  std::string line;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (i == 0) arg = arg.substr(arg.find_last_of('/') + 1);  // npos + 1 == 0: no folder
+    const bool plain = !arg.empty() && arg.find_first_not_of(
+                                           "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                           "0123456789_-+=.,:/@%") == std::string::npos;
+    if (!plain) {
+      std::string q = "'";
+      for (char ch : arg) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+      arg = q + "'";
+    }
+    line += (i ? " " : "") + arg;
+  }
+  return line;
+}
+
+BenchReport::BenchReport(const std::string& impl, const std::string& command, std::string path)
+    : path_(std::move(path)) {
+  int dev = 0;
+  KVS_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  KVS_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  meta_.add({{"impl", impl}, {"device", prop.name}, {"command", command}});
+}
+
+void BenchReport::add_row(const JsonObject& row) {
+  rows_.push_back(row);
+  save();
+}
+
+void BenchReport::add_skipped(const std::string& note) {
+  skipped_.push_back(note);
+  save();
+}
+
+void BenchReport::save() const {
+  if (path_.empty()) return;
+  const std::string tmp = path_ + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream js(tmp);
+    js << "{\n  \"meta\": " << meta_.text() << ",\n  \"rows\": [";
+    for (size_t i = 0; i < rows_.size(); ++i) js << (i ? ",\n    " : "\n    ") << rows_[i].text();
+    js << (rows_.empty() ? "],\n" : "\n  ],\n") << "  \"skipped\": [";
+    for (size_t i = 0; i < skipped_.size(); ++i)
+      js << (i ? ",\n    " : "\n    ") << eval::json_quote(skipped_[i]);
+    js << (skipped_.empty() ? "]\n}\n" : "\n  ]\n}\n");
+    js.close();
+    if (!js) throw std::runtime_error("cannot write --json file " + tmp);
+  }
+  if (std::rename(tmp.c_str(), path_.c_str()) != 0)
+    throw std::runtime_error("cannot rename " + tmp + " to --json file " + path_);
 }
 
 }  // namespace kvs::bench

@@ -1,5 +1,5 @@
 // Pieces every kvs-bench* program shares: device buffers, random fills, timers, the median
-// they report, and parsing of count lists such as --contexts 8K,128K.
+// they report, parsing of count lists such as --contexts 8K,128K, and the --json report.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,11 +8,14 @@
 #include <boost/program_options.hpp>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/common/bf16.h"
 #include "kernels/common/cuda_check.h"
+#include "tools/common/cli.h"
 
 namespace kvs::bench {
 
@@ -106,12 +109,64 @@ float time_calls(F&& fn, int warmup, int iters, cudaStream_t stream) {
   return median_event_ms(stream, iters, fn);
 }
 
-// Parses the command line into the variables `desc` binds. Prints `desc` and returns false
-// when --help was given (the caller then exits 0); throws on an unknown or bad option.
-bool parse_options(int argc, char** argv, const boost::program_options::options_description& desc);
-
 // Parses the value of --<option>, "8K,32K,1M,1000" (K = 1024, M = 1024 * 1024; empty items
 // skipped), into positive counts up to 2^30; throws naming the option and the bad item.
 std::vector<int> parse_counts(const std::string& text, const char* option);
+
+// A JSON number (NaN and infinities become null: JSON has neither) or string. Implicit, so
+// that fields read {"batch", 8}, {"mode", "gpu"}.
+class JsonValue {
+ public:
+  template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+  JsonValue(T number) : text_(number_text(double(number))) {}
+  JsonValue(const std::string& s);
+  JsonValue(const char* s) : JsonValue(std::string(s)) {}
+  const std::string& text() const { return text_; }
+
+ private:
+  static std::string number_text(double v);
+  std::string text_;
+};
+
+// One JSON object whose fields keep the order they were given in:
+// JsonObject{{"context", 131072}, {"mode", "gpu"}}.
+class JsonObject {
+ public:
+  struct Field {
+    std::string key;
+    JsonValue value;
+  };
+  JsonObject(std::initializer_list<Field> fields = {}) { add(fields); }
+  JsonObject& add(std::initializer_list<Field> fields);
+  std::string text() const;  ///< {"key": value, ...}
+
+ private:
+  std::vector<Field> fields_;
+};
+
+// The program's name (argv[0] without its folder) and its arguments, each quoted for a POSIX
+// shell where it needs it: the command that reproduces the run.
+std::string command_line(int argc, char** argv);
+
+// What every kvs-bench* program writes with --json FILE (docs/formats.md, "Benchmark
+// results"): {"meta": {...}, "rows": [{...}, ...], "skipped": ["...", ...]}. meta starts with
+// impl, device (the current CUDA device's name) and command; the program adds its shapes and
+// knobs. Each row and each skipped note rewrites the file (under a temporary name, then
+// renamed), so a run cut short by a time limit leaves the rows done so far. With an empty
+// path nothing is written.
+class BenchReport {
+ public:
+  BenchReport(const std::string& impl, const std::string& command, std::string path);
+  JsonObject& meta() { return meta_; }
+  void add_row(const JsonObject& row);
+  void add_skipped(const std::string& note);
+  void save() const;  ///< throws naming the path when it cannot be written
+
+ private:
+  std::string path_;
+  JsonObject meta_;
+  std::vector<JsonObject> rows_;
+  std::vector<std::string> skipped_;
+};
 
 }  // namespace kvs::bench

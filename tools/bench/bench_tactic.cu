@@ -25,7 +25,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -287,6 +286,17 @@ int run_tactic_bench(const TacticBenchArgs& a) {
   KVS_CUDA_CHECK(tk::prepare_cuda(a.d));
   cudaStream_t stream;
   KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  bench::BenchReport report("kvs_tactic", a.command, a.json_path);
+  report.meta().add({{"p", a.p},
+                     {"hq", a.hq},
+                     {"hkv", a.hkv},
+                     {"head_dim", a.d},
+                     {"page_size", a.page_size},
+                     {"layers", a.layers},
+                     {"components", a.components},
+                     {"iters", a.iters},
+                     {"prefill_tflops", a.prefill_tflops}});
+  report.save();
   std::printf(
       "kvs-bench tactic decode: %s, %d SMs; Hq %d Hkv %d d %d page %d; P %.2f; %d layers "
       "per replay; %d key components\n",
@@ -295,15 +305,13 @@ int run_tactic_bench(const TacticBenchArgs& a) {
   std::printf("%8s %5s | %9s %9s %7s %8s | %9s %9s %9s %9s %7s | %7s %7s %6s %6s %7s\n", "context",
               "batch", "clust_ms", "pfill_ms", "ratio", "km_TFLOP", "dense_us", "tactic_us",
               "select_us", "attn_us", "speedup", "union%", "head%", "mass", "m_min", "sel_MB");
-  std::vector<Result> rows;
-  std::vector<std::string> notes;
   for (int n : a.contexts)
     for (int B : a.batches) {
       Result r;
       std::string note;
       if (!bench_one(a, n, B, stream, &r, &note)) {
         std::printf("%s\n", note.c_str());
-        notes.push_back(note);
+        report.add_skipped(note);
         continue;
       }
       std::printf(
@@ -313,30 +321,24 @@ int run_tactic_bench(const TacticBenchArgs& a) {
           r.kmeans_tflop, r.dense_us, r.tactic_us, r.select_us, r.attn_us, r.dense_us / r.tactic_us,
           r.union_pct, r.head_pct, r.mass_mean, r.mass_min, r.sel_mb);
       std::fflush(stdout);
-      rows.push_back(r);
+      report.add_row({{"context", r.context},
+                      {"batch", r.batch},
+                      {"cluster_ms", r.cluster_ms},
+                      {"prefill_est_ms", r.prefill_est_ms},
+                      {"cluster_ratio", r.cluster_ms / r.prefill_est_ms},
+                      {"kmeans_tflop", r.kmeans_tflop},
+                      {"dense_us", r.dense_us},
+                      {"tactic_us", r.tactic_us},
+                      {"select_us", r.select_us},
+                      {"attn_us", r.attn_us},
+                      {"speedup", r.dense_us / r.tactic_us},
+                      {"union_pct", r.union_pct},
+                      {"head_pct", r.head_pct},
+                      {"mass_mean", r.mass_mean},
+                      {"mass_min", r.mass_min},
+                      {"selection_mb", r.sel_mb}});
     }
   cudaStreamDestroy(stream);
-  if (!a.json_path.empty()) {
-    std::ofstream js(a.json_path);
-    if (!js) throw std::runtime_error("cannot write --json file " + a.json_path);
-    js << "{\n  \"impl\": \"kvs_tactic\",\n  \"device\": \"" << prop.name << "\",\n  \"p\": " << a.p
-       << ", \"hq\": " << a.hq << ", \"hkv\": " << a.hkv << ", \"head_dim\": " << a.d
-       << ", \"page_size\": " << a.page_size << ", \"layers\": " << a.layers
-       << ", \"components\": " << a.components << ",\n  \"rows\": [";
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const Result& r = rows[i];
-      js << (i ? ",\n" : "\n") << "    {\"context\": " << r.context << ", \"batch\": " << r.batch
-         << ", \"cluster_ms\": " << r.cluster_ms << ", \"prefill_est_ms\": " << r.prefill_est_ms
-         << ", \"kmeans_tflop\": " << r.kmeans_tflop << ", \"dense_us\": " << r.dense_us
-         << ", \"tactic_us\": " << r.tactic_us << ", \"select_us\": " << r.select_us
-         << ", \"attn_us\": " << r.attn_us << ", \"union_pct\": " << r.union_pct
-         << ", \"head_pct\": " << r.head_pct << ", \"mass_mean\": " << r.mass_mean
-         << ", \"mass_min\": " << r.mass_min << ", \"selection_mb\": " << r.sel_mb << "}";
-    }
-    js << "\n  ],\n  \"skipped\": [";
-    for (size_t i = 0; i < notes.size(); ++i) js << (i ? ", " : "") << "\"" << notes[i] << "\"";
-    js << "]\n}\n";
-  }
   return 0;
 }
 

@@ -16,7 +16,8 @@ struct TacticBenchArgs {
   int layers = 4;               ///< KV sets (layers) per replay, rotated to defeat the L2
   int components = 512;         ///< Gaussian key components per (sequence, kv head)
   double prefill_tflops = 500;  ///< assumed dense prefill attention throughput (estimate)
-  std::string json_path;
+  std::string json_path;        ///< --json: write the rows here (empty: no file)
+  std::string command;          ///< the command line, for the JSON's meta
 };
 
 // Prints the table (and writes JSON when json_path is set); returns the process exit code.

@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <numeric>
@@ -177,7 +176,7 @@ int run(int argc, char** argv) {
       "tactic: KV sets (layers) decoded per graph replay")(
       "components", po::value(&tactic.components)->default_value(512),
       "tactic: Gaussian key components per sequence and kv head");
-  if (!bench::parse_options(argc, argv, desc)) return 0;
+  if (!cli::parse_options(argc, argv, desc)) return 0;
   const std::vector<int> contexts = parse_counts(contexts_text, "contexts");
   const std::vector<int> batches = parse_counts(batches_text, "batches");
   if (page_order != "sequential" && page_order != "shuffled")
@@ -200,6 +199,7 @@ int run(int argc, char** argv) {
     tactic.page_size = s.page_size;
     tactic.iters = s.iters;
     tactic.json_path = json_path;
+    tactic.command = bench::command_line(argc, argv);
     return run_tactic_bench(tactic);
   }
   if (method != "dense")
@@ -212,48 +212,44 @@ int run(int argc, char** argv) {
   cudaStream_t stream;
   KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const double copy_gbps = copy_bandwidth_gbps(stream);
+  bench::BenchReport report("kvs_dense", bench::command_line(argc, argv), json_path);
+  report.meta().add({{"copy_gbps", copy_gbps},
+                     {"hq", s.hq},
+                     {"hkv", s.hkv},
+                     {"head_dim", s.d},
+                     {"page_size", s.page_size},
+                     {"page_order", page_order},
+                     {"iters", s.iters}});
+  report.save();
   std::printf("kvs-bench dense decode: %s, %d SMs, L2 %.0f MiB; Hq %d Hkv %d d %d page %d (%s)\n",
               prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0, s.hq, s.hkv, s.d,
               s.page_size, page_order.c_str());
   std::printf("device-to-device copy: %.0f GB/s (read + write)\n", copy_gbps);
   std::printf("%8s %6s %12s %10s %10s %5s %6s\n", "context", "batch", "us/call", "GB/s",
               "frac_copy", "sets", "calls");
-  std::vector<Row> rows;
-  std::vector<std::string> notes;
   for (int context : contexts) {
     for (int batch : batches) {
       Row row;
       std::string note;
       if (!bench_one(s, context, batch, size_t(prop.l2CacheSize), copy_gbps, stream, &row, &note)) {
         std::printf("%s\n", note.c_str());
-        notes.push_back(note);
+        report.add_skipped(note);
         continue;
       }
       std::printf("%8d %6d %12.1f %10.0f %10.3f %5d %6d\n", row.context, row.batch, row.us,
                   row.gbps, row.frac, row.sets, row.calls);
       std::fflush(stdout);
-      rows.push_back(row);
+      report.add_row({{"context", row.context},
+                      {"batch", row.batch},
+                      {"us", row.us},
+                      {"gbps", row.gbps},
+                      {"frac_copy", row.frac},
+                      {"sets", row.sets},
+                      {"calls", row.calls}});
     }
   }
   cudaStreamDestroy(stream);
 
-  if (!json_path.empty()) {
-    std::ofstream js(json_path);
-    if (!js) throw std::runtime_error("cannot write --json file " + json_path);
-    js << "{\n  \"impl\": \"kvs_dense\",\n  \"device\": \"" << prop.name
-       << "\",\n  \"copy_gbps\": " << copy_gbps << ",\n  \"hq\": " << s.hq << ", \"hkv\": " << s.hkv
-       << ", \"head_dim\": " << s.d << ", \"page_size\": " << s.page_size << ", \"page_order\": \""
-       << page_order << "\",\n  \"rows\": [";
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const Row& r = rows[i];
-      js << (i ? ",\n" : "\n") << "    {\"context\": " << r.context << ", \"batch\": " << r.batch
-         << ", \"us\": " << r.us << ", \"gbps\": " << r.gbps << ", \"frac_copy\": " << r.frac
-         << ", \"sets\": " << r.sets << ", \"calls\": " << r.calls << "}";
-    }
-    js << "\n  ],\n  \"skipped\": [";
-    for (size_t i = 0; i < notes.size(); ++i) js << (i ? ", " : "") << "\"" << notes[i] << "\"";
-    js << "]\n}\n";
-  }
   return 0;
 }
 

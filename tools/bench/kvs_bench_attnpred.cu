@@ -17,7 +17,7 @@
 //                layer step (prefetched + on demand)
 // Weights are random (selection quality does not change the cost); queries and keys are
 // random bf16. Targets (issue): ap_offload 5.6x faster than offl_copy at 32K; ap_gpu 5x faster
-// than dense at 128K with budget 2048.
+// than dense at 128K with budget 2048. --json writes every row (docs/formats.md).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -70,7 +70,7 @@ T* dalloc(size_t n) {
 }  // namespace
 
 int main(int argc, char** argv) try {
-  std::string contexts_s;
+  std::string contexts_s, json_path;
   int hq, hkv, d, budget, layers, steps, reps, period;
   po::options_description opts(
       "kvs-bench-attnpred: AttentionPredictor decode vs dense, GPU and offload");
@@ -84,8 +84,9 @@ int main(int argc, char** argv) try {
                                                   "calibration period M")(
       "layers", po::value(&layers)->default_value(4), "layers per step (prefetch overlaps them)")(
       "steps", po::value(&steps)->default_value(10), "decode steps per repetition (whole periods)")(
-      "reps", po::value(&reps)->default_value(5), "repetitions (median)");
-  if (!kvs::bench::parse_options(argc, argv, opts)) return 0;
+      "reps", po::value(&reps)->default_value(5), "repetitions (median)")(
+      "json", po::value(&json_path), "also write the table as JSON to this path");
+  if (!kvs::cli::parse_options(argc, argv, opts)) return 0;
   if (!kvs::cuda_device_available()) {
     std::fprintf(stderr, "kvs-bench-attnpred: no CUDA device\n");
     return 1;
@@ -98,6 +99,17 @@ int main(int argc, char** argv) try {
   const std::vector<int> contexts = kvs::bench::parse_counts(contexts_s, "contexts");
   cudaDeviceProp prop{};
   KVS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  kvs::bench::BenchReport report("kvs_attnpred", kvs::bench::command_line(argc, argv), json_path);
+  report.meta().add({{"batch", 1},
+                     {"hq", hq},
+                     {"hkv", hkv},
+                     {"head_dim", d},
+                     {"budget", budget},
+                     {"period", period},
+                     {"layers", layers},
+                     {"steps", steps},
+                     {"reps", reps}});
+  report.save();
   std::printf("# %s, Hq %d, Hkv %d, d %d, budget %d, M %d, %d layers, batch 1\n", prop.name, hq,
               hkv, d, budget, period, layers);
   std::printf("%8s %9s %9s %11s %9s %9s %10s %9s %11s %6s %9s %8s %8s\n", "context", "dense",
@@ -309,6 +321,20 @@ int main(int argc, char** argv) try {
                 L, dense, ap_gpu, sparse_attn, predictor, full_row, offl_copy, offl_zc, ap_off,
                 late, blk, dense / ap_gpu, offl_copy / ap_off);
     std::fflush(stdout);
+    report.add_row({{"context", L},
+                    {"batch", 1},
+                    {"dense_us", dense},
+                    {"ap_gpu_us", ap_gpu},
+                    {"sparse_attn_us", sparse_attn},
+                    {"predictor_us", predictor},
+                    {"full_row_us", full_row},
+                    {"offload_copy_us", offl_copy},
+                    {"offload_zero_copy_us", offl_zc},
+                    {"ap_offload_us", ap_off},
+                    {"late_fraction", late},
+                    {"blocks_per_step", blk},
+                    {"speedup_gpu", dense / ap_gpu},
+                    {"speedup_offload", offl_copy / ap_off}});
 
     for (int l = 0; l < layers; ++l) {
       cudaFree(dk[size_t(l)]);

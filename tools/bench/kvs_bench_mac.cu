@@ -13,7 +13,8 @@
 //
 // `layers` sets (KV + rings) are decoded in sequence inside one graph, so that the L2 never
 // holds the next call's data; time per call = median replay time / layers. The dense column
-// replays dense_decode_cuda over the same KV sets the same way.
+// replays dense_decode_cuda over the same KV sets the same way. --json writes every row with
+// its (context, batch)'s dense time (docs/formats.md).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -85,7 +86,8 @@ struct LayerSet {
   PagedKV kv;
 };
 
-void bench_one(const Args& a, int context, int batch, cudaStream_t stream) {
+void bench_one(const Args& a, int context, int batch, cudaStream_t stream,
+               bench::BenchReport& report) {
   const int pages_per_seq = (context + a.page_size - 1) / a.page_size;
   const int num_pages = batch * pages_per_seq;
   const size_t kv_elems = size_t(num_pages) * a.page_size * a.hkv * a.d;
@@ -94,7 +96,11 @@ void bench_one(const Args& a, int context, int batch, cudaStream_t stream) {
   size_t free_bytes = 0, total = 0;
   KVS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
   if (need + (1u << 30) > free_bytes || int64_t(num_pages) * a.page_size * a.hkv >= (1LL << 31)) {
-    std::printf("skipped context %d batch %d: needs %.1f GB\n", context, batch, need / 1e9);
+    char note[128];
+    std::snprintf(note, sizeof note, "skipped context %d batch %d: needs %.1f GB", context, batch,
+                  need / 1e9);
+    std::printf("%s\n", note);
+    report.add_skipped(note);
     return;
   }
   const int t = context - 1;
@@ -228,10 +234,20 @@ void bench_one(const Args& a, int context, int batch, cudaStream_t stream) {
                                        sync.p, ws.p, mac_ws, stream));
     });
     const double mac_us = 1e3 * mac_ms / a.layers;
-    std::printf("%9.0f%% %11.1f%% %12.1f %9.2fx %11.2f%%\n", 100 * rate,
-                100.0 * double(c[mk::kHeadHits]) / double(std::max(1ull, c[mk::kHeadSteps])),
-                mac_us, dense_us / mac_us,
-                100.0 * double(c[mk::kRowsRead]) / double(std::max(1ull, c[mk::kRowsContext])));
+    const double head_hit_pct =
+        100.0 * double(c[mk::kHeadHits]) / double(std::max(1ull, c[mk::kHeadSteps]));
+    const double rows_read_pct =
+        100.0 * double(c[mk::kRowsRead]) / double(std::max(1ull, c[mk::kRowsContext]));
+    std::printf("%9.0f%% %11.1f%% %12.1f %9.2fx %11.2f%%\n", 100 * rate, head_hit_pct, mac_us,
+                dense_us / mac_us, rows_read_pct);
+    report.add_row({{"context", context},
+                    {"batch", batch},
+                    {"hit_rate", rate},
+                    {"head_hit_pct", head_hit_pct},
+                    {"mac_us", mac_us},
+                    {"dense_us", dense_us},
+                    {"speedup", dense_us / mac_us},
+                    {"rows_read_pct", rows_read_pct}});
   }
 }
 
@@ -241,7 +257,7 @@ void bench_one(const Args& a, int context, int batch, cudaStream_t stream) {
 int main(int argc, char** argv) {
   using namespace kvs;
   Args a;
-  std::string contexts, batches, rates;
+  std::string contexts, batches, rates, json_path;
   po::options_description desc("kvs-bench-mac: MAC-Attention decode vs dense, CUDA-graph replays");
   desc.add_options()("help", "this text")(
       "contexts", po::value(&contexts)->default_value("128K"), "tokens per sequence, e.g. 32K,128K")(
@@ -257,9 +273,10 @@ int main(int argc, char** argv) {
       "gap", po::value(&a.gap)->default_value(256), "t - j of a hit (recompute B + gap tokens)")(
       "tau", po::value(&a.tau)->default_value(0.45), "paper threshold tolerance")(
       "layers", po::value(&a.layers)->default_value(4), "KV + ring sets rotated per replay")(
-      "iters", po::value(&a.iters)->default_value(50), "timed replays (median)");
+      "iters", po::value(&a.iters)->default_value(50), "timed replays (median)")(
+      "json", po::value(&json_path), "also write the table as JSON to this path");
   try {
-    if (!bench::parse_options(argc, argv, desc)) return 0;
+    if (!cli::parse_options(argc, argv, desc)) return 0;
     a.contexts = parse_counts(contexts, "contexts");
     a.batches = parse_counts(batches, "batches");
     a.hit_rates = parse_doubles(rates, "hit-rates");
@@ -271,10 +288,22 @@ int main(int argc, char** argv) {
       return 2;
     }
     KVS_CUDA_CHECK(mk::prepare_cuda(a.d));
+    bench::BenchReport report("kvs_mac", bench::command_line(argc, argv), json_path);
+    report.meta().add({{"hq", a.hq},
+                       {"hkv", a.hkv},
+                       {"head_dim", a.d},
+                       {"page_size", a.page_size},
+                       {"window", a.window},
+                       {"band", a.band},
+                       {"gap", a.gap},
+                       {"tau", a.tau},
+                       {"layers", a.layers},
+                       {"iters", a.iters}});
+    report.save();
     cudaStream_t stream;
     KVS_CUDA_CHECK(cudaStreamCreate(&stream));
     for (int ctx : a.contexts)
-      for (int b : a.batches) bench_one(a, ctx, b, stream);
+      for (int b : a.batches) bench_one(a, ctx, b, stream, report);
     cudaStreamDestroy(stream);
   } catch (const std::exception& e) {
     std::cerr << "kvs-bench-mac: " << e.what() << "\n";

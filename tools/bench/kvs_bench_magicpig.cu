@@ -11,6 +11,7 @@
 // events. Retrieval rate: candidates / hashed keys, per query head. Table memory: the layer's
 // ids + offsets per token of context (all sequences, all kv heads).
 // The CPU part uses --threads workers (0: hardware concurrency) and the widest vector unit.
+// --json writes every row with the dense time of its (context, batch) (docs/formats.md).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -107,7 +108,8 @@ struct Options {
   std::vector<std::string> modes;
 };
 
-void bench_one(const Options& o, int context, int batch, cudaStream_t stream) {
+void bench_one(const Options& o, int context, int batch, cudaStream_t stream,
+               bench::BenchReport& report) {
   const int pages_per_seq = (context + o.page - 1) / o.page;
   const int num_pages = batch * pages_per_seq;
   const size_t elems = size_t(num_pages) * o.page * o.hkv * o.d;
@@ -191,6 +193,8 @@ void bench_one(const Options& o, int context, int batch, cudaStream_t stream) {
       e = std::make_unique<MagicPigEngine>(shape, c);
     } catch (const std::exception& ex) {
       std::printf("%8d %5d  %-11s  skipped: %s\n", context, batch, mode.c_str(), ex.what());
+      report.add_skipped("skipped context " + std::to_string(context) + " batch " +
+                         std::to_string(batch) + " mode " + mode + ": " + ex.what());
       continue;
     }
     DeviceArray<char> ws(e->workspace_bytes());
@@ -208,12 +212,26 @@ void bench_one(const Options& o, int context, int batch, cudaStream_t stream) {
     const MagicPigStats s = e->magicpig_stats();
     const EngineStats es = e->stats();
     const double per_token = double(e->table_bytes(0)) / (double(batch) * context);
+    const double per_head =
+        double(s.candidates) / std::max<uint64_t>(es.decode_calls, 1) / (batch * o.hq);
+    const double tables_mib = double(e->table_bytes(0)) / (1 << 20);
+    const char* isa = kernels::magicpig::to_string(e->cpu_isa());
     std::printf("%8d %5d  %-11s %9.1f %9.1f %7.2fx %8.4f %9.0f %10.1f %8.1f %7.1f %6s\n", context,
                 batch, mode.c_str(), dense_ms * 1e3, ms * 1e3, dense_ms / ms, s.retrieval_rate(),
-                double(s.candidates) / std::max<uint64_t>(es.decode_calls, 1) / (batch * o.hq),
-                double(e->table_bytes(0)) / (1 << 20), per_token, prefill_s,
-                kernels::magicpig::to_string(e->cpu_isa()));
+                per_head, tables_mib, per_token, prefill_s, isa);
     std::fflush(stdout);
+    report.add_row({{"context", context},
+                    {"batch", batch},
+                    {"mode", mode},
+                    {"dense_us", dense_ms * 1e3},
+                    {"magicpig_us", ms * 1e3},
+                    {"speedup", dense_ms / ms},
+                    {"retrieval_rate", s.retrieval_rate()},
+                    {"candidates_per_head", per_head},
+                    {"tables_mib", tables_mib},
+                    {"table_bytes_per_token", per_token},
+                    {"prefill_s", prefill_s},
+                    {"isa", isa}});
   }
 }
 
@@ -223,7 +241,7 @@ void bench_one(const Options& o, int context, int batch, cudaStream_t stream) {
 int main(int argc, char** argv) {
   using namespace kvs;
   po::options_description desc("kvs-bench-magicpig options");
-  std::string contexts, batches, modes;
+  std::string contexts, batches, modes, json_path;
   Options o{};
   desc.add_options()("help,h", "this help")(
       "contexts", po::value(&contexts)->default_value("96K,128K"), "context lengths (K = 1024)")(
@@ -238,9 +256,10 @@ int main(int argc, char** argv) {
       "topics", po::value(&o.topics)->default_value(64), "key topic directions per kv head")(
       "page-size", po::value(&o.page)->default_value(16), "KV page size")(
       "iters", po::value(&o.iters)->default_value(20), "timed decode calls (median)")(
-      "warmup", po::value(&o.warmup)->default_value(3), "untimed decode calls first");
+      "warmup", po::value(&o.warmup)->default_value(3), "untimed decode calls first")(
+      "json", po::value(&json_path), "also write the table as JSON to this path");
   try {
-    if (!bench::parse_options(argc, argv, desc)) return 0;
+    if (!cli::parse_options(argc, argv, desc)) return 0;
     if (o.hq <= 0 || o.hkv <= 0 || o.hq % o.hkv != 0 || o.iters <= 0 || o.warmup < 0 ||
         o.topics <= 0 || o.page <= 0)
       throw std::invalid_argument(
@@ -252,9 +271,21 @@ int main(int argc, char** argv) {
     if (!cuda_device_available()) throw std::runtime_error("no CUDA device");
     cudaDeviceProp prop{};
     KVS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    const int threads = o.threads > 0 ? o.threads : int(std::thread::hardware_concurrency());
+    bench::BenchReport report("kvs_magicpig", bench::command_line(argc, argv), json_path);
+    report.meta().add({{"hq", o.hq},
+                       {"hkv", o.hkv},
+                       {"head_dim", o.d},
+                       {"bits", o.bits},
+                       {"tables", o.tables},
+                       {"threads", threads},
+                       {"topics", o.topics},
+                       {"page_size", o.page},
+                       {"iters", o.iters},
+                       {"warmup", o.warmup}});
+    report.save();
     std::printf("# %s; Hq %d Hkv %d d %d; (K, L) = (%d, %d); sink 4, local 64; %d CPU threads\n",
-                prop.name, o.hq, o.hkv, o.d, o.bits, o.tables,
-                o.threads > 0 ? o.threads : int(std::thread::hardware_concurrency()));
+                prop.name, o.hq, o.hkv, o.d, o.bits, o.tables, threads);
     std::printf("# times are per layer (one decode of every sequence of the batch), median of %d\n",
                 o.iters);
     std::printf("%8s %5s  %-11s %9s %9s %8s %8s %9s %10s %8s %7s %6s\n", "context", "batch", "mode",
@@ -263,7 +294,7 @@ int main(int argc, char** argv) {
     cudaStream_t stream;
     KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     for (int c : ctx)
-      for (int b : bs) bench_one(o, c, b, stream);
+      for (int b : bs) bench_one(o, c, b, stream, report);
     cudaStreamDestroy(stream);
   } catch (const std::exception& e) {
     std::cerr << "kvs-bench-magicpig: " << e.what() << "\n";

@@ -10,6 +10,7 @@
 // then the `layers` decodes run in sequence inside one graph so the L2 never holds the next
 // call's KV or weights; time per call = median replay time / layers. The selected token count
 // (sink + window + l clusters) is read back and printed with the KV bytes each side reads.
+// --json writes every row with its dense time (docs/formats.md).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -64,6 +65,8 @@ template <typename T>
 using Dev = bench::DeviceBuffer<T>;
 using bench::time_graph;
 
+constexpr int kPageSize = 16;  ///< tokens per KV page
+
 struct Args {
   std::vector<int> contexts{131072, 524288};
   int batch = 1, hq = 32, hkv = 8, d = 128, clusters = 1024, probes = 32, hidden = 1024;
@@ -105,7 +108,7 @@ SaapParts random_parts(const Args& a, std::mt19937_64& rng) {
   return p;
 }
 
-void run(const Args& a) {
+void run(const Args& a, bench::BenchReport& report) {
   const int max_ctx = *std::max_element(a.contexts.begin(), a.contexts.end());
   ModelShape shape;
   shape.name = "bench";
@@ -140,7 +143,7 @@ void run(const Args& a) {
   cc.num_layers = shape.num_layers;
   cc.num_kv_heads = a.hkv;
   cc.head_dim = a.d;
-  cc.page_size = 16;
+  cc.page_size = kPageSize;
   cc.max_batch = a.batch;
   cc.max_seq_len = max_ctx;
   cc.device = Device::Cuda;
@@ -225,6 +228,16 @@ void run(const Args& a) {
     std::printf("%9d %12.1f %10.0f %10.1f %10.1f %10.1f %9.1f %11.2fx\n", ctx,
                 prefill_ms / a.layers, tokens, kv_mb, mlp_mb, saap_us, dense_us,
                 dense_us / saap_us);
+    std::fflush(stdout);
+    report.add_row({{"context", ctx},
+                    {"batch", a.batch},
+                    {"prefill_ms", prefill_ms / a.layers},
+                    {"tokens_per_kv_head", tokens},
+                    {"kv_mb", kv_mb},
+                    {"router_mb", mlp_mb},
+                    {"saap_us", saap_us},
+                    {"dense_us", dense_us},
+                    {"speedup", dense_us / saap_us}});
   }
   KVS_CUDA_CHECK(cudaStreamDestroy(stream));
 }
@@ -234,7 +247,7 @@ void run(const Args& a) {
 
 int main(int argc, char** argv) try {
   kvs::Args a;
-  std::string contexts = "131072,524288";
+  std::string contexts = "131072,524288", json_path;
   po::options_description opts("kvs-bench-saap: SAAP decode vs dense decode (CUDA graphs)");
   opts.add_options()
       ("help,h", "show this help")
@@ -251,13 +264,30 @@ int main(int argc, char** argv) try {
       ("router", po::value(&a.router)->default_value(a.router), "mlp or nearest_centroid")
       ("layers", po::value(&a.layers)->default_value(a.layers), "layers decoded per graph (L2 rotation)")
       ("iters", po::value(&a.iters)->default_value(a.iters), "timed replays (median)")
-      ("seed", po::value(&a.seed)->default_value(a.seed), "data seed");
-  if (!kvs::bench::parse_options(argc, argv, opts)) return 0;
+      ("seed", po::value(&a.seed)->default_value(a.seed), "data seed")
+      ("json", po::value(&json_path), "also write the table as JSON to this path");
+  if (!kvs::cli::parse_options(argc, argv, opts)) return 0;
   a.contexts = kvs::bench::parse_counts(contexts, "contexts");
   if (!kvs::cuda_device_available()) throw std::runtime_error("no CUDA device");
   if (a.layers < 1 || a.iters < 1 || a.batch < 1)
     throw std::invalid_argument("--layers, --iters and --batch must be >= 1");
-  kvs::run(a);
+  kvs::bench::BenchReport report("kvs_saap", kvs::bench::command_line(argc, argv), json_path);
+  report.meta().add({{"batch", a.batch},
+                     {"hq", a.hq},
+                     {"hkv", a.hkv},
+                     {"head_dim", a.d},
+                     {"page_size", kvs::kPageSize},
+                     {"clusters", a.clusters},
+                     {"probes", a.probes},
+                     {"hidden", a.hidden},
+                     {"sink", a.sink},
+                     {"recent", a.recent},
+                     {"router", a.router},
+                     {"layers", a.layers},
+                     {"iters", a.iters},
+                     {"seed", a.seed}});
+  report.save();
+  kvs::run(a, report);
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "kvs-bench-saap: error: %s\n", e.what());
