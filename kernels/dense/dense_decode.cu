@@ -31,6 +31,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "kernels/common/launch.cuh"
 #include "kernels/common/merge_states.cuh"
 #include "kernels/common/ptx.cuh"
 #include "kernels/dense/dense_decode.h"
@@ -577,17 +578,8 @@ cudaError_t launch_dense_decode(const bf16* q, int num_q_heads, const PagedKV& k
   mp.num_q_heads = num_q_heads;
   mp.o = p.o;
   mp.lse = lse;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(kv.batch * num_q_heads));
-  cfg.blockDim = dim3(kMergeWarps * 32);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, dense_merge_kernel<D>, mp);
+  return launch_programmatic(dense_merge_kernel<D>, dim3(unsigned(kv.batch * num_q_heads)),
+                             dim3(kMergeWarps * 32), 0, stream, mp);
 }
 
 // The two head dims served; one instantiation each.

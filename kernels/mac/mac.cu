@@ -1,20 +1,28 @@
 // CUDA MAC-Attention decode (mac.h): match -> attend (band + tail, or everything on a miss)
-// -> complete + rectify-append, three launches with no host sync, so a step is capturable.
+// with complete + rectify-append folded into the last CTA of each (sequence, kv head), two
+// launches with no host sync, so a step is capturable.
 //
-// Planning happens on the device inside the match launch: the CTA that finishes a (b, h)
-// last (arrival counter) reduces the tiles and decides hit / start, and the CTA that
-// finishes the grid last cuts each (sequence, kv head)'s union span [min_h start_h, t] into
-// chunks whose length spreads the total tokens over about one wave of attention CTAs (a
-// prefix sum over the pairs gives each chunk its item index). Chunks never straddle E(t), so
-// every chunk's state belongs either to `new` (tokens below E(t)) or to the tail.
+// The step is short (a 100 % hit step reads ~1 % of a dense step's bytes), so its time is the
+// number of dependent memory round trips, not bandwidth. The layout keeps that number small:
+//   match: one CTA per (sequence, query head) scans the whole ring at once (16 warps x 32
+//     slots: every slot's position and lse, then every valid ring row, all in flight) and
+//     decides hit / start in the same CTA. No tiles, no arrival counters.
+//   attend: launched with programmatic dependent launch behind match. Every warp derives the
+//     same plan from seq_lens and the heads' starts on its own (as dense_decode.cu does):
+//     each (sequence, kv head)'s union span [min_h start_h, t] is cut into chunks whose length
+//     spreads the total tokens over about one wave of CTAs, chunks never straddling E(t), so
+//     every chunk's state belongs either to `new` (tokens below E(t)) or to the tail. The CTA
+//     that finishes a pair last (self-resetting arrival counter) merges the pair's states with
+//     the reused entries, writes entry(t) into the ring and the output.
 //
-// The attention kernel follows dense_decode.cu (split-KV over 16-token tiles, per-warp
-// cp.async rings, bf16 mma with the group's query heads as rows, online softmax in the log2
-// domain) with two differences: a head row masks tokens below its own start, so a group
-// reads its KV once for the union of its heads' spans; and every chunk writes a partial
-// state, since the complete kernel merges states with the reused entries anyway. A row with
-// every token of a tile masked keeps its state (the -inf max is replaced by 0 in the
-// exponentials, so exp2(-inf - -inf) never happens).
+// The attention part follows dense_decode.cu (split-KV over 16-token tiles, per-warp cp.async
+// rings, bf16 mma with the group's query heads as rows, online softmax in the log2 domain)
+// with two differences: a head row masks tokens below its own start, so a group reads its KV
+// once for the union of its heads' spans; and every chunk writes a partial state, since the
+// completion merges states with the reused entries anyway. A row with every token of a tile
+// masked keeps its state (the -inf max is replaced by 0 in the exponentials, so
+// exp2(-inf - -inf) never happens).
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -23,6 +31,7 @@
 #include <mutex>
 #include <type_traits>
 
+#include "kernels/common/launch.cuh"
 #include "kernels/common/merge_states.cuh"
 #include "kernels/common/ptx.cuh"
 #include "kernels/mac/mac.h"
@@ -32,7 +41,8 @@ namespace {
 
 constexpr int kMatchWarps = 4;
 constexpr int kRowsPerWarp = 16;
-constexpr int kMatchTile = kMatchWarps * kRowsPerWarp;  // ring slots per match CTA
+constexpr int kMatchTile = kMatchWarps * kRowsPerWarp;  // ring slots per match CTA and pass
+constexpr int kMaxCluster = 8;                           // match CTAs per (sequence, head)
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 16;
@@ -42,24 +52,26 @@ constexpr int kChunkAlign = kWarps * kTile;
 // Cap on the chunks the planner aims for; with 2 chunks per pair of slack it bounds the
 // items, so the workspace size depends only on the shapes.
 constexpr int kMaxChunks = 1024;
-constexpr int kMergeWarps = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFull = 0xffffffffu;
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
+// Match CTAs per (sequence, query head): one thread-block cluster covers the ring.
+int match_cluster(int window) {
+  const int tiles = (window + kMatchTile - 1) / kMatchTile;
+  return tiles < kMaxCluster ? tiles : kMaxCluster;
+}
+
 struct Layout {
-  size_t tile_d2, tile_pos, head_start, head_slot, pair_info, items, num_items, partial_lse,
-      partial_o, total;
+  size_t head_start, head_slot, partial_lse, partial_o, total;
 };
 
-int match_tiles(int window) { return (window + kMatchTile - 1) / kMatchTile; }
 int max_items(int max_batch, int num_kv_heads) { return kMaxChunks + 2 * max_batch * num_kv_heads; }
 
-Layout layout(int max_batch, int num_q_heads, int num_kv_heads, int head_dim, int window) {
+Layout layout(int max_batch, int num_q_heads, int num_kv_heads, int head_dim) {
   const size_t rows = size_t(max_batch) * num_q_heads;
-  const size_t tiles = rows * size_t(match_tiles(window));
   const size_t items = size_t(max_items(max_batch, num_kv_heads));
   const size_t group = size_t(num_q_heads / num_kv_heads);
   Layout l;
@@ -69,13 +81,8 @@ Layout layout(int max_batch, int num_q_heads, int num_kv_heads, int head_dim, in
     at += align_up(bytes);
     return here;
   };
-  l.tile_d2 = take(tiles * sizeof(float));
-  l.tile_pos = take(tiles * sizeof(int32_t));
   l.head_start = take(rows * sizeof(int32_t));
   l.head_slot = take(rows * sizeof(int32_t));
-  l.pair_info = take(size_t(max_batch) * num_kv_heads * sizeof(int4));
-  l.items = take(items * sizeof(int4));
-  l.num_items = take(sizeof(int32_t));
   l.partial_lse = take(items * group * sizeof(float));
   l.partial_o = take(items * group * head_dim * sizeof(float));
   l.total = at;
@@ -95,7 +102,6 @@ struct Params {
   int max_pages_per_seq;
   int num_q_heads;
   int group;
-  int tiles;
   int chunks_target;
   float scale_log2;
   RingState st;
@@ -103,17 +109,11 @@ struct Params {
   __nv_bfloat16* out;
   float* lse;  // may be null
   unsigned long long* counters;  // may be null
-  int32_t* row_arrivals;   // [batch * Hq], zero between launches
-  int32_t* grid_arrival;   // [1], zero between launches
-  float* tile_d2;
-  int32_t* tile_pos;
-  int32_t* head_start;
-  int32_t* head_slot;
-  int4* pair_info;  // {first item, R items, T items, span start}
-  int4* items;      // {pair, begin, end, part (0: below E(t), 1: tail)}
-  int32_t* num_items;
-  float* partial_lse;  // [items, group]
-  float* partial_o;    // [items, group, D]
+  int32_t* pair_arrivals;  // [batch * Hkv], zero between launches
+  int32_t* head_start;     // [batch * Hq] first token of the head's own read (0: miss)
+  int32_t* head_slot;      // [batch * Hq] ring slot of the reused entry, -1: miss
+  float* partial_lse;      // [items, group]
+  float* partial_o;        // [items, group, D]
 };
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -125,18 +125,6 @@ __device__ __forceinline__ float warp_sum(float x) {
 // (d2, pos) order of the match: smaller distance, then the older position.
 __device__ __forceinline__ bool better(float d2, int pos, float best_d2, int best_pos) {
   return pos >= 0 && (best_pos < 0 || d2 < best_d2 || (d2 == best_d2 && pos < best_pos));
-}
-
-__device__ __forceinline__ void warp_argmin(float* d2, int* pos) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float od = __shfl_xor_sync(kFull, *d2, off);
-    const int op = __shfl_xor_sync(kFull, *pos, off);
-    if (better(od, op, *d2, *pos)) {
-      *d2 = od;
-      *pos = op;
-    }
-  }
 }
 
 template <int D>
@@ -151,25 +139,164 @@ __device__ __forceinline__ void load_bf16(const __nv_bfloat16* row, int lane, fl
   }
 }
 
-// Folds query x (this lane's dims) into the running means of (b, h): one warp.
+// Folds query x (this lane's dims) into the running means of (b, h): one warp. mean, count
+// and q_sq are their current values (the caller loads them early).
 template <int D>
 __device__ void update_running_means(const RingState& st, const MatchParams& mp, int b, int h,
-                                     int lane, const float (&x)[D / 32]) {
+                                     int lane, const float (&x)[D / 32],
+                                     const float (&mean)[D / 32], int32_t count, float q_sq) {
   constexpr int kPer = D / 32;
   float sq = 0.f;
 #pragma unroll
   for (int k = 0; k < kPer; ++k) sq += x[k] * x[k];
   sq = warp_sum(sq);
-  int32_t count = st.q_count[st.head(b, h)];
   const float w = stats_weight(&count, mp.stats_horizon);
-  float* mean = st.q_mean + st.head(b, h) * D + lane * kPer;
+  float* dst = st.q_mean + st.head(b, h) * D + lane * kPer;
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) mean[k] += w * (x[k] - mean[k]);
-  __syncwarp();  // every lane read the old count and q_sq before lane 0 writes them
+  for (int k = 0; k < kPer; ++k) dst[k] = mean[k] + w * (x[k] - mean[k]);
   if (lane == 0) {
     st.q_count[st.head(b, h)] = count;
-    float& s = st.q_sq[st.head(b, h)];
-    s += w * (sq - s);
+    st.q_sq[st.head(b, h)] = q_sq + w * (sq - q_sq);
+  }
+}
+
+// A candidate of the match: squared distance, position, its entry's lse, and the rows scanned
+// by whoever found it (summed in the reduction).
+struct Candidate {
+  float d2, lse;
+  int pos, scanned;
+};
+
+// Grid (cluster, Hq, batch) in clusters of gridDim.x CTAs: the cluster of (b, h) scans the
+// ring together. CTA r's warp w takes 16 slots at (r * kMatchWarps + w) * 16 (+ one cluster's
+// slots per further pass): lanes load the slots' positions and lses, then the warp loads the
+// valid rows with all loads in flight (each lane D/32 dims of every row) and sums the squared
+// distances with shuffles. Every warp's best goes into CTA 0's shared memory; after the
+// cluster barrier, warp 0 of CTA 0 reduces them and decides. No global round trip.
+template <int D>
+__global__ void __launch_bounds__(kMatchWarps * 32) match_kernel(const __grid_constant__ Params p) {
+  constexpr int kPer = D / 32;
+  // The attend grid may get resident now: it waits (griddepcontrol.wait) for this whole grid
+  // to finish and flush before it reads what this kernel writes.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank()), ranks = int(cluster.num_blocks());
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int W = p.st.window;
+  const int64_t head_row = p.st.head(b, h);
+  __shared__ Candidate s_best[kMaxCluster * kMatchWarps];  // CTA 0's copy is the one used
+
+  // Independent loads first: the length, the query, and (the deciding warp) the head's
+  // running means.
+  const bool decider = rank == 0 && warp == 0;
+  const int len = p.seq_lens[b];
+  float qv[kPer], mean[kPer];
+  load_bf16<D>(p.q_pre + head_row * D, lane, qv);
+  float q_sq = 0.f;
+  int q_count = 0;
+  if (decider) {
+    const float* m = p.st.q_mean + head_row * D + lane * kPer;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) mean[k] = m[k];
+    q_sq = p.st.q_sq[head_row];
+    q_count = p.st.q_count[head_row];
+  }
+  const int t = len - 1;
+  const bool eligible = t >= 0 && t >= p.mp.min_context;  // else no scan (CPU: match_cpu)
+  const int lo = t - W > 0 ? t - W : 0;
+
+  Candidate best{INFINITY, -INFINITY, -1, 0};
+  for (int slot0 = (rank * kMatchWarps + warp) * kRowsPerWarp; slot0 < W;
+       slot0 += ranks * kMatchTile) {
+    int my_pos = -1;
+    float my_lse = -INFINITY;
+    if (lane < kRowsPerWarp && slot0 + lane < W) {
+      my_pos = p.st.pos[int64_t(b) * W + slot0 + lane];
+      my_lse = p.st.lse[p.st.row(b, slot0 + lane, h)];
+    }
+    // The rows are loaded whether or not their slot is a candidate, so that these loads do
+    // not wait for the positions and the length: the scan is one memory round trip. A row
+    // that is no candidate (never written, too old, or the step is below min_context) is
+    // dropped below; the counters count candidates only.
+    uint32_t raw[kRowsPerWarp][kPer / 2];
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      if (slot0 + i < W) {
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(
+            p.st.q + p.st.row(b, slot0 + i, h) * D + lane * kPer);
+#pragma unroll
+        for (int k = 0; k < kPer / 2; ++k) raw[i][k] = row[k];
+      }
+    }
+    const unsigned valid = __ballot_sync(kFull, eligible && my_pos >= lo && my_pos < t);
+    best.scanned += __popc(valid);
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      if (!(valid >> i & 1u)) continue;  // warp-uniform
+      float s = 0.f;
+#pragma unroll
+      for (int k = 0; k < kPer / 2; ++k) {
+        const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i][k]));
+        const float d0 = qv[2 * k] - x.x, d1 = qv[2 * k + 1] - x.y;
+        s = fmaf(d0, d0, s);
+        s = fmaf(d1, d1, s);
+      }
+      s = warp_sum(s);
+      const int pos = __shfl_sync(kFull, my_pos, i);
+      const float e = __shfl_sync(kFull, my_lse, i);
+      if (better(s, pos, best.d2, best.pos)) {
+        best.d2 = s;
+        best.pos = pos;
+        best.lse = e;
+      }
+    }
+  }
+  if (lane == 0) cluster.map_shared_rank(s_best, 0)[rank * kMatchWarps + warp] = best;
+  cluster.sync();  // CTA 0 holds every warp's best; the others may leave
+  if (!decider) return;
+
+  Candidate c{INFINITY, -INFINITY, -1, 0};
+  if (lane < ranks * kMatchWarps) c = s_best[lane];
+  int rows = c.scanned;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float od = __shfl_xor_sync(kFull, c.d2, off);
+    const float oe = __shfl_xor_sync(kFull, c.lse, off);
+    const int op = __shfl_xor_sync(kFull, c.pos, off);
+    rows += __shfl_xor_sync(kFull, rows, off);
+    if (better(od, op, c.d2, c.pos)) {
+      c.d2 = od;
+      c.pos = op;
+      c.lse = oe;
+    }
+  }
+  float m2 = 0.f;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) m2 += mean[k] * mean[k];
+  m2 = warp_sum(m2);
+  const float thr = match_threshold(p.mp, h, D, q_sq - m2, q_count);
+  const bool hit = eligible && c.pos >= 0 && c.d2 < thr && isfinite(c.lse);
+  if (len == 0) {  // nothing to attend: o = 0, lse = -inf (no attend CTA covers this row)
+    __nv_bfloat16* out = p.out + head_row * D + lane * kPer;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) out[k] = __float2bfloat16_rn(0.f);
+    if (lane == 0 && p.lse) p.lse[head_row] = -INFINITY;
+  }
+  if (lane == 0) {
+    const int start = hit ? cache_end(c.pos, p.mp.band) : 0;
+    p.head_start[head_row] = start;
+    p.head_slot[head_row] = hit ? c.pos % W : -1;
+    p.st.last_start[head_row] = start;
+    if (h == 0) p.st.last_len[b] = len;
+    if (p.counters && len > 0) {
+      unsigned long long bytes = (unsigned long long)rows * D * 2;
+      if (hit) bytes += D * 2 + 4;
+      if (bytes) atomicAdd(p.counters + kSelectionBytes, bytes);
+      atomicAdd(p.counters + kHeadSteps, 1ull);
+      if (hit) atomicAdd(p.counters + kHeadHits, 1ull);
+    }
   }
 }
 
@@ -179,250 +306,259 @@ __device__ __forceinline__ int64_t plan_chunk(int64_t total, int target) {
   return aligned > kChunkAlign ? aligned : kChunkAlign;
 }
 
-// Block-wide exclusive scan of one int per thread (blockDim.x = kThreads); *total gets the sum.
-__device__ int block_exclusive_scan(int x, int* total) {
-  __shared__ int warp_sums[kThreads / 32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int incl = x;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int y = __shfl_up_sync(kFull, incl, off);
-    if (lane >= off) incl += y;
-  }
-  if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
-  int before = 0, sum = 0;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) {
-    before += w < warp ? warp_sums[w] : 0;
-    sum += warp_sums[w];
-  }
-  __syncthreads();  // warp_sums is reused by the next call
-  *total = sum;
-  return before + incl - x;
-}
+// A (sequence, kv head) pair's span: its length, E(t), and the union start (the smallest
+// start of its heads; E(t) when every head... never exceeds E(t)). len 0: an empty span.
+struct PairSpan {
+  int len, et, start;
+};
 
-// The start of the union span of pair (b, kv head): the smallest start of its heads.
-__device__ int span_start(const Params& p, int b, int kvh, int et) {
-  int s = et;
-  for (int g = 0; g < p.group; ++g)
-    s = min(s, __ldcg(p.head_start + int64_t(b) * p.num_q_heads + kvh * p.group + g));
+__device__ __forceinline__ PairSpan pair_span(const Params& p, int pr) {
+  const int b = pr / p.num_kv_heads, kvh = pr % p.num_kv_heads;
+  PairSpan s;
+  s.len = p.seq_lens[b];
+  s.et = s.len > 0 ? cache_end(s.len - 1, p.mp.band) : 0;
+  s.start = s.et;
+  const int32_t* starts = p.head_start + int64_t(b) * p.num_q_heads + kvh * p.group;
+  for (int g = 0; g < p.group; ++g) s.start = min(s.start, __ldcg(starts + g));
   return s;
 }
 
-// The last CTA of the match grid: chunks of every pair's span (see the file comment).
-__device__ void plan(const Params& p) {
-  __shared__ unsigned long long s_total;
+// An attend CTA's chunk, and its pair's items [first_item, first_item + n_r + n_t): n_r
+// chunks of [start, E(t)) then n_t chunks of the tail [E(t), len).
+struct WorkItem {
+  bool valid;
+  int pair, begin, end, part;  // part 0: below E(t); 1: tail
+  int first_item, n_r, n_t;
+  PairSpan span;
+};
+
+// Maps item `item` to its chunk. Called by whole warps; every warp of every CTA derives the
+// same plan from seq_lens and head_start (two passes over the pairs: the span tokens, then a
+// prefix sum of the chunk counts). The chunk length spreads the span tokens over the wave.
+// Cutting each span at E(t) costs up to one extra item per pair, so with few pairs (each cut
+// into many chunks) one slot per pair is kept for that, which would otherwise push a handful
+// of full chunks into a second wave. Items <= total / chunk + 2 pairs <= grid.
+__device__ WorkItem find_work_item(const Params& p, int item, int lane) {
   const int pairs = p.batch * p.num_kv_heads;
-  unsigned long long total = 0, context = 0;
-  for (int pr = threadIdx.x; pr < pairs; pr += kThreads) {
-    const int b = pr / p.num_kv_heads, kvh = pr % p.num_kv_heads;
-    const int len = p.seq_lens[b];
-    if (len == 0) continue;
-    total += len - span_start(p, b, kvh, cache_end(len - 1, p.mp.band));
-    context += len;
+  long long total = 0;
+  PairSpan first_round{0, 0, 0};  // pair `lane`, kept for the second pass (no reload)
+  for (int pr = lane; pr < pairs; pr += 32) {
+    const PairSpan s = pair_span(p, pr);
+    if (pr == lane) first_round = s;
+    if (s.len > 0) total += s.len - s.start;
   }
-  if (threadIdx.x == 0) s_total = 0;
-  __syncthreads();
-  atomicAdd(&s_total, total);
-  if (p.counters) {
-    atomicAdd(p.counters + kRowsRead, total);
-    atomicAdd(p.counters + kRowsContext, context);
-  }
-  __syncthreads();
-  const int64_t chunk = plan_chunk(int64_t(s_total), p.chunks_target);
-  int carry = 0;
-  for (int base = 0; base < pairs; base += kThreads) {
-    const int pr = base + threadIdx.x;
-    int n_r = 0, n_t = 0, s = 0, et = 0, len = 0;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(kFull, total, off);
+  const int target = 8 * pairs <= p.chunks_target ? p.chunks_target - pairs : p.chunks_target;
+  const int64_t chunk = plan_chunk(total, target);
+
+  WorkItem w{};
+  w.valid = false;
+  int base = 0;
+  for (int pr0 = 0; pr0 < pairs; pr0 += 32) {
+    const int pr = pr0 + lane;
+    PairSpan s{0, 0, 0};
+    int n_r = 0, n_t = 0;
     if (pr < pairs) {
-      const int b = pr / p.num_kv_heads, kvh = pr % p.num_kv_heads;
-      len = p.seq_lens[b];
-      if (len > 0) {
-        et = cache_end(len - 1, p.mp.band);
-        s = span_start(p, b, kvh, et);
-        n_r = int((et - s + chunk - 1) / chunk);
-        n_t = int((len - et + chunk - 1) / chunk);
+      s = pr0 == 0 ? first_round : pair_span(p, pr);
+      if (s.len > 0) {
+        n_r = int((s.et - s.start + chunk - 1) / chunk);
+        n_t = int((s.len - s.et + chunk - 1) / chunk);
       }
     }
-    int round_total = 0;
-    const int first = carry + block_exclusive_scan(n_r + n_t, &round_total);
-    if (pr < pairs) {
-      p.pair_info[pr] = make_int4(first, n_r, n_t, s);
-      for (int i = 0; i < n_r; ++i) {
-        const int64_t lo = s + int64_t(i) * chunk;
-        p.items[first + i] = make_int4(pr, int(lo), int(lo + chunk < et ? lo + chunk : et), 0);
-      }
-      for (int i = 0; i < n_t; ++i) {
-        const int64_t lo = et + int64_t(i) * chunk;
-        p.items[first + n_r + i] = make_int4(pr, int(lo), int(lo + chunk < len ? lo + chunk : len), 1);
-      }
+    const int n = n_r + n_t;
+    int incl = n;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int x = __shfl_up_sync(kFull, incl, off);
+      if (lane >= off) incl += x;
     }
-    carry += round_total;
+    const int first = base + incl - n;
+    const unsigned hit = __ballot_sync(kFull, n > 0 && item >= first && item < first + n);
+    if (hit) {
+      const int src = __ffs(hit) - 1;
+      w.valid = true;
+      w.pair = pr0 + src;
+      w.first_item = __shfl_sync(kFull, first, src);
+      w.n_r = __shfl_sync(kFull, n_r, src);
+      w.n_t = __shfl_sync(kFull, n_t, src);
+      w.span.len = __shfl_sync(kFull, s.len, src);
+      w.span.et = __shfl_sync(kFull, s.et, src);
+      w.span.start = __shfl_sync(kFull, s.start, src);
+      const int i = item - w.first_item;
+      if (i < w.n_r) {
+        w.part = 0;
+        const int64_t lo = w.span.start + int64_t(i) * chunk;
+        w.begin = int(lo);
+        w.end = int(lo + chunk < w.span.et ? lo + chunk : w.span.et);
+      } else {
+        w.part = 1;
+        const int64_t lo = w.span.et + int64_t(i - w.n_r) * chunk;
+        w.begin = int(lo);
+        w.end = int(lo + chunk < w.span.len ? lo + chunk : w.span.len);
+      }
+      return w;
+    }
+    base += __shfl_sync(kFull, incl, 31);
   }
-  if (threadIdx.x == 0) {
-    *p.num_items = carry;
-    *p.grid_arrival = 0;  // ready for the next launch
-  }
+  return w;
 }
 
-// Grid (tiles, Hq, batch). Each warp scores 16 ring slots of the tile against the query.
+// What the completion of one query head reads besides the pair's states: the reused entry
+// (slot_j, -1: none), q_pre and the running means; this lane's D/32 dims of each vector. The
+// attend CTAs load it before they count their arrival, so that the last one has it at hand.
 template <int D>
-__global__ void __launch_bounds__(kMatchWarps * 32) match_kernel(const __grid_constant__ Params p) {
+struct HeadInputs {
+  float lse_j;
+  float o_j[D / 32], qp[D / 32], mean[D / 32];
+  int32_t count;
+  float q_sq;
+};
+
+template <int D>
+__device__ void load_head_inputs(const Params& p, int b, int h, int slot_j, int lane,
+                                 HeadInputs<D>& in) {
   constexpr int kPer = D / 32;
-  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int W = p.st.window;
-  const int len = p.seq_lens[b];
-  const int t = len - 1;
-  const int64_t head_row = p.st.head(b, h);
-  __shared__ float s_d2[kMatchWarps];
-  __shared__ int s_pos[kMatchWarps];
-  __shared__ int s_scanned[kMatchWarps];
-  __shared__ bool s_last, s_plan;
-
-  float best = INFINITY;
-  int best_pos = -1, scanned = 0;
-  if (t >= 0 && t >= p.mp.min_context) {  // ineligible steps skip the scan (CPU: match_cpu)
-    float qv[kPer];
-    load_bf16<D>(p.q_pre + head_row * D, lane, qv);
-    const int lo = t - W > 0 ? t - W : 0;
-    const int slot0 = tile * kMatchTile + warp * kRowsPerWarp;
-    int my_pos = -1;
-    if (lane < kRowsPerWarp && slot0 + lane < W) my_pos = p.st.pos[int64_t(b) * W + slot0 + lane];
-    const unsigned valid = __ballot_sync(kFull, my_pos >= lo && my_pos < t) & 0xffffu;
-    scanned = __popc(valid);
-    // All loads first, so that 16 rows are in flight per warp.
-    uint32_t raw[kRowsPerWarp][kPer / 2];
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-      if (valid >> i & 1u) {
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(
-            p.st.q + p.st.row(b, slot0 + i, h) * D + lane * kPer);
-#pragma unroll
-        for (int k = 0; k < kPer / 2; ++k) raw[i][k] = row[k];
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-      float s = 0.f;
-      if (valid >> i & 1u) {
-#pragma unroll
-        for (int k = 0; k < kPer / 2; ++k) {
-          const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i][k]));
-          const float d0 = qv[2 * k] - x.x, d1 = qv[2 * k + 1] - x.y;
-          s = fmaf(d0, d0, s);
-          s = fmaf(d1, d1, s);
-        }
-      }
-      s = warp_sum(s);  // warp-uniform branch: every lane takes part
-      const int pos = __shfl_sync(kFull, my_pos, i);
-      if ((valid >> i & 1u) && better(s, pos, best, best_pos)) {
-        best = s;
-        best_pos = pos;
-      }
-    }
+  const int64_t row = int64_t(b) * p.num_q_heads + h;
+  in.lse_j = -INFINITY;
+  if (slot_j >= 0) {
+    const int64_t r = p.st.row(b, slot_j, h);
+    in.lse_j = p.st.lse[r];
+    load_bf16<D>(reinterpret_cast<const __nv_bfloat16*>(p.st.o) + r * D, lane, in.o_j);
   }
-  if (lane == 0) {
-    s_d2[warp] = best;
-    s_pos[warp] = best_pos;
-    s_scanned[warp] = scanned;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int rows = 0;
-    for (int w = 0; w < kMatchWarps; ++w) {
-      rows += s_scanned[w];
-      if (better(s_d2[w], s_pos[w], best, best_pos)) {
-        best = s_d2[w];
-        best_pos = s_pos[w];
-      }
-    }
-    const int64_t at = head_row * p.tiles + tile;
-    p.tile_d2[at] = best;
-    p.tile_pos[at] = best_pos;
-    if (p.counters && rows > 0)
-      atomicAdd(p.counters + kSelectionBytes, (unsigned long long)rows * D * 2);
-    __threadfence();  // the tile is visible before the arrival is counted
-    s_last = atomicAdd(p.row_arrivals + head_row, 1) == p.tiles - 1;
-  }
-  __syncthreads();
-  if (!s_last) return;
-
-  // Last tile of (b, h): decide.
-  __threadfence();
-  if (warp == 0) {
-    float d2 = INFINITY;
-    int pos = -1;
-    for (int i = lane; i < p.tiles; i += 32) {
-      const float td = __ldcg(p.tile_d2 + head_row * p.tiles + i);
-      const int tp = __ldcg(p.tile_pos + head_row * p.tiles + i);
-      if (better(td, tp, d2, pos)) {
-        d2 = td;
-        pos = tp;
-      }
-    }
-    warp_argmin(&d2, &pos);
-    float mean[kPer];
-    {
-      const float* m = p.st.q_mean + head_row * D + lane * kPer;
+  load_bf16<D>(p.q_pre + row * D, lane, in.qp);
+  const float* m = p.st.q_mean + row * D + lane * kPer;
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) mean[k] = m[k];
-    }
-    float m2 = 0.f;
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) m2 += mean[k] * mean[k];
-    m2 = warp_sum(m2);
-    const float thr =
-        match_threshold(p.mp, h, D, p.st.q_sq[head_row] - m2, p.st.q_count[head_row]);
-    const bool hit = t >= p.mp.min_context && pos >= 0 && d2 < thr &&
-                     isfinite(p.st.lse[p.st.row(b, pos % W, h)]);
-    if (lane == 0) {
-      const int start = hit ? cache_end(pos, p.mp.band) : 0;
-      p.head_start[head_row] = start;
-      p.head_slot[head_row] = hit ? pos % W : -1;
-      p.st.last_start[head_row] = start;
-      if (h == 0) p.st.last_len[b] = len;
-      if (p.counters && len > 0) {
-        atomicAdd(p.counters + kHeadSteps, 1ull);
-        if (hit) {
-          atomicAdd(p.counters + kHeadHits, 1ull);
-          atomicAdd(p.counters + kSelectionBytes, (unsigned long long)(D * 2 + 4));
-        }
-      }
-      p.row_arrivals[head_row] = 0;  // ready for the next launch
-      __threadfence();
-      s_plan = atomicAdd(p.grid_arrival, 1) == p.batch * p.num_q_heads - 1;
-    }
-  }
-  __syncthreads();
-  if (!s_plan) return;
-  __threadfence();
-  plan(p);
+  for (int k = 0; k < kPer; ++k) in.mean[k] = m[k];
+  in.count = p.st.q_count[row];
+  in.q_sq = p.st.q_sq[row];
 }
 
-// One CTA per chunk item (grid.x bounds the items; the planned count is read on the device).
+// Completion of one query head (one warp) once every chunk of its pair is in:
+// new = merge(states below E(t), reused entry j); rectify-append; out = merge(new, tail
+// states). The states are read through L2 (other CTAs wrote them), 8 in flight per lane.
+template <int D>
+__device__ void complete_head(const Params& p, const WorkItem& w, int b, int h,
+                              const HeadInputs<D>& in, int lane) {
+  constexpr int kPer = D / 32;
+  constexpr int kBatch = 8;  // states in flight per lane
+  using Vec = typename std::conditional<kPer == 4, float4, float2>::type;
+  const int hg = h % p.group;
+  const int64_t row = int64_t(b) * p.num_q_heads + h;
+  const int t = w.span.len - 1, W = p.st.window;
+  const int n = w.n_r + w.n_t;
+  const float* plse = p.partial_lse + int64_t(w.first_item) * p.group + hg;
+  const float* po = p.partial_o + (int64_t(w.first_item) * p.group + hg) * D + lane * kPer;
+  const int64_t step = int64_t(p.group) * D;
+  const float lse_j = in.lse_j;
+
+  // Lane i holds the lse of states i, i + 32, ...: merged lse of each part by shuffles.
+  LseAccumulator acc_r, acc_t;
+  for (int i = lane; i < n; i += 32) {
+    const float x = __ldcg(plse + int64_t(i) * p.group);
+    if (i < w.n_r) acc_r.add(x); else acc_t.add(x);
+  }
+  const float lse_r = warp_merge_lse(acc_r).lse(), lse_t = warp_merge_lse(acc_t).lse();
+  float o_r[kPer], o_t[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) o_r[k] = o_t[k] = 0.f;
+  for (int i0 = 0; i0 < n; i0 += kBatch) {
+    Vec x[kBatch];
+    float e[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (i0 + u < n) {
+        e[u] = __ldcg(plse + int64_t(i0 + u) * p.group);
+        x[u] = __ldcg(reinterpret_cast<const Vec*>(po + (i0 + u) * step));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (i0 + u >= n) break;
+      const bool r = i0 + u < w.n_r;
+      const float wt = merge_weight(e[u], r ? lse_r : lse_t);
+      if (wt == 0.f) continue;  // an empty state's o may hold anything
+      const float* xs = reinterpret_cast<const float*>(&x[u]);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        if (r) o_r[k] = fmaf(wt, xs[k], o_r[k]); else o_t[k] = fmaf(wt, xs[k], o_t[k]);
+      }
+    }
+  }
+
+  LseAccumulator acc;
+  acc.add(lse_r);
+  acc.add(lse_j);
+  const float lse_new = acc.lse();
+  const float w_r = merge_weight(lse_r, lse_new), w_j = merge_weight(lse_j, lse_new);
+  float o_new[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k)
+    o_new[k] = (w_r > 0.f ? w_r * o_r[k] : 0.f) + (w_j > 0.f ? w_j * in.o_j[k] : 0.f);
+
+  // Rectify-append: entry(t) = new. Slot t mod W may be the matched slot (j = t - W): every
+  // lane has read it above.
+  __syncwarp();
+  const int slot_t = t % W;
+  const int64_t rt = p.st.row(b, slot_t, h);
+  {
+    __nv_bfloat16* ro = reinterpret_cast<__nv_bfloat16*>(p.st.o) + rt * D + lane * kPer;
+    __nv_bfloat16* rq = reinterpret_cast<__nv_bfloat16*>(p.st.q) + rt * D + lane * kPer;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      ro[k] = __float2bfloat16_rn(o_new[k]);
+      rq[k] = __float2bfloat16_rn(in.qp[k]);  // exact: qp holds bf16 values
+    }
+    if (lane == 0) {
+      p.st.lse[rt] = lse_new;
+      if (h == 0) p.st.pos[int64_t(b) * W + slot_t] = t;
+    }
+  }
+  update_running_means<D>(p.st, p.mp, b, h, lane, in.qp, in.mean, in.count, in.q_sq);
+
+  LseAccumulator acc2;
+  acc2.add(lse_new);
+  acc2.add(lse_t);
+  const float lse_out = acc2.lse();
+  const float w_n = merge_weight(lse_new, lse_out), w_t = merge_weight(lse_t, lse_out);
+  __nv_bfloat16* out = p.out + row * D + lane * kPer;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k)
+    out[k] = __float2bfloat16_rn((w_n > 0.f ? w_n * o_new[k] : 0.f) + (w_t > 0.f ? w_t * o_t[k] : 0.f));
+  if (lane == 0 && p.lse) p.lse[row] = lse_out;
+}
+
+// One CTA per chunk item (grid.x bounds the items; the planned count comes from the plan).
 template <int D>
 __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant__ Params p) {
   constexpr int kPieces = D / 8;
   constexpr int kTilePieces = kTile * kPieces;
   constexpr int kCopies = kTilePieces / 32;
   constexpr int kKSteps = D / 16;
+  // The only shared memory is the dynamic ring: a static variable would be placed ahead of it
+  // and shift the rows off their 128-byte alignment (the swizzle and the 16-byte copies then
+  // split into twice the wavefronts and sectors: ncu counted 50 % excess sectors, and the
+  // kernel ran about 7 % slower at 0 % hits).
   extern __shared__ uint4 smem[];
 
   const int item = blockIdx.x;
-  if (item >= *p.num_items) return;
-  const int4 it = p.items[item];
-  const int b = it.x / p.num_kv_heads, kvh = it.x % p.num_kv_heads;
-  const int begin = it.y, end = it.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t4 = lane % 4;
+  // The match grid's decisions (head_start, head_slot) are read only after this.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const WorkItem w = find_work_item(p, item, lane);
+  if (!w.valid) return;  // the same for every thread of the CTA
+  const int b = w.pair / p.num_kv_heads, kvh = w.pair % p.num_kv_heads;
+  const int begin = w.begin, end = w.end;
+  // The reused slots of the group's heads (lane g: head g), for the completion.
+  const int group_slot = lane < p.group
+                             ? __ldcg(p.head_slot + int64_t(b) * p.num_q_heads + kvh * p.group + lane)
+                             : -1;
   // Tokens below the start of this lane's head row are not its to read (a hit head reuses
   // them); the tail part holds no such tokens.
-  const int row_start = it.w == 0 && g < p.group
-                            ? p.head_start[int64_t(b) * p.num_q_heads + kvh * p.group + g]
+  const int row_start = w.part == 0 && g < p.group
+                            ? __ldcg(p.head_start + int64_t(b) * p.num_q_heads + kvh * p.group + g)
                             : 0;
-
   const int num_tiles = (end - begin + kTile - 1) / kTile;
   const int my_tiles = warp < num_tiles ? (num_tiles - 1 - warp) / kWarps + 1 : 0;
   uint4* ring = smem + warp * (kStages * 2 * kTilePieces);
@@ -566,6 +702,16 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant_
     *reinterpret_cast<float2*>(so + (warp * kMaxGroup + g) * D + nd * 8 + 2 * t4) = val;
   }
   if (t4 == 0) sl[warp * kMaxGroup + g] = warp_lse;
+  // The completion's inputs of this warp's heads, in flight while the CTA merges its warps and
+  // counts its arrival (only the pair's last CTA uses them).
+  constexpr int kHeadsPerWarp = kMaxGroup / kWarps;
+  HeadInputs<D> in[kHeadsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kHeadsPerWarp; ++i) {
+    const int hg = warp + i * kWarps;
+    const int slot_j = __shfl_sync(kFull, group_slot, hg < p.group ? hg : 0);
+    if (hg < p.group) load_head_inputs<D>(p, b, kvh * p.group + hg, slot_j, lane, in[i]);
+  }
   __syncthreads();
   for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
     const int hg = idx / D, d = idx % D;
@@ -583,123 +729,29 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant_
     p.partial_o[prow * D + d] = o;
     if (d == 0) p.partial_lse[prow] = lse;
   }
-}
 
-// Merges the partial states of items [first, first + n) of head row hg: every warp builds
-// the merged lse, the warps split the items, warp 0 ends with this lane's dims in o.
-template <int D>
-__device__ float merge_items(const Params& p, int first, int n, int hg, float (&o)[D / 32],
-                             float (*red)[D]) {
-  constexpr int kPer = D / 32;
-  using Vec = typename std::conditional<kPer == 4, float4, float2>::type;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  LseAccumulator lacc;
-  for (int i = lane; i < n; i += 32) lacc.add(p.partial_lse[int64_t(first + i) * p.group + hg]);
-  const float lse = warp_merge_lse(lacc).lse();
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) o[k] = 0.f;
-  for (int i = warp; i < n; i += kMergeWarps) {
-    const int64_t prow = int64_t(first + i) * p.group + hg;
-    const float wt = merge_weight(p.partial_lse[prow], lse);
-    if (wt > 0.f) {
-      const Vec x = *reinterpret_cast<const Vec*>(p.partial_o + prow * D + lane * kPer);
-      const float* xs = reinterpret_cast<const float*>(&x);
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) o[k] = fmaf(wt, xs[k], o[k]);
-    }
-  }
-  __syncthreads();  // red is free (a previous call's warp 0 has read it)
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) red[warp][lane * kPer + k] = o[k];
+  // The CTA that brings the pair's last state completes the pair's heads. The counter goes
+  // back to zero for the next launch.
+  __threadfence();  // this CTA's states are visible before its arrival is counted
   __syncthreads();
-  if (warp == 0) {
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < kMergeWarps; ++w) sum += red[w][lane * kPer + k];
-      o[k] = sum;
+  bool last = false;
+  if (threadIdx.x == 0) {
+    last = atomicAdd(p.pair_arrivals + w.pair, 1) == w.n_r + w.n_t - 1;
+    if (last) {
+      p.pair_arrivals[w.pair] = 0;
+      if (p.counters) {
+        atomicAdd(p.counters + kRowsRead, (unsigned long long)(w.span.len - w.span.start));
+        atomicAdd(p.counters + kRowsContext, (unsigned long long)w.span.len);
+      }
     }
   }
-  return lse;
-}
-
-// One CTA per (b, h): new = merge(states below E(t), reused entry); rectify-append;
-// out = merge(new, tail states).
-template <int D>
-__global__ void __launch_bounds__(kMergeWarps * 32) complete_kernel(const __grid_constant__ Params p) {
-  constexpr int kPer = D / 32;
-  __shared__ float red[kMergeWarps][D];
-  const int row = blockIdx.x;
-  const int b = row / p.num_q_heads, h = row % p.num_q_heads;
-  const int kvh = h / p.group, hg = h % p.group;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int len = p.seq_lens[b];
-  __nv_bfloat16* out = p.out + int64_t(row) * D + lane * kPer;
-  if (len == 0) {
-    if (warp == 0) {
+  if (!__syncthreads_or(last)) return;
+  __threadfence();
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) out[k] = __float2bfloat16_rn(0.f);
-      if (lane == 0 && p.lse) p.lse[row] = -INFINITY;
-    }
-    return;
+  for (int i = 0; i < kHeadsPerWarp; ++i) {
+    const int hg = warp + i * kWarps;
+    if (hg < p.group) complete_head<D>(p, w, b, kvh * p.group + hg, in[i], lane);
   }
-  const int t = len - 1, W = p.st.window;
-  const int4 info = p.pair_info[b * p.num_kv_heads + kvh];
-  float o_r[kPer], o_t[kPer];
-  const float lse_r = merge_items<D>(p, info.x, info.y, hg, o_r, red);
-  const float lse_t = merge_items<D>(p, info.x + info.y, info.z, hg, o_t, red);
-  if (warp != 0) return;
-
-  const int slot_j = p.head_slot[row];
-  LseAccumulator acc;
-  acc.add(lse_r);
-  float lse_j = -INFINITY, o_j[kPer];
-  if (slot_j >= 0) {
-    const int64_t r = p.st.row(b, slot_j, h);
-    lse_j = p.st.lse[r];
-    load_bf16<D>(reinterpret_cast<const __nv_bfloat16*>(p.st.o) + r * D, lane, o_j);
-    acc.add(lse_j);
-  }
-  const float lse_new = acc.lse();
-  const float w_r = merge_weight(lse_r, lse_new), w_j = merge_weight(lse_j, lse_new);
-  float o_new[kPer];
-#pragma unroll
-  for (int k = 0; k < kPer; ++k)
-    o_new[k] = (w_r > 0.f ? w_r * o_r[k] : 0.f) + (w_j > 0.f ? w_j * o_j[k] : 0.f);
-
-  // Rectify-append: entry(t) = new. Slot t mod W may be the matched slot (j = t - W): every
-  // lane has read it above.
-  __syncwarp();
-  const int slot_t = t % W;
-  const int64_t rt = p.st.row(b, slot_t, h);
-  float qp[kPer];
-  load_bf16<D>(p.q_pre + int64_t(row) * D, lane, qp);
-  {
-    __nv_bfloat16* ro = reinterpret_cast<__nv_bfloat16*>(p.st.o) + rt * D + lane * kPer;
-    __nv_bfloat16* rq = reinterpret_cast<__nv_bfloat16*>(p.st.q) + rt * D + lane * kPer;
-    const __nv_bfloat16* qsrc = p.q_pre + int64_t(row) * D + lane * kPer;
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      ro[k] = __float2bfloat16_rn(o_new[k]);
-      rq[k] = qsrc[k];
-    }
-    if (lane == 0) {
-      p.st.lse[rt] = lse_new;
-      if (h == 0) p.st.pos[int64_t(b) * W + slot_t] = t;
-    }
-  }
-  update_running_means<D>(p.st, p.mp, b, h, lane, qp);
-
-  LseAccumulator acc2;
-  acc2.add(lse_new);
-  acc2.add(lse_t);
-  const float lse_out = acc2.lse();
-  const float w_n = merge_weight(lse_new, lse_out), w_t = merge_weight(lse_t, lse_out);
-#pragma unroll
-  for (int k = 0; k < kPer; ++k)
-    out[k] = __float2bfloat16_rn((w_n > 0.f ? w_n * o_new[k] : 0.f) + (w_t > 0.f ? w_t * o_t[k] : 0.f));
-  if (lane == 0 && p.lse) p.lse[row] = lse_out;
 }
 
 // Prefill: one warp per query head writes positions p0 .. p0 + n - 1 in order.
@@ -723,7 +775,13 @@ __global__ void fill_kernel(RingState st, MatchParams mp, int b, int p0, int n,
       st.lse[dst] = lse[src];
       if (h == 0) st.pos[int64_t(b) * W + slot] = pos;
     }
-    update_running_means<D>(st, mp, b, h, lane, qp);
+    float mean[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) mean[k] = st.q_mean[st.head(b, h) * D + lane * kPer + k];
+    const int32_t count = st.q_count[st.head(b, h)];
+    const float q_sq = st.q_sq[st.head(b, h)];
+    __syncwarp();  // every lane read count and q_sq before lane 0 rewrites them
+    update_running_means<D>(st, mp, b, h, lane, qp, mean, count, q_sq);
     __syncwarp();
   }
 }
@@ -775,16 +833,25 @@ cudaError_t launch_decode(Params& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int wave = info.sms * info.ctas_per_sm;
   p.chunks_target = wave < kMaxChunks ? wave : kMaxChunks;
-  match_kernel<D><<<dim3(unsigned(p.tiles), unsigned(p.num_q_heads), unsigned(p.batch)),
-                    kMatchWarps * 32, 0, stream>>>(p);
-  err = cudaGetLastError();
+  const int cluster = match_cluster(p.st.window);
+  cudaLaunchConfig_t mcfg = {};
+  mcfg.gridDim = dim3(unsigned(cluster), unsigned(p.num_q_heads), unsigned(p.batch));
+  mcfg.blockDim = dim3(kMatchWarps * 32);
+  mcfg.stream = stream;
+  cudaLaunchAttribute mattr[1];
+  mattr[0].id = cudaLaunchAttributeClusterDimension;
+  mattr[0].val.clusterDim.x = unsigned(cluster);
+  mattr[0].val.clusterDim.y = 1;
+  mattr[0].val.clusterDim.z = 1;
+  mcfg.attrs = mattr;
+  mcfg.numAttrs = 1;
+  err = cudaLaunchKernelEx(&mcfg, match_kernel<D>, p);
   if (err != cudaSuccess) return err;
-  const unsigned items = unsigned(p.chunks_target + 2 * p.batch * p.num_kv_heads);
-  attend_kernel<D><<<items, kThreads, attend_smem_bytes<D>(), stream>>>(p);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  complete_kernel<D><<<unsigned(p.batch * p.num_q_heads), kMergeWarps * 32, 0, stream>>>(p);
-  return cudaGetLastError();
+  // Programmatic dependent launch: attend CTAs get resident while match runs and wait for it
+  // (griddepcontrol.wait) before reading its decisions.
+  const unsigned grid = unsigned(max_items(p.batch, p.num_kv_heads) - kMaxChunks + p.chunks_target);
+  return launch_programmatic(attend_kernel<D>, dim3(grid), dim3(kThreads), attend_smem_bytes<D>(),
+                             stream, p);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -803,11 +870,11 @@ size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, 
   if (max_batch < 1 || num_q_heads < 1 || num_kv_heads < 1 || num_q_heads % num_kv_heads != 0 ||
       window < 1)
     return 0;
-  return layout(max_batch, num_q_heads, num_kv_heads, head_dim, window).total;
+  return layout(max_batch, num_q_heads, num_kv_heads, head_dim).total;
 }
 
 size_t decode_sync_ints(int max_batch, int num_q_heads) {
-  return size_t(max_batch) * num_q_heads + 1;
+  return size_t(max_batch) * num_q_heads;  // >= the (sequence, kv head) pairs
 }
 
 cudaError_t prepare_cuda(int head_dim) {
@@ -846,7 +913,7 @@ cudaError_t decode_cuda(const RingState& st, const MatchParams& mp, const bf16* 
   if (!aligned16(q) || !aligned16(q_pre) || !aligned16(kv.k) || !aligned16(kv.v) ||
       !aligned16(out) || !aligned16(workspace))
     return cudaErrorInvalidValue;
-  const Layout l = layout(kv.batch, num_q_heads, kv.num_kv_heads, d, st.window);
+  const Layout l = layout(kv.batch, num_q_heads, kv.num_kv_heads, d);
   if (workspace_bytes < l.total) return cudaErrorInvalidValue;
 
   char* ws = static_cast<char*>(workspace);
@@ -863,7 +930,6 @@ cudaError_t decode_cuda(const RingState& st, const MatchParams& mp, const bf16* 
   p.max_pages_per_seq = kv.max_pages_per_seq;
   p.num_q_heads = num_q_heads;
   p.group = num_q_heads / kv.num_kv_heads;
-  p.tiles = match_tiles(st.window);
   p.chunks_target = 0;
   p.scale_log2 = scale * kLog2e;
   p.st = st;
@@ -871,15 +937,9 @@ cudaError_t decode_cuda(const RingState& st, const MatchParams& mp, const bf16* 
   p.out = reinterpret_cast<__nv_bfloat16*>(out);
   p.lse = lse;
   p.counters = counters;
-  p.row_arrivals = sync;
-  p.grid_arrival = sync + size_t(st.max_batch) * num_q_heads;
-  p.tile_d2 = reinterpret_cast<float*>(ws + l.tile_d2);
-  p.tile_pos = reinterpret_cast<int32_t*>(ws + l.tile_pos);
+  p.pair_arrivals = sync;
   p.head_start = reinterpret_cast<int32_t*>(ws + l.head_start);
   p.head_slot = reinterpret_cast<int32_t*>(ws + l.head_slot);
-  p.pair_info = reinterpret_cast<int4*>(ws + l.pair_info);
-  p.items = reinterpret_cast<int4*>(ws + l.items);
-  p.num_items = reinterpret_cast<int32_t*>(ws + l.num_items);
   p.partial_lse = reinterpret_cast<float*>(ws + l.partial_lse);
   p.partial_o = reinterpret_cast<float*>(ws + l.partial_o);
   return d == 64 ? launch_decode<64>(p, stream) : launch_decode<128>(p, stream);

@@ -143,20 +143,21 @@ void fill_entries_cpu(const RingState& st, const MatchParams& p, int b, const bf
 
 // ---- CUDA ---------------------------------------------------------------------------------
 
-// Decode step on the GPU, graph-capturable (no host sync, allocation or copy):
-//   1. match: grid (W / 64 tiles, Hq, batch); each warp streams 16 ring rows (bf16, fp32
-//      accumulation, warp-shuffle sums), the CTA keeps its tile's (min d2, position); the last
-//      CTA of a (b, h) reduces the tiles with warp shuffles and decides hit / start; the last
-//      CTA of the grid plans the attention: per (sequence, kv head) the union span
-//      [min_h start_h, t] is cut into chunks of a length chosen from the total work (prefix
-//      sums over the pairs), chunks never straddling E(t).
-//   2. attend: one CTA per chunk and kv group, bf16 tensor cores, each KV tile loaded once for
-//      the group; head rows below their own start are masked. Partial states (o, lse).
-//   3. complete + rectify-append: per (b, h) merge the [start, E(t)) chunks with the reused
-//      entry into `new`, write entry(t) and q_pre into the rings, merge `new` with the
-//      [E(t), t] chunks into out.
-// Self-resetting arrival counters live in `sync` (device memory of decode_sync_ints(),
-// zeroed once by the owner). Supports head_dim 64 and 128, group sizes 1..8.
+// Decode step on the GPU, graph-capturable (no host sync, allocation or copy), two launches:
+//   1. match: one CTA per (sequence, query head) scans the whole ring (every valid row in
+//      flight at once, bf16 reads, fp32 accumulation, warp-shuffle sums) and decides hit /
+//      start in the same CTA.
+//   2. attend (programmatic dependent launch behind match): every CTA derives the plan from
+//      the lengths and the heads' starts (per (sequence, kv head) the union span
+//      [min_h start_h, t] cut into chunks of a length chosen from the total work, chunks never
+//      straddling E(t)), then attends its chunk: bf16 tensor cores, each KV tile loaded once
+//      for the group, head rows below their own start masked, a partial state (o, lse) out.
+//      The CTA that brings a pair's last state completes its heads: merge the [start, E(t))
+//      states with the reused entry into `new`, write entry(t) and q_pre into the rings, merge
+//      `new` with the [E(t), t] states into out.
+// Self-resetting per-pair arrival counters live in `sync` (device memory of
+// decode_sync_ints(), zeroed once by the owner). Supports head_dim 64 and 128, group sizes
+// 1..8.
 size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
                               int window);
 size_t decode_sync_ints(int max_batch, int num_q_heads);

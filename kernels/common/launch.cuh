@@ -1,0 +1,28 @@
+// Kernel launches with Hopper launch attributes, in one place.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace kvs::kernels {
+
+// kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent launch: the
+// kernel's CTAs may become resident once every CTA of the kernel before it on the stream has
+// executed griddepcontrol.launch_dependents (or exited), and must execute griddepcontrol.wait
+// before reading anything that kernel writes. Capturable in a CUDA graph.
+template <typename... Params, typename... Args>
+cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Args&&>(args)...);
+}
+
+}  // namespace kvs::kernels
