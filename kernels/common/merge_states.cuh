@@ -61,6 +61,36 @@ __device__ __forceinline__ LseAccumulator warp_merge_lse(LseAccumulator acc) {
   return acc;
 }
 
+// A merge of states (o_i, lse_i) taken one at a time, N values of o each (a lane's dims):
+// the running sum of exp(lse_i - m) o_i against the running max m of the lse values, so a
+// single pass over the states suffices (no lse pass first). Empty states are skipped.
+template <int N>
+struct StateAccumulator {
+  LseAccumulator lse;
+  float o[N] = {};
+
+  __device__ __forceinline__ void add(float lse_i, const float (&o_i)[N]) {
+    if (lse_i == -INFINITY) return;
+    if (lse_i > lse.m) {
+      const float s = expf(lse.m - lse_i);  // 0 for the first state
+#pragma unroll
+      for (int k = 0; k < N; ++k) o[k] = fmaf(o[k], s, o_i[k]);
+    } else {
+      const float w = expf(lse_i - lse.m);
+#pragma unroll
+      for (int k = 0; k < N; ++k) o[k] = fmaf(w, o_i[k], o[k]);
+    }
+    lse.add(lse_i);
+  }
+
+  // The merged normalized o (0 when every state was empty) into out.
+  __device__ __forceinline__ void normalized(float (&out)[N]) const {
+    const float inv = lse.sum > 0.f ? 1.f / lse.sum : 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = o[k] * inv;
+  }
+};
+
 // Weight of a part with log-sum-exp lse in a merge whose merged log-sum-exp is lse_merged.
 // 0 for an empty part; callers skip parts of weight 0 (see the file comment).
 __device__ __forceinline__ float merge_weight(float lse, float lse_merged) {

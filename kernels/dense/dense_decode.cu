@@ -9,11 +9,8 @@
 // one wave of CTAs (SMs x CTAs per SM), so that batch 1 fills the chip and large batches do
 // not split needlessly.
 //
-// Inside a CTA, 4 warps (two CTAs per SM) take 16-token tiles of the chunk round-robin. Each warp
-// streams its tiles through its own 3-stage cp.async ring in shared memory (16-byte copies,
-// swizzled rows), so warps never wait for each other until the end. Scores and P.V use the bf16
-// tensor cores (mma.m16n8k16): the query heads of the group are the M rows (up to 8 of 16),
-// tokens and head dims are N and K. Softmax is online in fp32 in the log2 domain.
+// Inside a CTA, 4 warps (two CTAs per SM) attend the chunk through the shared tile loop
+// (kernels/common/attend_tiles.cuh: per-warp cp.async rings, bf16 mma, online softmax).
 //
 // A chunk's result is a state (o, lse). A sequence with a single chunk is written straight
 // to o / lse; otherwise the CTA writes its state to the workspace and the merge kernel,
@@ -31,6 +28,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "kernels/common/attend_tiles.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/merge_states.cuh"
 #include "kernels/common/ptx.cuh"
@@ -39,14 +37,11 @@
 namespace kvs::kernels {
 namespace {
 
-constexpr int kTile = 16;     // tokens per warp step: the K extent of one P.V mma
-constexpr int kMaxGroup = 8;  // query heads per kv head: mma rows 0..7; rows 8..15 are zero
+using tiles::kMaxGroup;
 // Chunks per (sequence set, kv head) are capped so that the workspace size depends only on
 // (max_batch, num_q_heads, head_dim): items <= kMaxChunksPerHead + batch (see plan_chunk).
 constexpr int kMaxChunksPerHead = 512;
 constexpr int kMergeWarps = 8;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // Written by the CTA of chunk 0 of each sequence; read by the merge kernel.
 struct SequencePlan {
@@ -72,18 +67,12 @@ WorkspaceLayout workspace_layout(int max_batch, int num_q_heads, int head_dim) {
 
 struct DecodeParams {
   const __nv_bfloat16* q;
-  const __nv_bfloat16* k;
-  const __nv_bfloat16* v;
-  const int32_t* page_table;
+  tiles::KvSource kv;
   const int32_t* seq_lens;
   int batch;
-  int page_size;
-  int num_kv_heads;
-  int max_pages_per_seq;
   int num_q_heads;
   int group;
   int chunks_per_head;  // target chunks per kv head over the whole batch
-  float scale_log2;     // softmax scale * log2(e)
   __nv_bfloat16* o;
   float* lse;  // may be null
   SequencePlan* plan;
@@ -151,235 +140,37 @@ __device__ WorkItem find_work_item(const DecodeParams& p, int align, int item, i
   return w;
 }
 
-// The structural knobs of the decode kernel (docs/gpu.md says how they were chosen).
-//   Warps:  warps per CTA; each streams its own 16-token tiles of one kv head.
-//   Stages: depth of each warp's cp.async ring of K+V tiles in shared memory.
-template <int D, int Warps, int Stages>
-struct DecodeConfig {
-  static constexpr int kWarps = Warps;
-  static constexpr int kStages = Stages;
-  static constexpr int kThreads = Warps * 32;
-  static constexpr int kPieces = D / 8;               // 16-byte pieces per row
-  static constexpr int kTileSlots = kTile * kPieces;  // one K (or V) tile, in uint4
-  static constexpr int kStageSlots = 2 * kTileSlots;  // K and V of one tile
-  static constexpr int kChunkAlign = Warps * kTile;   // chunks start on whole rounds of tiles
-  static constexpr size_t ring_bytes() {
-    return size_t(Warps) * Stages * kStageSlots * sizeof(uint4);
-  }
-  static constexpr size_t merge_bytes() {
-    return (size_t(Warps) * kMaxGroup * D + Warps * kMaxGroup) * sizeof(float);
-  }
-  static constexpr size_t smem_bytes() {
-    return ring_bytes() > merge_bytes() ? ring_bytes() : merge_bytes();
-  }
-};
-
-// Rows are stored swizzled: piece c of row r at c ^ (r & 7), so that the 8 rows an
-// ldmatrix phase reads hit 8 different 16-byte bank groups.
-template <int D>
-__device__ __forceinline__ int smem_slot(int r, int piece) {
-  return r * (D / 8) + (piece ^ (r & 7));
-}
-
-template <int D, class Cfg>
+template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads)
     dense_decode_kernel(const __grid_constant__ DecodeParams p) {
-  constexpr int kWarps = Cfg::kWarps, kStages = Cfg::kStages, kThreads = Cfg::kThreads;
-  constexpr int kPieces = Cfg::kPieces;
-  constexpr int kTileSlots = Cfg::kTileSlots;
-  constexpr int kCopies = kTile * kPieces / 32;  // 16-byte copies per lane per tile
-  constexpr int kKSteps = D / 16;                // mma K steps over the head dim
+  constexpr int D = Cfg::kHeadDim;
   extern __shared__ uint4 smem[];
 
   // Let the merge kernel get resident now; it waits (griddepcontrol.wait) for this whole
   // grid to finish and flush before reading anything.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32;
   const int kvh = blockIdx.y;
   const WorkItem w = find_work_item(p, Cfg::kChunkAlign, blockIdx.x, lane);
   if (!w.valid) return;  // the same for every thread of the CTA
   if (blockIdx.y == 0 && threadIdx.x == 0 && blockIdx.x == w.first_item)
     p.plan[w.b] = SequencePlan{w.first_item, w.num_items};
 
-  const int num_tiles = (w.end - w.begin + kTile - 1) / kTile;
-  const int my_tiles = warp < num_tiles ? (num_tiles - 1 - warp) / kWarps + 1 : 0;
-  uint4* ring = smem + warp * (kStages * Cfg::kStageSlots);
-  // Warp w takes tiles w, w + kWarps, ... of the chunk.
-  auto tile_begin_of = [&](int i) { return w.begin + (warp + i * kWarps) * kTile; };
-
-  // KV row (page slot * Hkv + kv head) of this lane's token (lane % 16) in the warp's i-th
-  // tile; -1 past the chunk. Rows fit in int32 (checked on the host).
-  const int32_t* table = p.page_table + int64_t(w.b) * p.max_pages_per_seq;
-  auto tile_row = [&](int i) -> int {
-    if (i >= my_tiles) return -1;
-    const int t = tile_begin_of(i) + lane % kTile;
-    if (t >= w.end) return -1;
-    const int page = table[t / p.page_size];
-    return (page * p.page_size + t % p.page_size) * p.num_kv_heads + kvh;
-  };
-  auto issue = [&](int i, int row_of_lane) {
-    uint4* ks = ring + (i % kStages) * Cfg::kStageSlots;
-    uint4* vs = ks + kTileSlots;
-#pragma unroll
-    for (int c = 0; c < kCopies; ++c) {
-      const int j = lane + 32 * c;
-      const int r = j / kPieces, piece = j % kPieces;
-      const int row = __shfl_sync(0xffffffffu, row_of_lane, r);
-      const bool valid = row >= 0;
-      const int64_t off = valid ? int64_t(row) * D + piece * 8 : 0;
-      const int slot = smem_slot<D>(r, piece);
-      ptx::cp_async_16(ptx::smem_addr(ks + slot), p.k + off, valid);
-      ptx::cp_async_16(ptx::smem_addr(vs + slot), p.v + off, valid);
-    }
-  };
-
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < my_tiles) issue(s, tile_row(s));
-    ptx::cp_async_commit();
-  }
-  int pending_row = tile_row(kStages - 1);
-
-  // Query fragments (A operand, rows = query heads of the group; rows >= group are zero).
-  const int g = lane / 4, t4 = lane % 4;
-  const int q_head = kvh * p.group + g;
-  uint32_t qa[kKSteps][2];
-  {
-    const bool has = g < p.group;
-    const uint32_t* qrow = reinterpret_cast<const uint32_t*>(
-        p.q + (int64_t(w.b) * p.num_q_heads + (has ? q_head : 0)) * D);
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      qa[ks][0] = has ? qrow[ks * 8 + t4] : 0u;
-      qa[ks][1] = has ? qrow[ks * 8 + 4 + t4] : 0u;
-    }
-  }
-
-  float m = -INFINITY;  // running max of this lane's head row, log2 domain
-  // This lane's part (its 4 token columns) of the running sum of exp2(x - m): l for the
-  // lse, in fp32; l_bf16 of the bf16-rounded weights that P.V actually used, to normalize o
-  // so that it stays an exact convex combination of the V rows.
-  float l = 0.f, l_bf16 = 0.f;
-  float acc[D / 8][2];  // O rows 0..7: dims nd * 8 + 2 * t4 + {0, 1}
-#pragma unroll
-  for (int nd = 0; nd < D / 8; ++nd) acc[nd][0] = acc[nd][1] = 0.f;
-
-  for (int i = 0; i < my_tiles; ++i) {
-    if (i + kStages - 1 < my_tiles) issue(i + kStages - 1, pending_row);
-    ptx::cp_async_commit();
-    pending_row = tile_row(i + kStages);  // its latency hides behind this tile's work
-    ptx::cp_async_wait<kStages - 1>();
-    __syncwarp();
-
-    const uint4* ks = ring + (i % kStages) * Cfg::kStageSlots;
-    const uint4* vs = ks + kTileSlots;
-    const int tile_begin = tile_begin_of(i);
-
-    // S^T = Q K^T: 16 head rows x 16 tokens as two n-tiles of 8 tokens.
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      uint32_t kb[4];
-      const int r = ((lane >> 4) << 3) + (lane & 7);
-      const int piece = 2 * kk + ((lane >> 3) & 1);
-      ptx::ldmatrix_x4(kb, ptx::smem_addr(ks + smem_slot<D>(r, piece)));
-      const uint32_t a[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
-      const uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
-      ptx::mma_bf16_16816(s[0], a, b0, s[0]);
-      ptx::mma_bf16_16816(s[1], a, b1, s[1]);
-    }
-    // Online softmax over this lane's 4 token columns of its head row. The tile's first
-    // token is always valid, so the quad's max is finite and exp2(-inf - m) never sees
-    // -inf - (-inf).
-    float x[4];
-    float tile_max = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int t = tile_begin + nt * 8 + 2 * t4 + j;
-        const float v = t < w.end ? s[nt][j] * p.scale_log2 : -INFINITY;
-        x[nt * 2 + j] = v;
-        tile_max = fmaxf(tile_max, v);
-      }
-    }
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    const float m_new = fmaxf(m, tile_max);
-    const float alpha = exp2f(m - m_new);
-    m = m_new;
-    uint32_t pa[4];
-    float tile_sum = 0.f, tile_sum_bf16 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const float p0 = exp2f(x[nt * 2] - m_new), p1 = exp2f(x[nt * 2 + 1] - m_new);
-      const __nv_bfloat162 pb = __floats2bfloat162_rn(p0, p1);
-      pa[nt * 2] = *reinterpret_cast<const uint32_t*>(&pb);
-      pa[nt * 2 + 1] = 0u;
-      tile_sum += p0 + p1;
-      tile_sum_bf16 += __low2float(pb) + __high2float(pb);
-    }
-    l = l * alpha + tile_sum;
-    l_bf16 = l_bf16 * alpha + tile_sum_bf16;
-    // A fragment of P: {row g tokens 0..7, row g+8 (zero), row g tokens 8..15, row g+8}.
-    const uint32_t a[4] = {pa[0], 0u, pa[2], 0u};
-
-    // O += P V: V rows come transposed from ldmatrix as the B operand, two n-tiles per load.
-#pragma unroll
-    for (int np = 0; np < D / 16; ++np) {
-      uint32_t vb[4];
-      const int r = (((lane >> 3) & 1) << 3) + (lane & 7);
-      const int piece = 2 * np + (lane >> 4);
-      ptx::ldmatrix_x4_trans(vb, ptx::smem_addr(vs + smem_slot<D>(r, piece)));
-      const uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
-      float c0[4] = {acc[2 * np][0] * alpha, acc[2 * np][1] * alpha, 0.f, 0.f};
-      float c1[4] = {acc[2 * np + 1][0] * alpha, acc[2 * np + 1][1] * alpha, 0.f, 0.f};
-      float d0[4], d1[4];
-      ptx::mma_bf16_16816(d0, a, b0, c0);
-      ptx::mma_bf16_16816(d1, a, b1, c1);
-      acc[2 * np][0] = d0[0];
-      acc[2 * np][1] = d0[1];
-      acc[2 * np + 1][0] = d1[0];
-      acc[2 * np + 1][1] = d1[1];
-    }
-    __syncwarp();  // every lane is done with this stage before it is refilled
-  }
-  ptx::cp_async_wait<0>();
-
-  // Each warp's state (o normalized, natural-log lse) goes to shared memory, reusing the
-  // rings; then the CTA merges the warps' states per (head, dim).
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  l_bf16 += __shfl_xor_sync(0xffffffffu, l_bf16, 1);
-  l_bf16 += __shfl_xor_sync(0xffffffffu, l_bf16, 2);
-  const float warp_lse = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
-  const float inv_l = l_bf16 > 0.f ? 1.f / l_bf16 : 0.f;
-  float* so = reinterpret_cast<float*>(smem);  // [kWarps][kMaxGroup][D]
-  float* sl = so + kWarps * kMaxGroup * D;     // [kWarps][kMaxGroup]
-  __syncthreads();
-#pragma unroll
-  for (int nd = 0; nd < D / 8; ++nd) {
-    float2 val = make_float2(acc[nd][0] * inv_l, acc[nd][1] * inv_l);
-    *reinterpret_cast<float2*>(so + (warp * kMaxGroup + g) * D + nd * 8 + 2 * t4) = val;
-  }
-  if (t4 == 0) sl[warp * kMaxGroup + g] = warp_lse;
+  const int64_t group_row = int64_t(w.b) * p.num_q_heads + kvh * p.group;
+  uint32_t qa[D / 16][2];
+  tiles::load_query_fragments<D>(p.q + group_row * D, p.group, lane, qa);
+  tiles::attend_tiles<Cfg>(p.kv, w.b, kvh, w.begin, w.end, 0, qa, smem);
   __syncthreads();
 
+  // The CTA's state per (head, dim): straight to o / lse for a single-chunk sequence, else
+  // to the workspace for the merge kernel.
   const bool direct = w.num_items == 1;
-  for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < p.group * D; idx += Cfg::kThreads) {
     const int hg = idx / D, d = idx % D;
-    LseAccumulator lacc;
-#pragma unroll
-    for (int ww = 0; ww < kWarps; ++ww) lacc.add(sl[ww * kMaxGroup + hg]);
-    const float lse = lacc.lse();
-    float o = 0.f;
-#pragma unroll
-    for (int ww = 0; ww < kWarps; ++ww) {
-      const float wt = merge_weight(sl[ww * kMaxGroup + hg], lse);
-      if (wt > 0.f) o = fmaf(wt, so[(ww * kMaxGroup + hg) * D + d], o);
-    }
-    const int64_t row = int64_t(w.b) * p.num_q_heads + kvh * p.group + hg;
+    float lse;
+    const float o = tiles::merged_warp_state<Cfg>(smem, hg, d, &lse);
+    const int64_t row = group_row + hg;
     if (direct) {
       p.o[row * D + d] = __float2bfloat16_rn(o);
       if (d == 0 && p.lse) p.lse[row] = lse;
@@ -467,8 +258,8 @@ struct KernelInfo {
 
 template <int D, int Warps, int Stages>
 KernelInfo kernel_info() {
-  using Cfg = DecodeConfig<D, Warps, Stages>;
-  return {dense_decode_kernel<D, Cfg>, Warps, int(Cfg::smem_bytes())};
+  using Cfg = tiles::TileConfig<D, Warps, Stages>;
+  return {dense_decode_kernel<Cfg>, Warps, int(Cfg::smem_bytes())};
 }
 
 enum Variant { kW4S3 = 0, kW8S3 = 1, kNumVariants = 2 };
@@ -548,18 +339,15 @@ cudaError_t launch_dense_decode(const bf16* q, int num_q_heads, const PagedKV& k
   char* ws = static_cast<char*>(workspace);
   DecodeParams p;
   p.q = reinterpret_cast<const __nv_bfloat16*>(q);
-  p.k = reinterpret_cast<const __nv_bfloat16*>(kv.k);
-  p.v = reinterpret_cast<const __nv_bfloat16*>(kv.v);
-  p.page_table = kv.page_table;
+  p.kv = tiles::KvSource{reinterpret_cast<const __nv_bfloat16*>(kv.k),
+                          reinterpret_cast<const __nv_bfloat16*>(kv.v), kv.page_table,
+                          kv.page_size, kv.num_kv_heads, kv.max_pages_per_seq,
+                          scale * tiles::kLog2e};
   p.seq_lens = kv.seq_lens;
   p.batch = kv.batch;
-  p.page_size = kv.page_size;
-  p.num_kv_heads = kv.num_kv_heads;
-  p.max_pages_per_seq = kv.max_pages_per_seq;
   p.num_q_heads = num_q_heads;
   p.group = num_q_heads / kv.num_kv_heads;
   p.chunks_per_head = chunks_per_head;
-  p.scale_log2 = scale * kLog2e;
   p.o = reinterpret_cast<__nv_bfloat16*>(o);
   p.lse = lse;
   p.plan = reinterpret_cast<SequencePlan*>(ws + layout.plan_offset);

@@ -10,18 +10,16 @@
 //   attend: launched with programmatic dependent launch behind match. Every warp derives the
 //     same plan from seq_lens and the heads' starts on its own (as dense_decode.cu does):
 //     each (sequence, kv head)'s union span [min_h start_h, t] is cut into chunks whose length
-//     spreads the total tokens over about one wave of CTAs, chunks never straddling E(t), so
-//     every chunk's state belongs either to `new` (tokens below E(t)) or to the tail. The CTA
-//     that finishes a pair last (self-resetting arrival counter) merges the pair's states with
-//     the reused entries, writes entry(t) into the ring and the output.
+//     spreads the total tokens over about one wave of CTAs. The chunk that holds E(t) inside
+//     it runs as two segments, so that every state belongs either to `new` (tokens below
+//     E(t)) or to the tail, and a pair needs no more CTAs than dense decode would give it. The
+//     CTA that finishes a pair last (self-resetting arrival counter) merges the pair's states
+//     with the reused entries, writes entry(t) into the ring and the output.
 //
-// The attention part follows dense_decode.cu (split-KV over 16-token tiles, per-warp cp.async
-// rings, bf16 mma with the group's query heads as rows, online softmax in the log2 domain)
-// with two differences: a head row masks tokens below its own start, so a group reads its KV
-// once for the union of its heads' spans; and every chunk writes a partial state, since the
-// completion merges states with the reused entries anyway. A row with every token of a tile
-// masked keeps its state (the -inf max is replaced by 0 in the exponentials, so
-// exp2(-inf - -inf) never happens).
+// The attention is the tile loop dense decode uses (kernels/common/attend_tiles.cuh) with a
+// per-row start: a head row masks tokens below its own start, so a group reads its KV once
+// for the union of its heads' spans; and every chunk writes a partial state, since the
+// completion merges states with the reused entries anyway.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
@@ -31,9 +29,9 @@
 #include <mutex>
 #include <type_traits>
 
+#include "kernels/common/attend_tiles.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/merge_states.cuh"
-#include "kernels/common/ptx.cuh"
 #include "kernels/mac/mac.h"
 
 namespace kvs::kernels::mac {
@@ -43,17 +41,16 @@ constexpr int kMatchWarps = 4;
 constexpr int kRowsPerWarp = 16;
 constexpr int kMatchTile = kMatchWarps * kRowsPerWarp;  // ring slots per match CTA and pass
 constexpr int kMaxCluster = 8;                           // match CTAs per (sequence, head)
+// The attention CTAs: dense decode's shipped shape (4 warps, 3-stage rings, 2 CTAs per SM).
+template <int D>
+using AttendConfig = tiles::TileConfig<D, 4, 3>;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTile = 16;
-constexpr int kStages = 3;
-constexpr int kMaxGroup = 8;
-constexpr int kChunkAlign = kWarps * kTile;
-// Cap on the chunks the planner aims for; with 2 chunks per pair of slack it bounds the
-// items, so the workspace size depends only on the shapes.
+using tiles::kMaxGroup;
+constexpr int kChunkAlign = kWarps * tiles::kTile;
+// Cap on the chunks the planner aims for; with one chunk and one state per pair of slack it
+// bounds the states, so the workspace size depends only on the shapes.
 constexpr int kMaxChunks = 1024;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFull = 0xffffffffu;
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
@@ -68,11 +65,11 @@ struct Layout {
   size_t head_start, head_slot, partial_lse, partial_o, total;
 };
 
-int max_items(int max_batch, int num_kv_heads) { return kMaxChunks + 2 * max_batch * num_kv_heads; }
+int max_states(int max_batch, int num_kv_heads) { return kMaxChunks + 2 * max_batch * num_kv_heads; }
 
 Layout layout(int max_batch, int num_q_heads, int num_kv_heads, int head_dim) {
   const size_t rows = size_t(max_batch) * num_q_heads;
-  const size_t items = size_t(max_items(max_batch, num_kv_heads));
+  const size_t states = size_t(max_states(max_batch, num_kv_heads));
   const size_t group = size_t(num_q_heads / num_kv_heads);
   Layout l;
   size_t at = 0;
@@ -83,8 +80,8 @@ Layout layout(int max_batch, int num_q_heads, int num_kv_heads, int head_dim) {
   };
   l.head_start = take(rows * sizeof(int32_t));
   l.head_slot = take(rows * sizeof(int32_t));
-  l.partial_lse = take(items * group * sizeof(float));
-  l.partial_o = take(items * group * head_dim * sizeof(float));
+  l.partial_lse = take(states * group * sizeof(float));
+  l.partial_o = take(states * group * head_dim * sizeof(float));
   l.total = at;
   return l;
 }
@@ -92,18 +89,13 @@ Layout layout(int max_batch, int num_q_heads, int num_kv_heads, int head_dim) {
 struct Params {
   const __nv_bfloat16* q;
   const __nv_bfloat16* q_pre;
-  const __nv_bfloat16* k;
-  const __nv_bfloat16* v;
-  const int32_t* page_table;
+  tiles::KvSource kv;
   const int32_t* seq_lens;
   int batch;
-  int page_size;
   int num_kv_heads;
-  int max_pages_per_seq;
   int num_q_heads;
   int group;
   int chunks_target;
-  float scale_log2;
   RingState st;
   MatchParams mp;
   __nv_bfloat16* out;
@@ -112,8 +104,8 @@ struct Params {
   int32_t* pair_arrivals;  // [batch * Hkv], zero between launches
   int32_t* head_start;     // [batch * Hq] first token of the head's own read (0: miss)
   int32_t* head_slot;      // [batch * Hq] ring slot of the reused entry, -1: miss
-  float* partial_lse;      // [items, group]
-  float* partial_o;        // [items, group, D]
+  float* partial_lse;      // [states, group]
+  float* partial_o;        // [states, group, D]
 };
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -323,21 +315,51 @@ __device__ __forceinline__ PairSpan pair_span(const Params& p, int pr) {
   return s;
 }
 
-// An attend CTA's chunk, and its pair's items [first_item, first_item + n_r + n_t): n_r
-// chunks of [start, E(t)) then n_t chunks of the tail [E(t), len).
+// An attend CTA's chunk of its pair's span [start, len), and where its states go. A pair's
+// span is cut into n chunks of `chunk` tokens from its start, like dense decode's sequences.
+// The chunk k holding E(t) is processed as two segments when E(t) falls inside it: its
+// tokens below E(t) give a state of `new`, the rest a state of the tail. So a pair has
+// n_r = k (+1 if the chunk straddles) states below E(t), then n_t = n - k tail states, at
+// first_state on; chunk c's first state is c, or c + 1 past a straddling chunk k.
 struct WorkItem {
   bool valid;
-  int pair, begin, end, part;  // part 0: below E(t); 1: tail
-  int first_item, n_r, n_t;
+  bool split;  // the chunk straddles E(t): two segments, states `state` and `state + 1`
+  int pair, begin, end;
+  int state;   // the chunk's (first) state
+  int chunks;  // the pair's chunks (CTAs)
+  int first_state, n_r, n_t;
   PairSpan span;
 };
 
-// Maps item `item` to its chunk. Called by whole warps; every warp of every CTA derives the
-// same plan from seq_lens and head_start (two passes over the pairs: the span tokens, then a
-// prefix sum of the chunk counts). The chunk length spreads the span tokens over the wave.
-// Cutting each span at E(t) costs up to one extra item per pair, so with few pairs (each cut
-// into many chunks) one slot per pair is kept for that, which would otherwise push a handful
-// of full chunks into a second wave. Items <= total / chunk + 2 pairs <= grid.
+// Chunks and states of a pair: n chunks, the index k of the chunk holding E(t), straddle.
+struct PairCuts {
+  int n, k;
+  bool straddle;
+};
+
+__device__ __forceinline__ PairCuts pair_cuts(const PairSpan& s, int64_t chunk) {
+  PairCuts c{0, 0, false};
+  if (s.len == 0) return c;
+  c.n = int((s.len - s.start + chunk - 1) / chunk);
+  c.k = int((s.et - s.start) / chunk);
+  c.straddle = (s.et - s.start) % chunk != 0;
+  return c;
+}
+
+// Inclusive prefix sum of x over the warp's lanes.
+__device__ __forceinline__ int warp_inclusive_scan(int x, int lane) {
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(kFull, x, off);
+    if (lane >= off) x += y;
+  }
+  return x;
+}
+
+// Maps CTA `item` to its chunk. Called by whole warps; every warp of every CTA derives the
+// same plan from seq_lens and head_start (two passes over the pairs: the span tokens, then
+// prefix sums of the chunk and state counts). The chunk length spreads the span tokens over
+// about one wave; chunks <= total / chunk + pairs <= grid, states <= chunks + pairs.
 __device__ WorkItem find_work_item(const Params& p, int item, int lane) {
   const int pairs = p.batch * p.num_kv_heads;
   long long total = 0;
@@ -349,57 +371,44 @@ __device__ WorkItem find_work_item(const Params& p, int item, int lane) {
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(kFull, total, off);
-  const int target = 8 * pairs <= p.chunks_target ? p.chunks_target - pairs : p.chunks_target;
-  const int64_t chunk = plan_chunk(total, target);
+  const int64_t chunk = plan_chunk(total, p.chunks_target);
 
   WorkItem w{};
   w.valid = false;
-  int base = 0;
+  int item_base = 0, state_base = 0;
   for (int pr0 = 0; pr0 < pairs; pr0 += 32) {
     const int pr = pr0 + lane;
     PairSpan s{0, 0, 0};
-    int n_r = 0, n_t = 0;
-    if (pr < pairs) {
-      s = pr0 == 0 ? first_round : pair_span(p, pr);
-      if (s.len > 0) {
-        n_r = int((s.et - s.start + chunk - 1) / chunk);
-        n_t = int((s.len - s.et + chunk - 1) / chunk);
-      }
-    }
-    const int n = n_r + n_t;
-    int incl = n;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int x = __shfl_up_sync(kFull, incl, off);
-      if (lane >= off) incl += x;
-    }
-    const int first = base + incl - n;
-    const unsigned hit = __ballot_sync(kFull, n > 0 && item >= first && item < first + n);
+    if (pr < pairs) s = pr0 == 0 ? first_round : pair_span(p, pr);
+    const PairCuts c = pair_cuts(s, chunk);
+    const int states = c.n + (c.straddle ? 1 : 0);
+    const int items_incl = warp_inclusive_scan(c.n, lane);
+    const int states_incl = warp_inclusive_scan(states, lane);
+    const int first = item_base + items_incl - c.n;
+    const unsigned hit = __ballot_sync(kFull, c.n > 0 && item >= first && item < first + c.n);
     if (hit) {
       const int src = __ffs(hit) - 1;
       w.valid = true;
       w.pair = pr0 + src;
-      w.first_item = __shfl_sync(kFull, first, src);
-      w.n_r = __shfl_sync(kFull, n_r, src);
-      w.n_t = __shfl_sync(kFull, n_t, src);
+      const int ci = item - __shfl_sync(kFull, first, src);
+      w.first_state = state_base + __shfl_sync(kFull, states_incl - states, src);
+      const int k = __shfl_sync(kFull, c.k, src);
+      const bool straddle = __shfl_sync(kFull, int(c.straddle), src) != 0;
+      w.split = straddle && ci == k;
+      w.state = w.first_state + ci + (straddle && ci > k ? 1 : 0);
+      w.n_r = k + (straddle ? 1 : 0);
+      w.chunks = __shfl_sync(kFull, c.n, src);
+      w.n_t = w.chunks - k;
       w.span.len = __shfl_sync(kFull, s.len, src);
       w.span.et = __shfl_sync(kFull, s.et, src);
       w.span.start = __shfl_sync(kFull, s.start, src);
-      const int i = item - w.first_item;
-      if (i < w.n_r) {
-        w.part = 0;
-        const int64_t lo = w.span.start + int64_t(i) * chunk;
-        w.begin = int(lo);
-        w.end = int(lo + chunk < w.span.et ? lo + chunk : w.span.et);
-      } else {
-        w.part = 1;
-        const int64_t lo = w.span.et + int64_t(i - w.n_r) * chunk;
-        w.begin = int(lo);
-        w.end = int(lo + chunk < w.span.len ? lo + chunk : w.span.len);
-      }
+      const int64_t lo = w.span.start + int64_t(ci) * chunk;
+      w.begin = int(lo);
+      w.end = int(lo + chunk < w.span.len ? lo + chunk : w.span.len);
       return w;
     }
-    base += __shfl_sync(kFull, incl, 31);
+    item_base += __shfl_sync(kFull, items_incl, 31);
+    state_base += __shfl_sync(kFull, states_incl, 31);
   }
   return w;
 }
@@ -436,32 +445,24 @@ __device__ void load_head_inputs(const Params& p, int b, int h, int slot_j, int 
 
 // Completion of one query head (one warp) once every chunk of its pair is in:
 // new = merge(states below E(t), reused entry j); rectify-append; out = merge(new, tail
-// states). The states are read through L2 (other CTAs wrote them), 8 in flight per lane.
+// states). The states are read through L2 (other CTAs wrote them), 16 in flight per lane.
 template <int D>
 __device__ void complete_head(const Params& p, const WorkItem& w, int b, int h,
                               const HeadInputs<D>& in, int lane) {
   constexpr int kPer = D / 32;
-  constexpr int kBatch = 8;  // states in flight per lane
+  constexpr int kBatch = 16;  // states in flight per lane
   using Vec = typename std::conditional<kPer == 4, float4, float2>::type;
   const int hg = h % p.group;
   const int64_t row = int64_t(b) * p.num_q_heads + h;
   const int t = w.span.len - 1, W = p.st.window;
   const int n = w.n_r + w.n_t;
-  const float* plse = p.partial_lse + int64_t(w.first_item) * p.group + hg;
-  const float* po = p.partial_o + (int64_t(w.first_item) * p.group + hg) * D + lane * kPer;
+  const float* plse = p.partial_lse + int64_t(w.first_state) * p.group + hg;
+  const float* po = p.partial_o + (int64_t(w.first_state) * p.group + hg) * D + lane * kPer;
   const int64_t step = int64_t(p.group) * D;
   const float lse_j = in.lse_j;
 
-  // Lane i holds the lse of states i, i + 32, ...: merged lse of each part by shuffles.
-  LseAccumulator acc_r, acc_t;
-  for (int i = lane; i < n; i += 32) {
-    const float x = __ldcg(plse + int64_t(i) * p.group);
-    if (i < w.n_r) acc_r.add(x); else acc_t.add(x);
-  }
-  const float lse_r = warp_merge_lse(acc_r).lse(), lse_t = warp_merge_lse(acc_t).lse();
-  float o_r[kPer], o_t[kPer];
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) o_r[k] = o_t[k] = 0.f;
+  // One pass over the states, kBatch in flight per lane, merged as they come.
+  StateAccumulator<kPer> acc_r, acc_t;
   for (int i0 = 0; i0 < n; i0 += kBatch) {
     Vec x[kBatch];
     float e[kBatch];
@@ -475,16 +476,14 @@ __device__ void complete_head(const Params& p, const WorkItem& w, int b, int h,
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       if (i0 + u >= n) break;
-      const bool r = i0 + u < w.n_r;
-      const float wt = merge_weight(e[u], r ? lse_r : lse_t);
-      if (wt == 0.f) continue;  // an empty state's o may hold anything
-      const float* xs = reinterpret_cast<const float*>(&x[u]);
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        if (r) o_r[k] = fmaf(wt, xs[k], o_r[k]); else o_t[k] = fmaf(wt, xs[k], o_t[k]);
-      }
+      const float(&xs)[kPer] = *reinterpret_cast<const float(*)[kPer]>(&x[u]);
+      if (i0 + u < w.n_r) acc_r.add(e[u], xs); else acc_t.add(e[u], xs);
     }
   }
+  const float lse_r = acc_r.lse.lse(), lse_t = acc_t.lse.lse();
+  float o_r[kPer], o_t[kPer];
+  acc_r.normalized(o_r);
+  acc_t.normalized(o_t);
 
   LseAccumulator acc;
   acc.add(lse_r);
@@ -528,215 +527,69 @@ __device__ void complete_head(const Params& p, const WorkItem& w, int b, int h,
   if (lane == 0 && p.lse) p.lse[row] = lse_out;
 }
 
-// One CTA per chunk item (grid.x bounds the items; the planned count comes from the plan).
+// One CTA per chunk (grid.x bounds the chunks; the plan says how many there are).
 template <int D>
 __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant__ Params p) {
-  constexpr int kPieces = D / 8;
-  constexpr int kTilePieces = kTile * kPieces;
-  constexpr int kCopies = kTilePieces / 32;
-  constexpr int kKSteps = D / 16;
-  // The only shared memory is the dynamic ring: a static variable would be placed ahead of it
-  // and shift the rows off their 128-byte alignment (the swizzle and the 16-byte copies then
-  // split into twice the wavefronts and sectors: ncu counted 50 % excess sectors, and the
-  // kernel ran about 7 % slower at 0 % hits).
-  extern __shared__ uint4 smem[];
+  extern __shared__ uint4 smem[];  // the tile loop's, and nothing static (attend_tiles.cuh)
 
-  const int item = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t4 = lane % 4;
+  const int g = lane / 4;
   // The match grid's decisions (head_start, head_slot) are read only after this.
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  const WorkItem w = find_work_item(p, item, lane);
+  const WorkItem w = find_work_item(p, blockIdx.x, lane);
   if (!w.valid) return;  // the same for every thread of the CTA
   const int b = w.pair / p.num_kv_heads, kvh = w.pair % p.num_kv_heads;
-  const int begin = w.begin, end = w.end;
+  const int64_t group_row = int64_t(b) * p.num_q_heads + kvh * p.group;
   // The reused slots of the group's heads (lane g: head g), for the completion.
-  const int group_slot = lane < p.group
-                             ? __ldcg(p.head_slot + int64_t(b) * p.num_q_heads + kvh * p.group + lane)
-                             : -1;
+  const int group_slot = lane < p.group ? __ldcg(p.head_slot + group_row + lane) : -1;
   // Tokens below the start of this lane's head row are not its to read (a hit head reuses
-  // them); the tail part holds no such tokens.
-  const int row_start = w.part == 0 && g < p.group
-                            ? __ldcg(p.head_start + int64_t(b) * p.num_q_heads + kvh * p.group + g)
-                            : 0;
-  const int num_tiles = (end - begin + kTile - 1) / kTile;
-  const int my_tiles = warp < num_tiles ? (num_tiles - 1 - warp) / kWarps + 1 : 0;
-  uint4* ring = smem + warp * (kStages * 2 * kTilePieces);
-  const int32_t* table = p.page_table + int64_t(b) * p.max_pages_per_seq;
-  auto tile_row = [&](int i) -> int {
-    if (i >= my_tiles) return -1;
-    const int t = begin + (warp + i * kWarps) * kTile + lane % kTile;
-    if (t >= end) return -1;
-    const int page = table[t / p.page_size];
-    return (page * p.page_size + t % p.page_size) * p.num_kv_heads + kvh;
-  };
-  auto issue = [&](int i, int row_of_lane) {
-    uint4* ks = ring + (i % kStages) * 2 * kTilePieces;
-    uint4* vs = ks + kTilePieces;
-#pragma unroll
-    for (int c = 0; c < kCopies; ++c) {
-      const int j = lane + 32 * c;
-      const int r = j / kPieces, piece = j % kPieces;
-      const int row = __shfl_sync(kFull, row_of_lane, r);
-      const bool valid = row >= 0;
-      const int64_t off = valid ? int64_t(row) * D + piece * 8 : 0;
-      const int slot = r * kPieces + (piece ^ (r & 7));
-      ptx::cp_async_16(ptx::smem_addr(ks + slot), p.k + off, valid);
-      ptx::cp_async_16(ptx::smem_addr(vs + slot), p.v + off, valid);
-    }
-  };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < my_tiles) issue(s, tile_row(s));
-    ptx::cp_async_commit();
-  }
-  int pending_row = tile_row(kStages - 1);
+  // them); the tail holds no such tokens.
+  const int head_start = g < p.group ? __ldcg(p.head_start + group_row + g) : 0;
 
-  uint32_t qa[kKSteps][2];
-  {
-    const bool has = g < p.group;
-    const uint32_t* qrow = reinterpret_cast<const uint32_t*>(
-        p.q + (int64_t(b) * p.num_q_heads + (has ? kvh * p.group + g : 0)) * D);
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      qa[ks][0] = has ? qrow[ks * 8 + t4] : 0u;
-      qa[ks][1] = has ? qrow[ks * 8 + 4 + t4] : 0u;
-    }
-  }
+  uint32_t qa[D / 16][2];
+  tiles::load_query_fragments<D>(p.q + group_row * D, p.group, lane, qa);
 
-  float m = -INFINITY, l = 0.f, l_bf16 = 0.f;
-  float acc[D / 8][2];
-#pragma unroll
-  for (int nd = 0; nd < D / 8; ++nd) acc[nd][0] = acc[nd][1] = 0.f;
-
-  for (int i = 0; i < my_tiles; ++i) {
-    if (i + kStages - 1 < my_tiles) issue(i + kStages - 1, pending_row);
-    ptx::cp_async_commit();
-    pending_row = tile_row(i + kStages);
-    ptx::cp_async_wait<kStages - 1>();
-    __syncwarp();
-
-    const uint4* ks = ring + (i % kStages) * 2 * kTilePieces;
-    const uint4* vs = ks + kTilePieces;
-    const int tile_begin = begin + (warp + i * kWarps) * kTile;
-
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      uint32_t kb[4];
-      const int r = ((lane >> 4) << 3) + (lane & 7);
-      const int piece = 2 * kk + ((lane >> 3) & 1);
-      ptx::ldmatrix_x4(kb, ptx::smem_addr(ks + r * kPieces + (piece ^ (r & 7))));
-      const uint32_t a[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
-      const uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
-      ptx::mma_bf16_16816(s[0], a, b0, s[0]);
-      ptx::mma_bf16_16816(s[1], a, b1, s[1]);
-    }
-
-    float x[4];
-    float tile_max = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int t = tile_begin + nt * 8 + 2 * t4 + j;
-        const float v = t < end && t >= row_start ? s[nt][j] * p.scale_log2 : -INFINITY;
-        x[nt * 2 + j] = v;
-        tile_max = fmaxf(tile_max, v);
-      }
-    }
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFull, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFull, tile_max, 2));
-    const float m_new = fmaxf(m, tile_max);
-    // A row masked so far has m_new = -inf: exponentiate against 0 instead (all terms 0).
-    const float m_ref = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = exp2f(m - m_ref);
-    m = m_new;
-    uint32_t pa[4];
-    float tile_sum = 0.f, tile_sum_bf16 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const float p0 = exp2f(x[nt * 2] - m_ref), p1 = exp2f(x[nt * 2 + 1] - m_ref);
-      const __nv_bfloat162 pb = __floats2bfloat162_rn(p0, p1);
-      pa[nt * 2] = *reinterpret_cast<const uint32_t*>(&pb);
-      pa[nt * 2 + 1] = 0u;
-      tile_sum += p0 + p1;
-      tile_sum_bf16 += __low2float(pb) + __high2float(pb);
-    }
-    l = l * alpha + tile_sum;
-    l_bf16 = l_bf16 * alpha + tile_sum_bf16;
-    const uint32_t a[4] = {pa[0], 0u, pa[2], 0u};
-#pragma unroll
-    for (int np = 0; np < D / 16; ++np) {
-      uint32_t vb[4];
-      const int r = (((lane >> 3) & 1) << 3) + (lane & 7);
-      const int piece = 2 * np + (lane >> 4);
-      ptx::ldmatrix_x4_trans(vb, ptx::smem_addr(vs + r * kPieces + (piece ^ (r & 7))));
-      const uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
-      float c0[4] = {acc[2 * np][0] * alpha, acc[2 * np][1] * alpha, 0.f, 0.f};
-      float c1[4] = {acc[2 * np + 1][0] * alpha, acc[2 * np + 1][1] * alpha, 0.f, 0.f};
-      float d0[4], d1[4];
-      ptx::mma_bf16_16816(d0, a, b0, c0);
-      ptx::mma_bf16_16816(d1, a, b1, c1);
-      acc[2 * np][0] = d0[0];
-      acc[2 * np][1] = d0[1];
-      acc[2 * np + 1][0] = d1[0];
-      acc[2 * np + 1][1] = d1[1];
-    }
-    __syncwarp();
-  }
-  ptx::cp_async_wait<0>();
-
-  l += __shfl_xor_sync(kFull, l, 1);
-  l += __shfl_xor_sync(kFull, l, 2);
-  l_bf16 += __shfl_xor_sync(kFull, l_bf16, 1);
-  l_bf16 += __shfl_xor_sync(kFull, l_bf16, 2);
-  const float warp_lse = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
-  const float inv_l = l_bf16 > 0.f ? 1.f / l_bf16 : 0.f;
-  float* so = reinterpret_cast<float*>(smem);
-  float* sl = so + kWarps * kMaxGroup * D;
-  __syncthreads();
-#pragma unroll
-  for (int nd = 0; nd < D / 8; ++nd) {
-    const float2 val = make_float2(acc[nd][0] * inv_l, acc[nd][1] * inv_l);
-    *reinterpret_cast<float2*>(so + (warp * kMaxGroup + g) * D + nd * 8 + 2 * t4) = val;
-  }
-  if (t4 == 0) sl[warp * kMaxGroup + g] = warp_lse;
-  // The completion's inputs of this warp's heads, in flight while the CTA merges its warps and
+  // The completion's inputs of this warp's heads, loaded while the CTA merges its warps and
   // counts its arrival (only the pair's last CTA uses them).
   constexpr int kHeadsPerWarp = kMaxGroup / kWarps;
   HeadInputs<D> in[kHeadsPerWarp];
+  auto load_inputs = [&] {
 #pragma unroll
-  for (int i = 0; i < kHeadsPerWarp; ++i) {
-    const int hg = warp + i * kWarps;
-    const int slot_j = __shfl_sync(kFull, group_slot, hg < p.group ? hg : 0);
-    if (hg < p.group) load_head_inputs<D>(p, b, kvh * p.group + hg, slot_j, lane, in[i]);
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
-    const int hg = idx / D, d = idx % D;
-    LseAccumulator lacc;
-#pragma unroll
-    for (int ww = 0; ww < kWarps; ++ww) lacc.add(sl[ww * kMaxGroup + hg]);
-    const float lse = lacc.lse();
-    float o = 0.f;
-#pragma unroll
-    for (int ww = 0; ww < kWarps; ++ww) {
-      const float wt = merge_weight(sl[ww * kMaxGroup + hg], lse);
-      if (wt > 0.f) o = fmaf(wt, so[(ww * kMaxGroup + hg) * D + d], o);
+    for (int i = 0; i < kHeadsPerWarp; ++i) {
+      const int hg = warp + i * kWarps;
+      const int slot_j = __shfl_sync(kFull, group_slot, hg < p.group ? hg : 0);
+      if (hg < p.group) load_head_inputs<D>(p, b, kvh * p.group + hg, slot_j, lane, in[i]);
     }
-    const int64_t prow = int64_t(item) * p.group + hg;
-    p.partial_o[prow * D + d] = o;
-    if (d == 0) p.partial_lse[prow] = lse;
+  };
+  // The chunk's segments: below E(t) with the heads' own starts, and the tail unmasked; one
+  // call site of the tile loop, so that its code is in the kernel once.
+  using Cfg = AttendConfig<D>;
+  const int segments = w.split ? 2 : 1;
+  for (int sg = 0; sg < segments; ++sg) {
+    const int begin = sg == 0 ? w.begin : w.span.et;
+    const int end = w.split && sg == 0 ? w.span.et : w.end;
+    const bool below = end <= w.span.et;
+    if (sg > 0) __syncthreads();  // the merge area is read before the ring is refilled
+    tiles::attend_tiles<Cfg>(p.kv, b, kvh, begin, end, below ? head_start : 0, qa, smem);
+    if (sg == segments - 1) load_inputs();  // in flight during the CTA merge and arrival
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
+      const int hg = idx / D, d = idx % D;
+      float lse;
+      const float o = tiles::merged_warp_state<Cfg>(smem, hg, d, &lse);
+      const int64_t prow = int64_t(w.state + sg) * p.group + hg;
+      p.partial_o[prow * D + d] = o;
+      if (d == 0) p.partial_lse[prow] = lse;
+    }
   }
 
-  // The CTA that brings the pair's last state completes the pair's heads. The counter goes
+  // The CTA that brings the pair's last chunk completes the pair's heads. The counter goes
   // back to zero for the next launch.
   __threadfence();  // this CTA's states are visible before its arrival is counted
   __syncthreads();
   bool last = false;
   if (threadIdx.x == 0) {
-    last = atomicAdd(p.pair_arrivals + w.pair, 1) == w.n_r + w.n_t - 1;
+    last = atomicAdd(p.pair_arrivals + w.pair, 1) == w.chunks - 1;
     if (last) {
       p.pair_arrivals[w.pair] = 0;
       if (p.counters) {
@@ -788,9 +641,7 @@ __global__ void fill_kernel(RingState st, MatchParams mp, int b, int p0, int n,
 
 template <int D>
 constexpr size_t attend_smem_bytes() {
-  constexpr size_t ring = size_t(kWarps) * kStages * 2 * kTile * D * sizeof(__nv_bfloat16);
-  constexpr size_t merge = (size_t(kWarps) * kMaxGroup * D + kWarps * kMaxGroup) * sizeof(float);
-  return ring > merge ? ring : merge;
+  return AttendConfig<D>::smem_bytes();
 }
 
 struct DeviceInfo {
@@ -849,7 +700,7 @@ cudaError_t launch_decode(Params& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   // Programmatic dependent launch: attend CTAs get resident while match runs and wait for it
   // (griddepcontrol.wait) before reading its decisions.
-  const unsigned grid = unsigned(max_items(p.batch, p.num_kv_heads) - kMaxChunks + p.chunks_target);
+  const unsigned grid = unsigned(p.chunks_target + p.batch * p.num_kv_heads);  // >= chunks
   return launch_programmatic(attend_kernel<D>, dim3(grid), dim3(kThreads), attend_smem_bytes<D>(),
                              stream, p);
 }
@@ -920,18 +771,16 @@ cudaError_t decode_cuda(const RingState& st, const MatchParams& mp, const bf16* 
   Params p;
   p.q = reinterpret_cast<const __nv_bfloat16*>(q);
   p.q_pre = reinterpret_cast<const __nv_bfloat16*>(q_pre);
-  p.k = reinterpret_cast<const __nv_bfloat16*>(kv.k);
-  p.v = reinterpret_cast<const __nv_bfloat16*>(kv.v);
-  p.page_table = kv.page_table;
+  p.kv = tiles::KvSource{reinterpret_cast<const __nv_bfloat16*>(kv.k),
+                          reinterpret_cast<const __nv_bfloat16*>(kv.v), kv.page_table,
+                          kv.page_size, kv.num_kv_heads, kv.max_pages_per_seq,
+                          scale * tiles::kLog2e};
   p.seq_lens = kv.seq_lens;
   p.batch = kv.batch;
-  p.page_size = kv.page_size;
   p.num_kv_heads = kv.num_kv_heads;
-  p.max_pages_per_seq = kv.max_pages_per_seq;
   p.num_q_heads = num_q_heads;
   p.group = num_q_heads / kv.num_kv_heads;
   p.chunks_target = 0;
-  p.scale_log2 = scale * kLog2e;
   p.st = st;
   p.mp = mp;
   p.out = reinterpret_cast<__nv_bfloat16*>(out);

@@ -149,12 +149,12 @@ void fill_entries_cpu(const RingState& st, const MatchParams& p, int b, const bf
 //      start in the same CTA.
 //   2. attend (programmatic dependent launch behind match): every CTA derives the plan from
 //      the lengths and the heads' starts (per (sequence, kv head) the union span
-//      [min_h start_h, t] cut into chunks of a length chosen from the total work, chunks never
-//      straddling E(t)), then attends its chunk: bf16 tensor cores, each KV tile loaded once
-//      for the group, head rows below their own start masked, a partial state (o, lse) out.
-//      The CTA that brings a pair's last state completes its heads: merge the [start, E(t))
-//      states with the reused entry into `new`, write entry(t) and q_pre into the rings, merge
-//      `new` with the [E(t), t] states into out.
+//      [min_h start_h, t] cut into chunks of a length chosen from the total work; the chunk
+//      holding E(t) runs as two segments), then attends its chunk: bf16 tensor cores, each KV
+//      tile loaded once for the group, head rows below their own start masked, partial
+//      states (o, lse) out. The CTA that brings a pair's last chunk completes its heads:
+//      merge the [start, E(t)) states with the reused entry into `new`, write entry(t) and
+//      q_pre into the rings, merge `new` with the [E(t), t] states into out.
 // Self-resetting per-pair arrival counters live in `sync` (device memory of
 // decode_sync_ints(), zeroed once by the owner). Supports head_dim 64 and 128, group sizes
 // 1..8.
