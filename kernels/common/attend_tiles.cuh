@@ -88,12 +88,14 @@ __device__ __forceinline__ void load_query_fragments(const __nv_bfloat16* q_grou
   }
 }
 
-// Attends tokens [begin, end) of sequence b in kv head kvh; this lane's head row (lane / 4)
-// skips tokens below row_start (a row with every token skipped keeps lse = -inf and o = 0).
+// Attends tokens [begin, end) of sequence b in kv head kvh. With kRowStart, this lane's head
+// row (lane / 4) skips tokens below row_start (a row with every token skipped keeps
+// lse = -inf and o = 0); without it every row reads every token and row_start is ignored
+// (dense decode: the per-token compare and the -inf guard cost it 1-2 % at 128K).
 // Ends with each warp's state in shared memory and no barrier after it: the caller runs
 // __syncthreads() before merged_warp_state. The caller also synchronizes before calling it
 // again on the same shared memory.
-template <class Cfg>
+template <class Cfg, bool kRowStart>
 __device__ void attend_tiles(const KvSource& src, int b, int kvh, int begin, int end,
                              int row_start, const uint32_t (&qa)[Cfg::kHeadDim / 16][2],
                              uint4* smem) {
@@ -186,7 +188,8 @@ __device__ void attend_tiles(const KvSource& src, int b, int kvh, int begin, int
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int t = tile_begin + nt * 8 + 2 * t4 + j;
-        const float v = t < end && t >= row_start ? s[nt][j] * src.scale_log2 : -INFINITY;
+        const bool in = t < end && (!kRowStart || t >= row_start);
+        const float v = in ? s[nt][j] * src.scale_log2 : -INFINITY;
         x[nt * 2 + j] = v;
         tile_max = fmaxf(tile_max, v);
       }
@@ -195,8 +198,9 @@ __device__ void attend_tiles(const KvSource& src, int b, int kvh, int begin, int
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
     const float m_new = fmaxf(m, tile_max);
     // A row skipped so far has m_new = -inf: exponentiate against 0 instead (all terms are
-    // 0), so that exp2(-inf - -inf) never happens.
-    const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+    // 0), so that exp2(-inf - -inf) never happens. Without skipping, the tile's first token
+    // is always read, so the quad's max is finite.
+    const float m_ref = kRowStart && m_new == -INFINITY ? 0.f : m_new;
     const float alpha = exp2f(m - m_ref);
     m = m_new;
     uint32_t pa[4];

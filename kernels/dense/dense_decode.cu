@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const int64_t group_row = int64_t(w.b) * p.num_q_heads + kvh * p.group;
   uint32_t qa[D / 16][2];
   tiles::load_query_fragments<D>(p.q + group_row * D, p.group, lane, qa);
-  tiles::attend_tiles<Cfg>(p.kv, w.b, kvh, w.begin, w.end, 0, qa, smem);
+  tiles::attend_tiles<Cfg, false>(p.kv, w.b, kvh, w.begin, w.end, 0, qa, smem);
   __syncthreads();
 
   // The CTA's state per (head, dim): straight to o / lse for a single-chunk sequence, else

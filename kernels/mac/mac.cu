@@ -611,7 +611,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant_
     const int end = w.split && sg == 0 ? w.span.et : w.end;
     const bool below = end <= w.span.et;
     if (sg > 0) __syncthreads();  // the merge area is read before the ring is refilled
-    tiles::attend_tiles<Cfg>(p.kv, b, kvh, begin, end, below ? head_start : 0, qa, smem);
+    tiles::attend_tiles<Cfg, true>(p.kv, b, kvh, begin, end, below ? head_start : 0, qa, smem);
     if (sg == segments - 1) load_inputs();  // in flight during the CTA merge and arrival
     __syncthreads();
     for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
