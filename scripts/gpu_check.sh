@@ -120,15 +120,17 @@ if [ "${KVS_GPU_CAPTURE:-1}" = 1 ] && [ -x "$BUILD/tools/kvs-capture" ]; then
 fi
 
 # The methods inside the model's decode loop on the GPU: kvs-eval ppl and needle at 16K and
-# 32K context (32700 and 32000: the model has 32768 positions and the decode steps need
+# 32K context (32500 and 32000: the model has 32768 positions and the decode steps need
 # room) with the bundle of a scripts/main.sh run (carry it: KVS_GPU_BUNDLE, default
 # out/bundle.h5). KVS_GPU_MODEL_EVAL=0 skips this.
 bundle=${KVS_GPU_BUNDLE:-out/bundle.h5}
 if [ "${KVS_GPU_MODEL_EVAL:-1}" = 1 ] && [ -x "$BUILD/tools/kvs-eval" ] && [ -f "$bundle" ]; then
   methods=(dense tactic mac magicpig saap:recent_tokens=256,probes=8 attnpred)
+  # 4 windows x 256 steps: 1,024 scored bytes per row (64 was too few to tell +-3 % from
+  # noise); 32500 + 256 + 1 stays within the model's 32768 positions.
   run_step "kvs-eval ppl 16K,32K" 300 model_eval.log "$BUILD/tools/kvs-eval" ppl \
-    --text data/corpus/docs.val.txt.gz --bundle "$bundle" --contexts 16384,32700 --windows 2 \
-    --steps 64 --offset 200000 --methods "${methods[@]}" --json "$OUT/ppl.json"
+    --text data/corpus/docs.val.txt.gz --bundle "$bundle" --contexts 16384,32500 --windows 4 \
+    --steps 256 --offset 200000 --methods "${methods[@]}" --json "$OUT/ppl.json"
   run_step "kvs-eval needle 16K,32K" 300 model_eval.log "$BUILD/tools/kvs-eval" needle \
     --text data/corpus/docs.val.txt.gz --bundle "$bundle" --contexts 16384,32000 \
     --depths 0.1,0.5,0.9 --trials 3 --methods "${methods[@]}" --json "$OUT/needle.json"
