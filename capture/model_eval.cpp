@@ -80,11 +80,7 @@ uint64_t splitmix64(uint64_t x) {
 template <class Row, class F>
 void write_rows_json(std::ostream& os, const EvalMeta& meta, const std::vector<Row>& rows,
                      F write_row) {
-  os << "{\n  \"meta\": {";
-  for (size_t i = 0; i < meta.size(); ++i)
-    os << (i ? ", " : "") << eval::json_quote(meta[i].first) << ": "
-       << eval::json_quote(meta[i].second);
-  os << "},\n  \"rows\": [\n";
+  os << "{\n  \"meta\": " << eval::json_meta(meta) << ",\n  \"rows\": [\n";
   for (size_t i = 0; i < rows.size(); ++i) {
     os << "    {\"method\": " << eval::json_quote(rows[i].method)
        << ", \"knobs\": " << eval::json_quote(rows[i].knobs);

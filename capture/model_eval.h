@@ -13,6 +13,7 @@
 
 #include "capture/llama.h"
 #include "runtime/engine.h"
+#include "runtime/eval/report.h"
 
 namespace kvs {
 
@@ -94,7 +95,7 @@ NeedlePrompt make_needle_prompt(const std::string& haystack, int64_t offset, int
 
 // Tables and JSON: {"meta": {key: value, ...}, "rows": [{...}, ...]}; meta says what made
 // the rows (command, model, device).
-using EvalMeta = std::vector<std::pair<std::string, std::string>>;
+using EvalMeta = eval::JsonMeta;
 void write_ppl_table(std::ostream& os, const std::vector<PplRow>& rows);
 void write_ppl_json(std::ostream& os, const std::vector<PplRow>& rows, const EvalMeta& meta);
 void write_needle_table(std::ostream& os, const std::vector<NeedleRow>& rows);

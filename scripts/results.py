@@ -312,7 +312,7 @@ def fidelity_section(name, data, plots):
     if data["meta"]:
         out.append(source_line(name, data["meta"]))
     else:
-        out.append(f"Source: `{name}` (kvs-eval --json records no device or command).")
+        out.append(f"Source: `{name}` (a list-form file from before kvs-eval wrote its meta: no device or command).")
     out += ["", "All layers pooled. rel L2: relative L2 error of the attention output (mean, "
             "p50, p90); mass recall: attention mass of the keys read (mean, p10); KV read: "
             "fraction of KV rows read; `x@method`: baseline x at that method's own KV read.", ""]

@@ -289,9 +289,9 @@ void write_table(std::ostream& out, const std::vector<ResultRow>& rows) {
   for (const auto& line : text) emit(line);
 }
 
-void write_json(std::ostream& out, const std::vector<ResultRow>& rows) {
+void write_json(std::ostream& out, const std::vector<ResultRow>& rows, const JsonMeta& meta) {
   const auto& names = column_names();
-  out << '[';
+  out << "{\n\"meta\": " << json_meta(meta) << ",\n\"rows\": [";
   for (size_t i = 0; i < rows.size(); ++i) {
     const std::vector<Cell> cs = cells(rows[i]);
     out << (i ? ",\n " : "\n ") << '{';
@@ -307,7 +307,14 @@ void write_json(std::ostream& out, const std::vector<ResultRow>& rows) {
     }
     out << '}';
   }
-  out << (rows.empty() ? "]\n" : "\n]\n");
+  out << (rows.empty() ? "]\n}\n" : "\n]\n}\n");
+}
+
+std::string json_meta(const JsonMeta& meta) {
+  std::string t = "{";
+  for (size_t i = 0; i < meta.size(); ++i)
+    t += (i ? ", " : "") + json_quote(meta[i].first) + ": " + json_quote(meta[i].second);
+  return t + "}";
 }
 
 void write_csv(std::ostream& out, const std::vector<ResultRow>& rows) {

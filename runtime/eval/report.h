@@ -6,6 +6,7 @@
 #include <ostream>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "runtime/eval/metrics.h"
@@ -52,11 +53,18 @@ double percentile(std::vector<double> values, double p);
 
 // Columns in the order of ResultRow's fields; all three writers use the same names.
 void write_table(std::ostream& out, const std::vector<ResultRow>& rows);
-void write_json(std::ostream& out, const std::vector<ResultRow>& rows);  // an array of objects
+// Where a result came from (command, device, inputs): string pairs, in order.
+using JsonMeta = std::vector<std::pair<std::string, std::string>>;
+
+// {"meta": {...}, "rows": [{...}, ...]} (docs/formats.md, "Fidelity rows").
+void write_json(std::ostream& out, const std::vector<ResultRow>& rows, const JsonMeta& meta);
 void write_csv(std::ostream& out,
                const std::vector<ResultRow>& rows);  // RFC 4180 quoting, header row, \n line ends
 
 // The string as a JSON string literal, quotes included (escapes ", \ and control bytes).
 std::string json_quote(const std::string& s);
+
+// The meta pairs as one JSON object: {"key": "value", ...}.
+std::string json_meta(const JsonMeta& meta);
 
 }  // namespace kvs::eval

@@ -473,9 +473,10 @@ std::vector<ResultRow> sample_rows() {
 
 TEST(EvalReport, JsonIsEscapedAndCarriesTheFields) {
   std::ostringstream out;
-  write_json(out, sample_rows());
+  write_json(out, sample_rows(), {{"command", "kvs-eval --capture 'a b.h5'"}, {"backend", "cpu"}});
   const std::string j = out.str();
-  EXPECT_EQ(j.front(), '[');
+  EXPECT_EQ(j.rfind("{\n\"meta\": {\"command\": \"kvs-eval --capture 'a b.h5'\", \"backend\": \"cpu\"},\n\"rows\": [", 0), 0u)
+      << j;
   EXPECT_NE(j.find("\"method\": \"quest\", \"knob\": \"tokens=64\", \"layer\": 0, \"steps\": 1"),
             std::string::npos)
       << j;
@@ -505,7 +506,7 @@ TEST(EvalReport, JsonIsEscapedAndCarriesTheFields) {
   }
   EXPECT_EQ(depth, 0);
   EXPECT_FALSE(in_string);
-  EXPECT_EQ(objects, 4);
+  EXPECT_EQ(objects, 6);  // the top level, meta and 4 rows
   EXPECT_EQ(json_quote(std::string("\x01") + "\t"), "\"\\u0001\\t\"");
 }
 

@@ -144,10 +144,6 @@ class JsonObject {
   std::vector<Field> fields_;
 };
 
-// The program's name (argv[0] without its folder) and its arguments, each quoted for a POSIX
-// shell where it needs it: the command that reproduces the run.
-std::string command_line(int argc, char** argv);
-
 // What every kvs-bench* program writes with --json FILE (docs/formats.md, "Benchmark
 // results"): {"meta": {...}, "rows": [{...}, ...], "skipped": ["...", ...]}. meta starts with
 // impl, device (the current CUDA device's name) and command; the program adds its shapes and

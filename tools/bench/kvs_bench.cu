@@ -199,7 +199,7 @@ int run(int argc, char** argv) {
     tactic.page_size = s.page_size;
     tactic.iters = s.iters;
     tactic.json_path = json_path;
-    tactic.command = bench::command_line(argc, argv);
+    tactic.command = cli::command_line(argc, argv);
     return run_tactic_bench(tactic);
   }
   if (method != "dense")
@@ -212,7 +212,7 @@ int run(int argc, char** argv) {
   cudaStream_t stream;
   KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const double copy_gbps = copy_bandwidth_gbps(stream);
-  bench::BenchReport report("kvs_dense", bench::command_line(argc, argv), json_path);
+  bench::BenchReport report("kvs_dense", cli::command_line(argc, argv), json_path);
   report.meta().add({{"copy_gbps", copy_gbps},
                      {"hq", s.hq},
                      {"hkv", s.hkv},

@@ -99,7 +99,7 @@ int main(int argc, char** argv) try {
   const std::vector<int> contexts = kvs::bench::parse_counts(contexts_s, "contexts");
   cudaDeviceProp prop{};
   KVS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  kvs::bench::BenchReport report("kvs_attnpred", kvs::bench::command_line(argc, argv), json_path);
+  kvs::bench::BenchReport report("kvs_attnpred", kvs::cli::command_line(argc, argv), json_path);
   report.meta().add({{"batch", 1},
                      {"hq", hq},
                      {"hkv", hkv},

@@ -288,7 +288,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     KVS_CUDA_CHECK(mk::prepare_cuda(a.d));
-    bench::BenchReport report("kvs_mac", bench::command_line(argc, argv), json_path);
+    bench::BenchReport report("kvs_mac", cli::command_line(argc, argv), json_path);
     report.meta().add({{"hq", a.hq},
                        {"hkv", a.hkv},
                        {"head_dim", a.d},

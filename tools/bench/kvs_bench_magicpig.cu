@@ -272,7 +272,7 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop{};
     KVS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     const int threads = o.threads > 0 ? o.threads : int(std::thread::hardware_concurrency());
-    bench::BenchReport report("kvs_magicpig", bench::command_line(argc, argv), json_path);
+    bench::BenchReport report("kvs_magicpig", cli::command_line(argc, argv), json_path);
     report.meta().add({{"hq", o.hq},
                        {"hkv", o.hkv},
                        {"head_dim", o.d},

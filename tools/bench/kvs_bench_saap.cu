@@ -271,7 +271,7 @@ int main(int argc, char** argv) try {
   if (!kvs::cuda_device_available()) throw std::runtime_error("no CUDA device");
   if (a.layers < 1 || a.iters < 1 || a.batch < 1)
     throw std::invalid_argument("--layers, --iters and --batch must be >= 1");
-  kvs::bench::BenchReport report("kvs_saap", kvs::bench::command_line(argc, argv), json_path);
+  kvs::bench::BenchReport report("kvs_saap", kvs::cli::command_line(argc, argv), json_path);
   report.meta().add({{"batch", a.batch},
                      {"hq", a.hq},
                      {"hkv", a.hkv},

@@ -22,6 +22,24 @@ bool parse_options(int argc, char** argv, const boost::program_options::options_
   po::notify(m);
   return true;
 }
+std::string command_line(int argc, char** argv) {
+  std::string line;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (i == 0) arg = arg.substr(arg.find_last_of('/') + 1);  // npos + 1 == 0: no folder
+    const bool plain = !arg.empty() && arg.find_first_not_of(
+                                           "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                           "0123456789_-+=.,:/@%") == std::string::npos;
+    if (!plain) {
+      std::string q = "'";
+      for (char ch : arg) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+      arg = q + "'";
+    }
+    line += (i ? " " : "") + arg;
+  }
+  return line;
+}
+
 namespace {
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

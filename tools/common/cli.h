@@ -14,6 +14,10 @@ namespace kvs::cli {
 bool parse_options(int argc, char** argv, const boost::program_options::options_description& desc,
                    boost::program_options::variables_map* vm = nullptr);
 
+// The program's name (argv[0] without its folder) and its arguments, each quoted for a POSIX
+// shell where it needs it: the command that reproduces the run, for result files' meta.
+std::string command_line(int argc, char** argv);
+
 // "0,2,3" -> {0, 2, 3}; "" -> {}. Throws std::invalid_argument naming the option and the
 // element that is not an integer.
 std::vector<int> parse_int_list(const std::string& text, const std::string& option);

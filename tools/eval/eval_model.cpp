@@ -42,10 +42,9 @@ struct Common {
     return c;
   }
 
-  EvalMeta meta(const std::string& command, const LlamaModel& model) const {
-    std::string cmd = command + " --model " + model_dir + " --methods";
-    for (const std::string& m : methods) cmd += " " + m;
-    return {{"command", cmd},
+  // argv of the subcommand (argv[0] is "ppl" or "needle"): the whole command is kvs-eval's.
+  EvalMeta meta(int argc, char** argv, const LlamaModel& model) const {
+    return {{"command", "kvs-eval " + cli::command_line(argc, argv)},
             {"model", model.shape().name},
             {"device", model.device().is_cuda() ? "cuda" : "cpu"},
             {"dtype", model.dtype() == torch::kBFloat16 ? "bf16" : "fp32"}};
@@ -131,7 +130,7 @@ int run_ppl(int argc, char** argv) {
   std::cout << "Perplexity (" << source << ", " << windows
             << " windows x " << steps << " steps per context):\n";
   write_ppl_table(std::cout, rows);
-  if (!c.json.empty()) write_json(c.json, write_ppl_json, rows, c.meta("kvs-eval ppl", model));
+  if (!c.json.empty()) write_json(c.json, write_ppl_json, rows, c.meta(argc, argv, model));
   return 0;
 }
 
@@ -159,7 +158,7 @@ int run_needle(int argc, char** argv) {
   std::cout << "Needle (" << text_path << ", " << nc.trials << " trials per cell):\n";
   write_needle_table(std::cout, rows);
   if (!c.json.empty())
-    write_json(c.json, write_needle_json, rows, c.meta("kvs-eval needle", model));
+    write_json(c.json, write_needle_json, rows, c.meta(argc, argv, model));
   return 0;
 }
 

@@ -20,12 +20,22 @@ namespace po = boost::program_options;
 
 namespace {
 
-void write_file(const std::string& path, void (*writer)(std::ostream&, const std::vector<kvs::eval::ResultRow>&),
-                const std::vector<kvs::eval::ResultRow>& rows) {
+// Writes a result file through writer(stream); throws naming the path when it fails.
+template <class F>
+void write_file(const std::string& path, F writer) {
   std::ofstream f(path);
   if (!f) throw std::runtime_error("cannot write " + path);
-  writer(f, rows);
+  writer(f);
   if (!f) throw std::runtime_error("writing " + path + " failed");
+}
+
+// The name of the CUDA device the cuda backend runs on.
+std::string cuda_device_name() {
+  int dev = 0;
+  KVS_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  KVS_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  return prop.name;
 }
 
 }  // namespace
@@ -110,8 +120,15 @@ int run_fidelity(int argc, char** argv) {
   kvs::eval::write_table(std::cout, pooled);
   std::vector<kvs::eval::ResultRow> all = per_layer;
   all.insert(all.end(), pooled.begin(), pooled.end());
-  if (vm.count("json")) write_file(json, kvs::eval::write_json, all);
-  if (vm.count("csv")) write_file(csv, kvs::eval::write_csv, all);
+  if (vm.count("json")) {
+    const kvs::eval::JsonMeta meta = {
+        {"command", kvs::cli::command_line(argc, argv)},
+        {"capture", capture_path},
+        {"backend", backend},
+        {"device", cfg.engine.backend == kvs::Backend::Cuda ? cuda_device_name() : "cpu"}};
+    write_file(json, [&](std::ostream& o) { kvs::eval::write_json(o, all, meta); });
+  }
+  if (vm.count("csv")) write_file(csv, [&](std::ostream& o) { kvs::eval::write_csv(o, all); });
   if (vm.count("plot")) {
     kvs::eval::PlotConfig pc;
     pc.title = "kvs-eval: " + capture_path;
