@@ -299,8 +299,9 @@ __device__ __forceinline__ int64_t plan_chunk(int64_t total, int target) {
   return aligned > kChunkAlign ? aligned : kChunkAlign;
 }
 
-// A (sequence, kv head) pair's span: its length, E(t), and the union start (the smallest
-// start of its heads; E(t) when every head... never exceeds E(t)). len 0: an empty span.
+// A (sequence, kv head) pair's span [start, len): its length, E(t), and the union start,
+// the smallest start of its heads (at most E(t): a hit's start E(j) is below E(t)). len 0:
+// an empty span.
 struct PairSpan {
   int len, et, start;
 };
