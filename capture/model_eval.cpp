@@ -272,10 +272,12 @@ void write_ppl_table(std::ostream& os, const std::vector<PplRow>& rows) {
                 "context", "tokens", "bits/token", "vs dense", "KV read", "tok/s");
   os << line;
   for (const PplRow& r : rows) {
-    std::snprintf(line, sizeof(line), "%-10s %-28s %8d %8lld %12.4f %+9.2f%% %9.3f %9.2f\n",
+    char delta[32] = "         -";
+    if (std::isfinite(r.delta_vs_dense))
+      std::snprintf(delta, sizeof(delta), "%+9.2f%%", 100.0 * r.delta_vs_dense);
+    std::snprintf(line, sizeof(line), "%-10s %-28s %8d %8lld %12.4f %10s %9.3f %9.2f\n",
                   r.method.c_str(), r.knobs.c_str(), r.context, static_cast<long long>(r.tokens),
-                  r.bits_per_token, 100.0 * r.delta_vs_dense, r.kv_read_fraction,
-                  r.tokens_per_second);
+                  r.bits_per_token, delta, r.kv_read_fraction, r.tokens_per_second);
     os << line;
   }
 }
@@ -284,7 +286,8 @@ void write_ppl_json(std::ostream& os, const std::vector<PplRow>& rows, const Eva
   write_rows_json(os, meta, rows, [](std::ostream& o, const PplRow& r) {
     o << ", \"context\": " << r.context << ", \"windows\": " << r.windows
       << ", \"tokens\": " << r.tokens << ", \"bits_per_token\": " << fmt("%.6f", r.bits_per_token)
-      << ", \"delta_vs_dense\": " << fmt("%.6f", r.delta_vs_dense)
+      << ", \"delta_vs_dense\": "
+      << (std::isfinite(r.delta_vs_dense) ? fmt("%.6f", r.delta_vs_dense) : "null")
       << ", \"kv_read_fraction\": " << fmt("%.6f", r.kv_read_fraction)
       << ", \"tokens_per_second\": " << fmt("%.3f", r.tokens_per_second);
   });

@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <iosfwd>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,7 +42,8 @@ struct PplRow {
   int windows = 0;
   int64_t tokens = 0;            ///< scored tokens (windows x steps)
   double bits_per_token = 0.0;   ///< = bits per byte for a byte-level model
-  double delta_vs_dense = 0.0;   ///< bits_per_token / dense's - 1 (0 without a dense row)
+  /// bits_per_token / dense's - 1; NaN without a dense row (null in JSON, "-" in the table)
+  double delta_vs_dense = std::numeric_limits<double>::quiet_NaN();
   double kv_read_fraction = 0.0; ///< KV rows read over a dense read, all layers
   double tokens_per_second = 0.0;  ///< decode steps per second (runner + engine)
 };

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -193,6 +194,18 @@ TEST(ModelEval, PerplexityOfAnExactSettingEqualsDense) {
   EXPECT_LT(rows[2].kv_read_fraction, 1.0);  // a real budget reads less
   for (const PplRow& r : rows) EXPECT_GT(r.tokens_per_second, 0.0);
 
+  // Without a dense row there is nothing to compare with: the delta is unknown, not 0.
+  mc.methods = {"tactic:target=1"};
+  const std::vector<PplRow> alone = eval_perplexity(model(), windows, pc, mc);
+  ASSERT_EQ(alone.size(), 1u);
+  EXPECT_TRUE(std::isnan(alone[0].delta_vs_dense));
+  std::ostringstream table, json;
+  write_ppl_table(table, alone);
+  write_ppl_json(json, alone, {});
+  EXPECT_NE(json.str().find("\"delta_vs_dense\": null"), std::string::npos) << json.str();
+  EXPECT_EQ(table.str().find("nan"), std::string::npos) << table.str();
+
+  mc.methods = {"dense", "tactic:target=1", "tactic:target=0.5"};
   pc.steps = 30;  // 400 + 30 + 1 > 421 tokens
   expect_refused([&] { eval_perplexity(model(), windows, pc, mc); }, "window 0 has 421 tokens",
                  "a short window");
