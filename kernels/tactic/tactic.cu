@@ -20,15 +20,18 @@
 // Decode selection (one launch each, no host sync, graph-safe):
 //   score   q.centroid for the g query heads of a kv head, one CTA per 128-cluster tile that
 //           stages the (contiguous) centroids through shared memory with coalesced loads
-//   sort    descending, per (sequence, query head); with the sorted-position prefix of
-//           cluster sizes. One block radix sort + scan per row up to 8192 clusters (128K
-//           tokens), else a CUB segmented radix sort and a prefix kernel
+//   order   descending, per (sequence, query head), with the sorted-position prefix of
+//           cluster sizes and the token of every sampled position. One CTA per row up to
+//           8192 clusters (128K tokens): a bucket sort over the score range (block radix
+//           sort when the spread is degenerate). Longer lists: a CUB segmented radix sort, a
+//           prefix kernel and a locate kernel ((L+1)-ary search of the prefix per sample)
 //   sample  logits of the exact and window positions: a group of d / 8 lanes per sampled
-//           token ((L+1)-ary search of the prefix, one coalesced key-row read, shuffle sum)
-//   budget  max, exact prefix (in shared memory), window means, fit, K, round up to clusters
-//           by a block-wide count over the prefix, bitmap OR (union)
+//           token (one coalesced key-row read, shuffle sum), several tokens per group
+//   budget  max, exact prefix (in shared memory), window means, fit, K (a block-parallel
+//           search), round up to clusters by a block-wide count over the prefix, bitmap OR
+//           (union)
 //   index   compaction of the union's members + recent tokens into the sub-request page
-//           table, a thread per cluster
+//           table: a CTA per 256-cluster chunk, a warp per flagged cluster
 // Attention is then the dense split-KV kernel over the sub-request view (tactic.h).
 #include <cuda_bf16.h>
 #include <mma.h>
@@ -64,6 +67,10 @@ struct Problem {
   uint64_t stream;
   int64_t scratch;   // first label of this problem in the label scratch
   int64_t cscratch;  // first cluster of this problem in the per-cluster scratch
+};
+
+struct MinOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fminf(a, b); }
 };
 
 struct MaxOp {
@@ -432,7 +439,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 // ---- decode selection ------------------------------------------------------------------------
 
 struct SelectLayout {
-  size_t keys_a, keys_b, vals_a, vals_b, seg_begin, seg_end, prefix, logits, exact, bitmap, temp,
+  size_t keys_a, keys_b, vals_a, vals_b, seg_begin, seg_end, prefix, sample_tokens, logits, exact,
+      bitmap, temp,
       temp_bytes, total;
   int smax, words;
 };
@@ -482,6 +490,8 @@ SelectLayout select_layout(int max_batch, int Hq, int Hkv, int max_clusters, int
   o += up(rows * sizeof(int));
   l.prefix = o;
   o += up(rows * (size_t(max_clusters) + 1) * sizeof(int));
+  l.sample_tokens = o;
+  o += up(rows * size_t(l.smax) * sizeof(int));
   l.logits = o;
   o += up(rows * size_t(l.smax) * sizeof(float));
   l.exact = o;
@@ -509,6 +519,7 @@ struct SelectParams {
   int* seg_begin;
   int* seg_end;
   int* prefix;
+  int* sample_tokens;  // [rows, smax] token of each sampled sorted position
   float* logits;
   double* exact;
   uint32_t* bitmap;
@@ -546,8 +557,19 @@ __global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
     qs[x / D][x % D] = __bfloat162float(p.q[int64_t(row0) * D + x]);
   const int tile = min(kScoreTile, C - c0);
   const uint4* src = reinterpret_cast<const uint4*>(p.st.centroid(b, h, c0));
-  for (int x = threadIdx.x; x < tile * (D / 8); x += blockDim.x)
-    *reinterpret_cast<uint4*>(cs + (x / (D / 8)) * LD + (x % (D / 8)) * 8) = src[x];
+  // All of a thread's loads first, then the stores: one memory round trip for the tile.
+  constexpr int kLoads = kScoreTile * (D / 8) / kScoreTile;
+  uint4 r[kLoads];
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int x = int(threadIdx.x) + i * kScoreTile;
+    if (x < tile * (D / 8)) r[i] = src[x];
+  }
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int x = int(threadIdx.x) + i * kScoreTile;
+    if (x < tile * (D / 8)) *reinterpret_cast<uint4*>(cs + (x / (D / 8)) * LD + (x % (D / 8)) * 8) = r[i];
+  }
   __syncthreads();
   const int c = c0 + threadIdx.x;
   if (c >= C) return;
@@ -604,58 +626,243 @@ __global__ void __launch_bounds__(kRowThreads) prefix_kernel(SelectParams p) {
   }
 }
 
-// Sort and prefix in one CTA per (sequence, query head) when every cluster list fits one
-// block-wide radix sort (max_clusters <= 8192, i.e. contexts up to 128K at cluster size 16):
-// one launch instead of the segmented sort's passes plus the prefix kernel. The same stable
-// descending order as the CUB path (ties: lower cluster id first).
-constexpr int kSortThreads = 1024;
-constexpr int kSortItems = 8;
-constexpr int kBlockSortMax = kSortThreads * kSortItems;
+// Sorted order, prefix and sample tokens in one CTA per (sequence, query head) when every
+// cluster list fits the CTA (max_clusters <= 8192, i.e. contexts up to 128K at cluster size
+// 16). The order is the CPU's: descending score, ties to the lower cluster id.
+//
+// A bucket sort, not a radix sort: the scores are spread over a range, so kOrderBuckets
+// equal-width buckets of [min, max] (bucket index nonincreasing in the score) hold a handful
+// of clusters each, and each cluster's rank is its bucket's start plus the number of bucket
+// mates that precede it. That is one histogram, one scan and one scatter instead of the
+// eight digit passes of a 32-bit block radix sort (43 µs for 8192 keys on an H100). When
+// the spread is degenerate (non-finite scores, all equal, or a bucket above kOrderMaxBucket,
+// where ranking by comparison costs more than sorting) the CTA sorts with the block radix
+// sort instead; both give the same order.
+//
+// The list's CSR offsets are staged into shared memory with the scores (one coalesced round
+// trip; gathering them by sorted cluster from global memory cost more than the sort). With
+// the sorted prefix and first members in shared memory the CTA also maps every sampled
+// position to its token, so the sample kernel is left with two dependent loads (token, key
+// row) per sample.
+constexpr int kOrderThreads = 1024;
+constexpr int kOrderItems = 8;
+constexpr int kOrderMax = kOrderThreads * kOrderItems;  // clusters per list
+constexpr int kOrderBuckets = 16384;
+constexpr int kOrderMaxBucket = 128;
+// Bucket counters padded by one word per 32: a thread's blocked run of counters (the scan's
+// arrangement) then starts on a different bank in every lane.
+constexpr int kOrderCountWords = kOrderBuckets + kOrderBuckets / 32;
+__device__ __forceinline__ int padded(int i) { return i + (i >> 5); }
 
-__global__ void __launch_bounds__(kSortThreads) sort_prefix_kernel(SelectParams p, int* sorted) {
-  using Sort = cub::BlockRadixSort<float, kSortThreads, kSortItems, int>;
-  using Scan = cub::BlockScan<int, kSortThreads>;
-  __shared__ union {
-    typename Sort::TempStorage sort;
-    typename Scan::TempStorage scan;
-  } tmp;
-  const int row = blockIdx.x;
+using OrderSort = cub::BlockRadixSort<float, kOrderThreads, kOrderItems, int>;
+using OrderScan = cub::BlockScan<int, kOrderThreads>;
+using OrderReduce = cub::BlockReduce<float, kOrderThreads>;
+
+struct OrderBuckets {
+  int count[kOrderCountWords];  // clusters per bucket, then (scanned) each bucket's first rank
+  float key[kOrderMax];         // scores scattered into bucket order
+  int id[kOrderMax];
+};
+
+struct OrderSmem {
+  union {
+    typename OrderSort::TempStorage sort;
+    OrderBuckets buckets;
+  } u;
+  union {
+    typename OrderScan::TempStorage scan;
+    typename OrderReduce::TempStorage reduce;
+  } t;
+  int ranked[kOrderMax];       // cluster id at each sorted position
+  int offsets[kOrderMax + 1];  // the list's CSR offsets, then the prefix of sorted sizes
+  float lo, hi;
+  int max_bucket;
+};
+
+// Sorted position x (0-based, < prefix[C]) -> index j of the sorted cluster holding it: the
+// largest j with prefix[j] <= x (the CPU's upper_bound - 1; empty clusters are skipped).
+__device__ __forceinline__ int sorted_cluster_at(const int* prefix, int C, int x) {
+  int lo = 0, hi = C;  // prefix[lo] <= x < prefix[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (prefix[mid] <= x)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, int* sorted) {
+  extern __shared__ __align__(16) char order_smem[];
+  OrderSmem& sm = *reinterpret_cast<OrderSmem*>(order_smem);
+  const int row = blockIdx.x, tid = threadIdx.x;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
-  const int C = p.st.num_clusters[p.st.slot(b, h)];
+  const int64_t slot = p.st.slot(b, h);
+  const int C = p.st.num_clusters[slot];
   const float* keys = p.keys + int64_t(row) * p.st.max_clusters;
   const int32_t* off = p.st.offsets_of(b, h);
+  float k[kOrderItems];
+#pragma unroll
+  for (int i = 0; i < kOrderItems; ++i) {
+    const int c = tid * kOrderItems + i;  // blocked: the radix sort's input order is id order
+    k[i] = c < C ? keys[c] : -INFINITY;
+  }
+  {  // all of a thread's offsets loads in flight at once
+    constexpr int kLoads = kOrderMax / kOrderThreads + 1;
+    int o[kLoads];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int x = tid + i * kOrderThreads;
+      o[i] = x <= C ? off[x] : 0;
+    }
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int x = tid + i * kOrderThreads;
+      if (x <= C) sm.offsets[x] = o[i];
+    }
+  }
+  // Range of the valid scores; NaN or infinite scores make it non-finite.
+  float lo = INFINITY, hi = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kOrderItems; ++i)
+    if (tid * kOrderItems + i < C) {
+      lo = fminf(lo, k[i]);
+      hi = fmaxf(hi, k[i]);
+      if (!isfinite(k[i])) hi = INFINITY;
+    }
+  lo = OrderReduce(sm.t.reduce).Reduce(lo, MinOp());
+  __syncthreads();
+  hi = OrderReduce(sm.t.reduce).Reduce(hi, MaxOp());
+  if (tid == 0) {
+    sm.lo = lo;
+    sm.hi = hi;
+    sm.max_bucket = 0;
+  }
+  for (int x = tid; x < kOrderCountWords; x += kOrderThreads) sm.u.buckets.count[x] = 0;
+  __syncthreads();
+  lo = sm.lo;
+  hi = sm.hi;
+  const float span = hi - lo;
+  bool bucketed = C > 0 && isfinite(span) && span > 0.f;
+  const float inv = bucketed ? float(kOrderBuckets) / span : 0.f;
+  int bucket[kOrderItems], slot_in[kOrderItems];
+  if (bucketed) {
+    // (hi - s) and the product are monotone in s under rounding, so is the bucket.
+#pragma unroll
+    for (int i = 0; i < kOrderItems; ++i) {
+      const bool valid = tid * kOrderItems + i < C;
+      bucket[i] = valid ? min(kOrderBuckets - 1, int((hi - k[i]) * inv)) : 0;
+      slot_in[i] = valid ? atomicAdd(&sm.u.buckets.count[padded(bucket[i])], 1) : 0;
+      if (valid && slot_in[i] == kOrderMaxBucket) sm.max_bucket = kOrderMaxBucket + 1;
+    }
+    __syncthreads();
+    bucketed = sm.max_bucket <= kOrderMaxBucket;  // uniform
+  }
+  if (bucketed) {
+    constexpr int kPer = kOrderBuckets / kOrderThreads;
+    int cnt[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) cnt[i] = sm.u.buckets.count[padded(tid * kPer + i)];
+    OrderScan(sm.t.scan).ExclusiveSum(cnt, cnt);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) sm.u.buckets.count[padded(tid * kPer + i)] = cnt[i];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kOrderItems; ++i)
+      if (tid * kOrderItems + i < C) {
+        const int at = sm.u.buckets.count[padded(bucket[i])] + slot_in[i];
+        sm.u.buckets.key[at] = k[i];
+        sm.u.buckets.id[at] = tid * kOrderItems + i;
+      }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kOrderItems; ++i) {
+      const int c = tid * kOrderItems + i;
+      if (c >= C) continue;
+      const int first = sm.u.buckets.count[padded(bucket[i])];
+      const int last =
+          bucket[i] + 1 < kOrderBuckets ? sm.u.buckets.count[padded(bucket[i] + 1)] : C;
+      int rank = first;
+#pragma unroll 4
+      for (int j = first; j < last; ++j) {
+        const float kj = sm.u.buckets.key[j];
+        rank += (kj > k[i] || (kj == k[i] && sm.u.buckets.id[j] < c)) ? 1 : 0;
+      }
+      sm.ranked[rank] = c;
+    }
+  } else {
+    int v[kOrderItems];
+#pragma unroll
+    for (int i = 0; i < kOrderItems; ++i) v[i] = tid * kOrderItems + i;
+    __syncthreads();  // the sort's storage overlays the buckets
+    OrderSort(sm.u.sort).SortDescending(k, v);
+#pragma unroll
+    for (int i = 0; i < kOrderItems; ++i) sm.ranked[tid * kOrderItems + i] = v[i];
+  }
+  __syncthreads();
+  // This thread's sorted clusters j = tid * kOrderItems + i: first member and size.
+  int first[kOrderItems], size[kOrderItems];
+#pragma unroll
+  for (int i = 0; i < kOrderItems; ++i) {
+    const int j = tid * kOrderItems + i;
+    const int c = j < C ? sm.ranked[j] : 0;
+    first[i] = j < C ? sm.offsets[c] : 0;
+    size[i] = j < C ? sm.offsets[c + 1] - first[i] : 0;
+  }
+  int end[kOrderItems];
+  OrderScan(sm.t.scan).InclusiveSum(size, end);
+  __syncthreads();  // every offsets read before the prefix overwrites them
+  int* base = sm.u.buckets.id;  // first member of each sorted cluster (the buckets are done)
+#pragma unroll
+  for (int i = 0; i < kOrderItems; ++i) {
+    sm.offsets[tid * kOrderItems + i + 1] = end[i];
+    base[tid * kOrderItems + i] = first[i];
+  }
+  if (tid == 0) sm.offsets[0] = 0;
+  __syncthreads();
   int* ids = sorted + int64_t(row) * p.st.max_clusters;
   int* prefix = p.prefix + int64_t(row) * (p.st.max_clusters + 1);
-  float k[kSortItems];
-  int v[kSortItems];
+  for (int x = tid; x < C; x += kOrderThreads) ids[x] = sm.ranked[x];
+  for (int x = tid; x <= C; x += kOrderThreads) prefix[x] = sm.offsets[x];
+  // Sample tokens: kOrderRun consecutive samples per thread (consecutive sorted positions
+  // within a range), one binary search of the prefix per run and a forward walk, then the
+  // run's member loads together.
+  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
+  const int S = plan.num_samples();
+  const int32_t* members = p.st.members_of(b, h);
+  int* tokens = p.sample_tokens + int64_t(row) * p.smax;
+  constexpr int kOrderRun = 4;
+  for (int s0 = tid * kOrderRun; s0 < S; s0 += kOrderThreads * kOrderRun) {
+    int at[kOrderRun];
+    int j = 0, last_x = -2;
 #pragma unroll
-  for (int i = 0; i < kSortItems; ++i) {
-    const int c = threadIdx.x * kSortItems + i;
-    k[i] = c < C ? keys[c] : -INFINITY;  // padding sorts last
-    v[i] = c;
-  }
-  Sort(tmp.sort).SortDescending(k, v);
-  __syncthreads();
-  int size[kSortItems], incl[kSortItems];
+    for (int u = 0; u < kOrderRun; ++u) {
+      at[u] = -1;
+      if (s0 + u < S) {
+        const int x = plan.position(s0 + u) - 1;
+        if (x == last_x + 1) {
+          while (sm.offsets[j + 1] <= x) ++j;
+        } else {
+          j = sorted_cluster_at(sm.offsets, C, x);
+        }
+        last_x = x;
+        at[u] = base[j] + (x - sm.offsets[j]);
+      }
+    }
+    int t[kOrderRun];
 #pragma unroll
-  for (int i = 0; i < kSortItems; ++i) {
-    const int j = threadIdx.x * kSortItems + i;
-    size[i] = j < C ? off[v[i] + 1] - off[v[i]] : 0;
-    if (j < C) ids[j] = v[i];
-  }
-  Scan(tmp.scan).InclusiveSum(size, incl);
+    for (int u = 0; u < kOrderRun; ++u) t[u] = at[u] >= 0 ? members[at[u]] : 0;
 #pragma unroll
-  for (int i = 0; i < kSortItems; ++i) {
-    const int j = threadIdx.x * kSortItems + i;
-    if (j < C) prefix[j + 1] = incl[i];
+    for (int u = 0; u < kOrderRun; ++u)
+      if (at[u] >= 0) tokens[s0 + u] = t[u];
   }
-  if (threadIdx.x == 0) prefix[0] = 0;
 }
 
 // Sorted position x (0-based) -> token id, through the prefix of sorted cluster sizes, by a
 // group of L lanes (the lanes of one sample, all with the same x): an (L + 1)-ary search, so
 // the chain of dependent loads is log_{L+1}(C) long (4 at C = 8192, L = 16) instead of
-// log_2(C) (13). Every lane returns the token.
+// log_2(C) (13). Every lane returns the token. Used for lists beyond order_kernel's size.
 template <int L>
 __device__ __forceinline__ int group_token_at(const int* prefix, const int* ids, const int32_t* off,
                                               const int32_t* members, int C, int x, int sub,
@@ -674,52 +881,120 @@ __device__ __forceinline__ int group_token_at(const int* prefix, const int* ids,
   return members[off[ids[lo]] + (x - prefix[lo])];
 }
 
-// One group of D / 8 lanes per sampled token (16 for d = 128): the key row is read as one
-// coalesced 256-byte segment and reduced by shuffles, instead of one thread streaming the row.
+// The sample tokens of long lists (after the segmented sort and prefix_kernel): a group of
+// 16 lanes per sample.
+constexpr int kLocateThreads = 256;
+constexpr int kLocateLanes = 16;
+
+__global__ void __launch_bounds__(kLocateThreads) locate_kernel(SelectParams p) {
+  constexpr int L = kLocateLanes, kPerCta = kLocateThreads / L;
+  const int row = blockIdx.y;
+  const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
+  const int64_t slot = p.st.slot(b, h);
+  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
+  const int s = blockIdx.x * kPerCta + int(threadIdx.x) / L;
+  if (int(blockIdx.x) * kPerCta >= plan.num_samples()) return;
+  const int lane = threadIdx.x % 32, sub = threadIdx.x % L;
+  const int gbase = lane - sub;
+  const unsigned gmask = ((1u << L) - 1u) << gbase;
+  if (s >= plan.num_samples()) return;  // the whole group leaves together
+  const int t = group_token_at<L>(p.prefix + int64_t(row) * (p.st.max_clusters + 1),
+                                  p.sorted + int64_t(row) * p.st.max_clusters,
+                                  p.st.offsets_of(b, h), p.st.members_of(b, h),
+                                  p.st.num_clusters[slot], plan.position(s) - 1, sub, gmask, gbase);
+  if (sub == 0) p.sample_tokens[int64_t(row) * p.smax + s] = t;
+}
+
+// Logits of the sampled tokens. One group of D / 8 lanes per sampled token (16 for d = 128)
+// reads the key row as one coalesced segment and reduces by shuffles; each group takes
+// kSampleIlp samples with their loads issued together, so a CTA's two dependent loads
+// (token, key row) cover kSampleIlp times as many samples and the grid fits in about one
+// wave at 128K.
 constexpr int kSampleThreads = 256;
+constexpr int kSampleIlp = 4;
+
+template <int D>
+constexpr int samples_per_cta() {
+  return kSampleThreads / (D / 8) * kSampleIlp;
+}
 
 template <int D>
 __global__ void __launch_bounds__(kSampleThreads) sample_kernel(SelectParams p) {
-  constexpr int L = D / 8, kPerCta = kSampleThreads / L;
+  constexpr int L = D / 8, kGroups = kSampleThreads / L, kPerCta = samples_per_cta<D>();
   __shared__ float qs[D];
   const int row = blockIdx.y;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
   const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
   const int S = plan.num_samples();
+  const int s0 = int(blockIdx.x) * kPerCta + int(threadIdx.x) / L;
   if (int(blockIdx.x) * kPerCta >= S) return;
   for (int x = threadIdx.x; x < D; x += blockDim.x)
     qs[x] = __bfloat162float(p.q[int64_t(row) * D + x]);
   if (blockIdx.x == 0 && threadIdx.x == 0 && p.counters)
     atomicAdd(&p.counters[1], (unsigned long long)S * D * sizeof(bf));
   __syncthreads();
-  const int lane = threadIdx.x % 32, sub = threadIdx.x % L;
-  const int gbase = lane - sub;
-  const unsigned gmask = (L == 32 ? 0xffffffffu : ((1u << L) - 1u)) << gbase;
-  const int s = blockIdx.x * kPerCta + int(threadIdx.x) / L;
-  if (s >= S) return;  // the whole group leaves together
-  const int C = p.st.num_clusters[slot];
-  const int t =
-      group_token_at<L>(p.prefix + int64_t(row) * (p.st.max_clusters + 1),
-                        p.sorted + int64_t(row) * p.st.max_clusters, p.st.offsets_of(b, h),
-                        p.st.members_of(b, h), C, plan.position(s) - 1, sub, gmask, gbase);
-  const uint4 v = reinterpret_cast<const uint4*>(key_row(p.kv, b, t, h))[sub];
-  const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
-  float dot = 0.f;
+  const int sub = threadIdx.x % L;
+  const int* tokens = p.sample_tokens + int64_t(row) * p.smax;
+  int t[kSampleIlp];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float2 f = __bfloat1622float2(v2[e]);
-    dot = fmaf(f.x, qs[sub * 8 + 2 * e], dot);
-    dot = fmaf(f.y, qs[sub * 8 + 2 * e + 1], dot);
+  for (int i = 0; i < kSampleIlp; ++i) {
+    const int s = s0 + i * kGroups;
+    t[i] = s < S ? tokens[s] : -1;
   }
+  uint4 v[kSampleIlp];
 #pragma unroll
-  for (int o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(gmask, dot, o);
-  if (sub == 0) p.logits[int64_t(row) * p.smax + s] = dot * p.scale;
+  for (int i = 0; i < kSampleIlp; ++i)
+    v[i] = t[i] >= 0 ? reinterpret_cast<const uint4*>(key_row(p.kv, b, t[i], h))[sub]
+                     : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+  for (int i = 0; i < kSampleIlp; ++i) {
+    const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(v2[e]);
+      dot = fmaf(f.x, qs[sub * 8 + 2 * e], dot);
+      dot = fmaf(f.y, qs[sub * 8 + 2 * e + 1], dot);
+    }
+    // Every lane takes part (xor offsets below L stay inside the group).
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    const int s = s0 + i * kGroups;
+    if (sub == 0 && s < S) p.logits[int64_t(row) * p.smax + s] = dot * p.scale;
+  }
 }
 
 // Exact prefix sums kept in shared memory for the budget's serial search (thread 0): enough
 // for n up to 136K at the default exact_fraction; longer lists spill the rest to global.
 constexpr int kExactSmem = 2048;
+constexpr int kBudgetItems = 8;  // exact exponentials per thread and scan
+
+// budget_tokens (tactic_fit.h) with its search spread over the block: the same problem
+// (BudgetSearch), so the same K. Each round every thread tests one of blockDim.x evenly
+// spaced candidates of [lo, hi] and one barrier counts the failures (the predicate is
+// monotone, so they are the first ones): 3 rounds at n = 128K instead of 17 serial steps of
+// double-precision logs and divisions on one thread (about 13K cycles in all on an H100).
+template <typename ExactPrefix>
+__device__ int block_budget_tokens(const FitPlan& f, const TailModel& t, double target,
+                                   ExactPrefix exact_prefix) {
+  const BudgetSearch<ExactPrefix> s = budget_search(f, t, target, exact_prefix);
+  int lo = s.lo, hi = s.hi;
+  const int T = blockDim.x;
+  while (lo < hi) {  // lo and hi are the same in every thread
+    const int step = (hi - lo + T) / T;  // ceil((hi - lo + 1) / T)
+    const int m = min(hi, lo + (int(threadIdx.x) + 1) * step - 1);
+    const int fails = __syncthreads_count(!s.reaches(m));
+    if (fails == T) {  // not even hi (a NaN goal): bisection also ends at hi
+      lo = hi;
+    } else {
+      const int next_hi = min(hi, lo + (fails + 1) * step - 1);
+      if (fails > 0) lo = min(hi, lo + fails * step - 1) + 1;
+      hi = next_hi;
+    }
+  }
+  return lo;
+}
 
 __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   using ScanD = cub::BlockScan<double, kRowThreads>;
@@ -734,7 +1009,8 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   } tmp;
   __shared__ double s_exact[kExactSmem];
   __shared__ float s_max;
-  __shared__ int s_budget, s_clusters;
+  __shared__ double s_windows[2];
+  __shared__ int s_clusters;
   const int row = blockIdx.x;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
@@ -749,23 +1025,41 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
     if (threadIdx.x == 0) p.sel.selected[row] = 0;
     return;
   }
+  // Strided loops below issue kBudgetItems independent loads per round (cold L2 at decode).
   float m = -INFINITY;
-  for (int s = threadIdx.x; s < S; s += kRowThreads) m = fmaxf(m, logits[s]);
+  for (int s0 = threadIdx.x; s0 < S; s0 += kRowThreads * kBudgetItems) {
+    float v[kBudgetItems];
+#pragma unroll
+    for (int i = 0; i < kBudgetItems; ++i) {
+      const int s = s0 + i * kRowThreads;
+      v[i] = s < S ? logits[s] : -INFINITY;
+    }
+#pragma unroll
+    for (int i = 0; i < kBudgetItems; ++i) m = fmaxf(m, v[i]);
+  }
   m = ReduceF(tmp.rf).Reduce(m, MaxOp());
   if (threadIdx.x == 0) s_max = m;
   __syncthreads();
   const double mx = s_max;
   double carry = 0.0;
-  for (int s0 = 0; s0 < plan.num_exact; s0 += kRowThreads) {
-    const int s = s0 + threadIdx.x;
-    const double e = s < plan.num_exact ? exp(double(logits[s]) - mx) : 0.0;
-    double incl, total;
-    ScanD(tmp.scan).InclusiveSum(e, incl, total);
+  for (int s0 = 0; s0 < plan.num_exact; s0 += kRowThreads * kBudgetItems) {
+    double e[kBudgetItems];
+#pragma unroll
+    for (int i = 0; i < kBudgetItems; ++i) {
+      const int s = s0 + int(threadIdx.x) * kBudgetItems + i;
+      e[i] = s < plan.num_exact ? exp(double(logits[s]) - mx) : 0.0;
+    }
+    double total;
+    ScanD(tmp.scan).InclusiveSum(e, e, total);
     __syncthreads();
-    if (s < kExactSmem)
-      s_exact[s] = carry + incl;
-    else if (s < plan.num_exact)
-      exact[s] = carry + incl;
+#pragma unroll
+    for (int i = 0; i < kBudgetItems; ++i) {
+      const int s = s0 + int(threadIdx.x) * kBudgetItems + i;
+      if (s < kExactSmem)
+        s_exact[s] = carry + e[i];
+      else if (s < plan.num_exact)
+        exact[s] = carry + e[i];
+    }
     carry += total;
   }
   double w1 = 0.0, w2 = 0.0;
@@ -776,21 +1070,31 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   w1 = ReduceD(tmp.rd).Sum(w1);
   __syncthreads();
   w2 = ReduceD(tmp.rd).Sum(w2);
-  __syncthreads();  // exact prefix complete for thread 0
   if (threadIdx.x == 0) {
-    TailModel tail;
-    if (plan.fitted) tail = fit_tail(w1 / plan.w, w2 / plan.w, plan.x1(), plan.x2(), plan.n);
-    s_budget = budget_tokens(plan, tail, p.fit.target, [&](int k) {
-      return k - 1 < kExactSmem ? s_exact[k - 1] : exact[k - 1];
-    });
+    s_windows[0] = w1;
+    s_windows[1] = w2;
   }
-  __syncthreads();
+  __syncthreads();  // the window sums and the whole exact prefix are visible to every thread
+  TailModel tail;
+  if (plan.fitted)
+    tail = fit_tail(s_windows[0] / plan.w, s_windows[1] / plan.w, plan.x1(), plan.x2(), plan.n);
+  const int K = block_budget_tokens(plan, tail, p.fit.target, [&](int k) {
+    return k - 1 < kExactSmem ? s_exact[k - 1] : exact[k - 1];
+  });
   // Whole clusters (spec 8.2): the smallest J in [1, C] with prefix[J] >= K. prefix is
   // nondecreasing, so J = 1 + #{j in [1, C) : prefix[j] < K}: one coalesced pass of the block
   // instead of a serial binary search of dependent loads.
-  const int K = s_budget;
   int below = 0;
-  for (int j = 1 + int(threadIdx.x); j < C; j += kRowThreads) below += prefix[j] < K ? 1 : 0;
+  for (int j0 = 1 + int(threadIdx.x); j0 < C; j0 += kRowThreads * kBudgetItems) {
+    int v[kBudgetItems];
+#pragma unroll
+    for (int i = 0; i < kBudgetItems; ++i) {
+      const int j = j0 + i * kRowThreads;
+      v[i] = j < C ? prefix[j] : K;
+    }
+#pragma unroll
+    for (int i = 0; i < kBudgetItems; ++i) below += v[i] < K ? 1 : 0;
+  }
   below = ReduceI(tmp.ri).Sum(below);
   if (threadIdx.x == 0) {
     s_clusters = 1 + below;
@@ -803,47 +1107,94 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   }
 }
 
-// One CTA per (sequence, kv head); a thread per cluster of each kIndexThreads-cluster chunk:
-// flagged sizes, block scan, then each flagged cluster's members copied by its thread. The
-// serial work of a thread is one cluster's members (a thread per 32-cluster bitmap word
-// would copy up to 32 clusters in a row). Output order: flagged clusters ascending, members in
-// CSR order, then the recent tokens.
-constexpr int kIndexThreads = 1024;
+// Compaction of the union into the sub-request page table: one CTA per (chunk of
+// kIndexChunk clusters, sequence, kv head). A CTA counts the flagged members of the clusters
+// before its chunk (a strided pass over the bitmap and offsets, read from L2 by every CTA of
+// the pair: cheaper than a second launch for a scan), scans its own chunk, and its warps copy
+// the flagged clusters' members, a lane per member. The CTA of the last chunk also appends the
+// recent tokens and writes the count. Output order: flagged clusters ascending, members in CSR
+// order, then the recent tokens.
+constexpr int kIndexThreads = 256;
+constexpr int kIndexChunk = kIndexThreads;  // clusters per CTA
 
 __global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
   using Scan = cub::BlockScan<int, kIndexThreads>;
-  __shared__ typename Scan::TempStorage tmp;
+  using Reduce = cub::BlockReduce<int, kIndexThreads>;
+  __shared__ union {
+    typename Scan::TempStorage scan;
+    typename Reduce::TempStorage reduce;
+  } tmp;
+  __shared__ int s_cluster[kIndexChunk], s_pos[kIndexChunk];
+  __shared__ int s_before;
   const int Hkv = p.kv.num_kv_heads;
-  const int b = blockIdx.x / Hkv, h = blockIdx.x % Hkv;
+  const int sub = blockIdx.y;
+  const int b = sub / Hkv, h = sub % Hkv;
   const int64_t slot = p.st.slot(b, h);
   const int C = p.st.num_clusters[slot], clen = p.st.clustered_len[slot];
+  const int last = C > 0 ? (C - 1) / kIndexChunk : 0;
+  if (int(blockIdx.x) > last) return;
   const int len = p.kv.seq_lens[b];
   const int32_t* off = p.st.offsets_of(b, h);
   const int32_t* members = p.st.members_of(b, h);
   const uint32_t* bits = p.bitmap + slot * p.words;
-  int32_t* tokens = p.sel.tokens + blockIdx.x * int64_t(p.sel.max_tokens);
-  int32_t* rows = p.sel.rows + blockIdx.x * int64_t(p.sel.max_tokens);
+  auto flagged = [&](int c) { return (bits[c / 32] >> (c % 32)) & 1u; };
+  int32_t* tokens = p.sel.tokens + sub * int64_t(p.sel.max_tokens);
+  int32_t* rows = p.sel.rows + sub * int64_t(p.sel.max_tokens);
   auto put = [&](int i, int t) {
     const int64_t page = p.kv.page_table[int64_t(b) * p.kv.max_pages_per_seq + t / p.kv.page_size];
     tokens[i] = t;
     rows[i] = int32_t((page * p.kv.page_size + t % p.kv.page_size) * Hkv + h);
   };
-  int carry = 0;
-  for (int c0 = 0; c0 < C; c0 += kIndexThreads) {
-    const int c = c0 + int(threadIdx.x);
-    const bool flagged = c < C && ((bits[c / 32] >> (c % 32)) & 1u);
-    const int lo = flagged ? off[c] : 0, hi = flagged ? off[c + 1] : 0;
-    int pos, total;
-    Scan(tmp).ExclusiveSum(hi - lo, pos, total);
-    __syncthreads();  // tmp is reused by the next chunk's scan
-    for (int i = lo; i < hi; ++i) put(carry + pos + (i - lo), members[i]);
-    carry += total;
+  const int c0 = blockIdx.x * kIndexChunk;
+  int before = 0;
+  constexpr int kBatch = 8;  // independent loads per round: the pass is latency-bound
+  for (int cb = threadIdx.x; cb < c0; cb += kIndexThreads * kBatch) {
+    bool f[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int c = cb + i * kIndexThreads;
+      f[i] = c < c0 && flagged(c);
+    }
+    int lo[kBatch], hi[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int c = cb + i * kIndexThreads;
+      lo[i] = f[i] ? off[c] : 0;
+      hi[i] = f[i] ? off[c + 1] : 0;
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) before += hi[i] - lo[i];
   }
-  for (int t = clen + threadIdx.x; t < len; t += kIndexThreads) put(carry + (t - clen), t);
-  if (threadIdx.x == 0) {
-    const int n = carry + max(0, len - clen);
-    p.sel.counts[blockIdx.x] = n;
-    if (p.counters) atomicAdd(&p.counters[0], (unsigned long long)n);
+  before = Reduce(tmp.reduce).Sum(before);
+  if (threadIdx.x == 0) s_before = before;  // thread 0 holds the block sum
+  __syncthreads();
+  before = s_before;
+  const int c = c0 + int(threadIdx.x);
+  const bool mine = c < C && flagged(c);
+  int pos, total;
+  Scan(tmp.scan).ExclusiveSum(mine ? off[c + 1] - off[c] : 0, pos, total);
+  __syncthreads();
+  int k, count;
+  Scan(tmp.scan).ExclusiveSum(mine ? 1 : 0, k, count);
+  if (mine) {
+    s_cluster[k] = c;
+    s_pos[k] = before + pos;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int f = warp; f < count; f += kIndexThreads / 32) {
+    const int cl = s_cluster[f], at = s_pos[f];
+    const int lo = off[cl], n = off[cl + 1] - lo;
+    for (int i = lane; i < n; i += 32) put(at + i, members[lo + i]);
+  }
+  if (int(blockIdx.x) == last) {
+    const int base = before + total;
+    for (int t = clen + threadIdx.x; t < len; t += kIndexThreads) put(base + (t - clen), t);
+    if (threadIdx.x == 0) {
+      const int n = base + max(0, len - clen);
+      p.sel.counts[sub] = n;
+      if (p.counters) atomicAdd(&p.counters[0], (unsigned long long)n);
+    }
   }
 }
 
@@ -857,9 +1208,9 @@ cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int 
                     0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  if (M <= kBlockSortMax) {
+  if (M <= kOrderMax) {
     int* sorted = reinterpret_cast<int*>(ws + l.vals_b);
-    sort_prefix_kernel<<<rows, kSortThreads, 0, stream>>>(p, sorted);
+    order_kernel<<<rows, kOrderThreads, sizeof(OrderSmem), stream>>>(p, sorted);
     p.sorted = sorted;
   } else {
     cub::DoubleBuffer<float> keys(p.keys, reinterpret_cast<float*>(ws + l.keys_b));
@@ -876,12 +1227,16 @@ cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int 
     if (err != cudaSuccess) return err;
     p.sorted = vals.Current();
     prefix_kernel<<<rows, kRowThreads, 0, stream>>>(p);
+    constexpr int kLocatePerCta = kLocateThreads / kLocateLanes;
+    locate_kernel<<<dim3(unsigned((p.smax + kLocatePerCta - 1) / kLocatePerCta), unsigned(rows)),
+                    kLocateThreads, 0, stream>>>(p);
   }
-  constexpr int kSamplesPerCta = kSampleThreads / (D / 8);
+  constexpr int kSamplesPerCta = samples_per_cta<D>();
   sample_kernel<D><<<dim3(unsigned((p.smax + kSamplesPerCta - 1) / kSamplesPerCta), unsigned(rows)),
                      kSampleThreads, 0, stream>>>(p);
   budget_kernel<<<rows, kRowThreads, 0, stream>>>(p);
-  index_kernel<<<subs, kIndexThreads, 0, stream>>>(p);
+  index_kernel<<<dim3(unsigned((M + kIndexChunk - 1) / kIndexChunk), unsigned(subs)),
+                 kIndexThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -903,6 +1258,7 @@ cudaError_t prepare_cuda(int head_dim) {
     if (e == cudaSuccess)
       e = i == 0 ? set(reinterpret_cast<const void*>(recluster_kernel<64>), kBlockSmemLimit)
                  : set(reinterpret_cast<const void*>(recluster_kernel<128>), kBlockSmemLimit);
+    if (e == cudaSuccess) e = set(reinterpret_cast<const void*>(order_kernel), sizeof(OrderSmem));
     result[i] = e;
   });
   return result[i];
@@ -1020,6 +1376,8 @@ cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv
       !sel.counts || !sel.selected || sel.max_tokens < st.max_tokens)
     return cudaErrorInvalidValue;
   if (kv.batch <= 0) return cudaSuccess;
+  const cudaError_t prepared = prepare_cuda(d);  // order_kernel's shared memory
+  if (prepared != cudaSuccess) return prepared;
   const SelectLayout l = select_layout(st.max_batch, num_q_heads, st.num_kv_heads, st.max_clusters,
                                        st.max_tokens, fit);
   if (workspace_bytes < l.total) return cudaErrorInvalidValue;
@@ -1041,6 +1399,7 @@ cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv
   p.seg_begin = reinterpret_cast<int*>(ws + l.seg_begin);
   p.seg_end = reinterpret_cast<int*>(ws + l.seg_end);
   p.prefix = reinterpret_cast<int*>(ws + l.prefix);
+  p.sample_tokens = reinterpret_cast<int*>(ws + l.sample_tokens);
   p.logits = reinterpret_cast<float*>(ws + l.logits);
   p.exact = reinterpret_cast<double*>(ws + l.exact);
   p.bitmap = reinterpret_cast<uint32_t*>(ws + l.bitmap);

@@ -25,6 +25,7 @@ struct FitParams {
 };
 
 // H_m = sum_{i=1}^{m} 1/i: exact below 64, the asymptotic series above (error < 1e-14).
+// One division and one log above 64: the budget search evaluates it many times per step.
 KVS_HOST_DEVICE double harmonic(int64_t m) {
   if (m <= 0) return 0.0;
   if (m < 64) {
@@ -32,8 +33,9 @@ KVS_HOST_DEVICE double harmonic(int64_t m) {
     for (int64_t i = m; i >= 1; --i) h += 1.0 / double(i);
     return h;
   }
-  const double x = double(m), inv2 = 1.0 / (x * x);
-  return log(x) + 0.57721566490153286061 + 0.5 / x - inv2 / 12.0 + inv2 * inv2 / 120.0;
+  const double x = double(m), r = 1.0 / x, r2 = r * r;
+  return log(x) + 0.57721566490153286061 + 0.5 * r - r2 * (1.0 / 12.0) +
+         r2 * r2 * (1.0 / 120.0);
 }
 
 // What one query head samples. fitted == false is the exact mode (spec 8.7): for short lists
@@ -120,40 +122,70 @@ KVS_HOST_DEVICE TailModel fit_tail(double mu1, double mu2, double x1, double x2,
   return t;
 }
 
-// sum_{x = from+1}^{to} y(x), closed form through harmonic numbers.
-KVS_HOST_DEVICE double tail_sum(const TailModel& t, int from, int to) {
+// sum_{x = from+1}^{to} y(x), closed form through harmonic numbers; h_from = harmonic(from)
+// (searches over `to` compute it once).
+KVS_HOST_DEVICE double tail_sum_from(const TailModel& t, int from, double h_from, int to) {
   if (to > t.end) to = t.end;
   if (to <= from) return 0.0;
-  return t.a * (harmonic(to) - harmonic(from)) + t.b * double(to - from);
+  return t.a * (harmonic(to) - h_from) + t.b * double(to - from);
+}
+
+KVS_HOST_DEVICE double tail_sum(const TailModel& t, int from, int to) {
+  return tail_sum_from(t, from, harmonic(from), to);
 }
 
 // The budget K: the fewest leading sorted tokens whose modelled mass reaches target times
 // the modelled total. exact_prefix(k) (k in [1, num_exact]) is the inclusive prefix sum of
 // the exact exponentials, all taken relative to one common max logit (spec 8.8; K does not
 // depend on that shift). target >= 1 selects all n tokens: P = 1 is dense attention.
+//
+// BudgetSearch is the search problem: K is the smallest k in [lo, hi] with reaches(k), a
+// predicate monotone in k that holds at hi. budget_tokens solves it by bisection; the CUDA
+// budget kernel solves the same problem with the whole block (block_budget_tokens).
+template <typename ExactPrefix>
+struct BudgetSearch {
+  ExactPrefix exact_prefix;
+  TailModel tail;
+  int num_exact = 0;
+  int lo = 0, hi = 0;
+  bool in_exact = false;  ///< the exact prefix alone reaches the goal
+  double exact_sum = 0.0, goal = 0.0, h_exact = 0.0;
+
+  KVS_HOST_DEVICE bool reaches(int k) const {
+    return in_exact ? exact_prefix(k) >= goal
+                    : exact_sum + tail_sum_from(tail, num_exact, h_exact, k) >= goal;
+  }
+};
+
+template <typename ExactPrefix>
+KVS_HOST_DEVICE BudgetSearch<ExactPrefix> budget_search(const FitPlan& f, const TailModel& t,
+                                                        double target, ExactPrefix exact_prefix) {
+  BudgetSearch<ExactPrefix> s{exact_prefix, t};
+  s.num_exact = f.num_exact;
+  if (f.n <= 0) return s;  // [0, 0]: K = 0
+  if (target >= 1.0) {
+    s.lo = s.hi = f.n;
+    return s;
+  }
+  s.exact_sum = exact_prefix(f.num_exact);
+  s.h_exact = harmonic(f.num_exact);
+  const double total =
+      s.exact_sum + (f.fitted ? tail_sum_from(t, f.num_exact, s.h_exact, f.n) : 0.0);
+  s.goal = target * total;
+  s.in_exact = s.exact_sum >= s.goal;
+  s.lo = s.in_exact ? 1 : f.num_exact + 1;
+  s.hi = s.in_exact ? f.num_exact : f.n;  // the modelled sum reaches total at n
+  return s;
+}
+
 template <typename ExactPrefix>
 KVS_HOST_DEVICE int budget_tokens(const FitPlan& f, const TailModel& t, double target,
                                   ExactPrefix exact_prefix) {
-  if (f.n <= 0) return 0;
-  if (target >= 1.0) return f.n;
-  const double exact_sum = exact_prefix(f.num_exact);
-  const double total = exact_sum + (f.fitted ? tail_sum(t, f.num_exact, f.n) : 0.0);
-  const double goal = target * total;
-  if (exact_sum >= goal) {
-    int lo = 1, hi = f.num_exact;
-    while (lo < hi) {
-      const int mid = lo + (hi - lo) / 2;
-      if (exact_prefix(mid) >= goal)
-        hi = mid;
-      else
-        lo = mid + 1;
-    }
-    return lo;
-  }
-  int lo = f.num_exact + 1, hi = f.n;  // the modelled sum reaches total at n
+  const BudgetSearch<ExactPrefix> s = budget_search(f, t, target, exact_prefix);
+  int lo = s.lo, hi = s.hi;
   while (lo < hi) {
     const int mid = lo + (hi - lo) / 2;
-    if (exact_sum + tail_sum(t, f.num_exact, mid) >= goal)
+    if (s.reaches(mid))
       hi = mid;
     else
       lo = mid + 1;
