@@ -7,16 +7,17 @@
 // stable CUB radix sort of (cluster, token) pairs gives the CSR with members ascending.
 //
 // Decode (fixed grids, lengths read on the device, no host sync: capturable):
-//   index   one CTA per (b, h): the token that just left the window is de-RoPE'd (rope_cuda
-//           on a [B*Hkv, d] scratch) and assigned, threads over centroids
+//   index   per (b, h): the token that just left the window is de-RoPE'd (rope_cuda on a
+//           [B*Hkv, d] scratch) and assigned, a CTA per 128 centroids, a packed atomicMax
 //   mlp     two bf16-weight GEMV launches over all query heads of the batch (a warp per
 //           output row, 16-byte loads, every batch row of x reused from shared memory): the
 //           router's cost is one read of its weights per step whatever the batch
 //   route   one CTA per (b, h): softmax per query head, group sum (or mean-query centroid
 //           scores), bitonic sort of the C scores in shared memory, top-l ids
-//   gather  one CTA per (b, h): sink, the selected clusters' CSR members, the scanned
-//           post-prefill assignments and the unindexed tail, written as the sub-request page
-//           table dense_decode_cuda attends (kernels/tactic/tactic.h subrequest_view)
+//   gather  per (b, h): sink, the selected clusters' CSR members, the scanned post-prefill
+//           assignments and the unindexed tail, written as the sub-request page table
+//           dense_decode_cuda attends (kernels/tactic/tactic.h subrequest_view); the members
+//           by kGatherParts - 1 CTAs, the rest by one more, all at once
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <cub/cub.cuh>
 
+#include "kernels/common/ptx.cuh"
 #include "kernels/common/rope.h"
 #include "kernels/saap/saap.h"
 
@@ -35,12 +37,16 @@ using bf = __nv_bfloat16;
 constexpr int kAssignTokens = 32;    // keys per tile of the prefill assignment
 constexpr int kAssignCents = 32;     // centroids per shared-memory tile
 constexpr int kAssignThreads = 256;  // 8 warps x 4 centroids of a tile
-constexpr int kStepThreads = 256;    // decode-time assignment CTA
+constexpr int kStepThreads = 64;     // decode-time assignment CTA
+constexpr int kStepChunk = 64;       // centroids per decode-time assignment CTA (staged rows)
 constexpr int kGemvThreads = 256;
 constexpr int kGemvRowsPerWarp = 8;
 constexpr int kGemvMaxBatch = 8;  // batch rows per pass over the weights
 constexpr int kRouteThreads = 1024;
+constexpr int kMaxRouteGroup = 8;  // query heads per kv head in route_mlp_score
 constexpr int kGatherThreads = 256;
+constexpr int kGatherIlp = 8;
+constexpr int kGatherParts = 3;  // CTAs per (b, h): 2 copy the members, 1 the rest
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
@@ -177,34 +183,66 @@ PrefillLayout prefill_layout(int max_len, int hkv, int d) {
 // Copies the key of token indexed_len of every (b, h) to scratch [B * Hkv, d] with its
 // position; tokens still inside the window get position 0 and are skipped later.
 __global__ void step_gather_kernel(PagedKV kv, Window w, IndexState st, bf16* scratch,
-                                   int32_t* positions) {
+                                   int32_t* positions, unsigned long long* best,
+                                   unsigned* arrived) {
   const int b = blockIdx.x / kv.num_kv_heads, h = blockIdx.x % kv.num_kv_heads;
   const int d = kv.head_dim;
   const int t = st.indexed_len[st.slot(b, h)];
   const bool due = t < kv.seq_lens[b] - w.recent;
-  if (threadIdx.x == 0) positions[blockIdx.x] = due ? t : 0;
+  if (threadIdx.x == 0) {
+    positions[blockIdx.x] = due ? t : 0;
+    best[blockIdx.x] = 0ull;  // below every packed candidate
+    arrived[blockIdx.x] = 0u;
+  }
   if (!due) return;
   const bf16* src = kv.k + kv.offset(b, t, h);
   for (int i = threadIdx.x; i < d; i += blockDim.x) scratch[int64_t(blockIdx.x) * d + i] = src[i];
 }
 
+// (score, c) packed so that unsigned order is better() order: the score's bits made monotone,
+// then ~c (a lower id wins a tie). Never 0 for a finite score.
+__device__ __forceinline__ unsigned long long pack_candidate(float s, int c) {
+  const unsigned u = __float_as_uint(s);
+  const unsigned ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - unsigned(c));
+}
+
+// The token that left the window is assigned to its nearest centroid (largest
+// centroid_score). One CTA per (sequence, kv head, kStepChunk centroids), the chunk's rows
+// staged through shared memory with coalesced copies: a thread reading its own rows (strided
+// 512 B apart across the warp) from global memory took 12 µs on an H100 even spread over 64
+// CTAs, and a single CTA for all C rows 16 µs. Each CTA's best
+// goes to a packed atomicMax; the last CTA to arrive commits it. The per-centroid dot product
+// is the same sequential loop as before, so the assignment is unchanged.
 __global__ void __launch_bounds__(kStepThreads)
     step_assign_kernel(PagedKV kv, Window w, const bf* scratch, const float* centroids,
-                       const float* norms, int C, IndexState st) {
+                       const float* norms, int C, IndexState st, unsigned long long* best_all,
+                       unsigned* arrived) {
   const int b = blockIdx.x / kv.num_kv_heads, h = blockIdx.x % kv.num_kv_heads;
   const int d = kv.head_dim;
   const int t = st.indexed_len[st.slot(b, h)];
-  if (t >= kv.seq_lens[b] - w.recent) return;
+  if (t >= kv.seq_lens[b] - w.recent) return;  // uniform over the (b, h) CTAs
+  constexpr int kPitch = 128 + 4;  // floats per staged row: 16-byte aligned, rows on other banks
+  __shared__ __align__(16) float rows_s[kStepChunk * kPitch];
   __shared__ float key_s[128];
   __shared__ float red_s[32];
   __shared__ int red_c[32];
+  __shared__ bool last;
+  // The chunk's rows are contiguous: stage them with coalesced 16-byte copies, all in flight.
+  const int c0 = blockIdx.y * kStepChunk, c_end = min(C, c0 + kStepChunk);
+  const float* src = centroids + (int64_t(h) * C + c0) * d;
+  for (int i = threadIdx.x; i < (c_end - c0) * (d / 4); i += blockDim.x)
+    ptx::cp_async_16(ptx::smem_addr(rows_s + (i / (d / 4)) * kPitch + (i % (d / 4)) * 4),
+                     src + int64_t(i) * 4, true);
+  ptx::cp_async_commit();
   for (int i = threadIdx.x; i < d; i += blockDim.x)
     key_s[i] = __bfloat162float(scratch[int64_t(blockIdx.x) * d + i]);
+  ptx::cp_async_wait<0>();
   __syncthreads();
   float best = -FLT_MAX;
   int best_c = 0x7fffffff;
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    const float4* row = reinterpret_cast<const float4*>(centroids + (int64_t(h) * C + c) * d);
+  for (int c = c0 + threadIdx.x; c < c_end; c += blockDim.x) {
+    const float4* row = reinterpret_cast<const float4*>(rows_s + (c - c0) * kPitch);
     float acc = 0.f;
     for (int k = 0; k < d / 4; ++k) {
       const float4 v = row[k];
@@ -239,7 +277,15 @@ __global__ void __launch_bounds__(kStepThreads)
         best = red_s[i];
         best_c = red_c[i];
       }
-    st.assign_of(b, h)[t] = best_c;
+    if (best_c < C) atomicMax(&best_all[blockIdx.x], pack_candidate(best, best_c));
+    __threadfence();
+    last = atomicAdd(&arrived[blockIdx.x], 1u) == gridDim.y - 1;
+  }
+  __syncthreads();
+  if (last && threadIdx.x == 0) {
+    __threadfence();
+    const unsigned long long packed = atomicAdd(&best_all[blockIdx.x], 0ull);  // coherent read
+    st.assign_of(b, h)[t] = int(0xffffffffu - unsigned(packed & 0xffffffffull));
     st.indexed_len[st.slot(b, h)] = t + 1;
   }
 }
@@ -329,25 +375,113 @@ __device__ float block_reduce(float v, float* red, Op op) {
   return v;
 }
 
-// Scores of the C clusters for (b, h), bitonic-sorted in shared memory (descending score,
-// ascending id), top l to selected[b * Hkv + h].
+// The bitonic network of route_kernel's shared-memory sort for C <= kRouteThreads, one element
+// per thread (s: thread i's score, -FLT_MAX past C, so padding sorts last): strides below 32 are exchanged by warp shuffles,
+// larger ones through a double-buffered shared array (a buffer is rewritten only two barriers
+// after it was read), so 1024 elements take 15 barriers instead of 55. Returns the id of the
+// element of rank threadIdx.x: the same order as the shared-memory sort.
+__device__ int route_sort_registers(float s, float* xs, int* xi) {
+  const int i = threadIdx.x;
+  int id = i;
+  int buf = 0;
+  for (int size = 2; size <= kRouteThreads; size *= 2) {
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      float ps;
+      int pid;
+      if (stride >= 32) {  // uniform over the block
+        xs[buf * kRouteThreads + i] = s;
+        xi[buf * kRouteThreads + i] = id;
+        __syncthreads();
+        ps = xs[buf * kRouteThreads + (i ^ stride)];
+        pid = xi[buf * kRouteThreads + (i ^ stride)];
+        buf ^= 1;
+      } else {
+        ps = __shfl_xor_sync(0xffffffffu, s, stride);
+        pid = __shfl_xor_sync(0xffffffffu, id, stride);
+      }
+      // The lower element of a pair keeps the better one in descending blocks (bit `size`
+      // clear), the worse one otherwise; the upper element the opposite.
+      const bool keep_better = ((i & size) == 0) == ((i & stride) == 0);
+      if (keep_better == better(ps, pid, s, id)) {
+        s = ps;
+        id = pid;
+      }
+    }
+  }
+  return id;
+}
+
+// Softmax of each of the group's g query heads over the C <= kRouteThreads cluster logits,
+// summed over the group, for cluster threadIdx.x: the g maxima and sums reduced together (4
+// barriers instead of 4 per head), each thread's logits loaded once. The same arithmetic, in
+// the same order, as the per-head loop of route_kernel's general path.
+__device__ float route_mlp_score(const float* logits, int row0, int g, int C, float* red) {
+  const int c = threadIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  constexpr int nw = kRouteThreads / 32;
+  float z[kMaxRouteGroup], m[kMaxRouteGroup], e[kMaxRouteGroup], sum[kMaxRouteGroup];
+#pragma unroll
+  for (int j = 0; j < kMaxRouteGroup; ++j)
+    z[j] = j < g && c < C ? logits[int64_t(row0 + j) * C + c] : -FLT_MAX;
+  auto reduce = [&](float(&v)[kMaxRouteGroup], auto op) {
+#pragma unroll
+    for (int j = 0; j < kMaxRouteGroup; ++j)
+      for (int off = 16; off > 0; off /= 2)
+        v[j] = op(v[j], __shfl_xor_sync(0xffffffffu, v[j], off));
+    __syncthreads();
+    if (lane == 0)
+#pragma unroll
+      for (int j = 0; j < kMaxRouteGroup; ++j) red[warp * kMaxRouteGroup + j] = v[j];
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kMaxRouteGroup; ++j) {
+      v[j] = red[j];
+      for (int w = 1; w < nw; ++w) v[j] = op(v[j], red[w * kMaxRouteGroup + j]);
+    }
+  };
+#pragma unroll
+  for (int j = 0; j < kMaxRouteGroup; ++j) m[j] = z[j];
+  reduce(m, [](float a, float x) { return fmaxf(a, x); });
+#pragma unroll
+  for (int j = 0; j < kMaxRouteGroup; ++j) {
+    e[j] = j < g && c < C ? __expf(z[j] - m[j]) : 0.f;
+    sum[j] = e[j];
+  }
+  reduce(sum, [](float a, float x) { return a + x; });
+  float score = 0.f;
+#pragma unroll
+  for (int j = 0; j < kMaxRouteGroup; ++j)
+    if (j < g) score += e[j] * (1.f / sum[j]);
+  return c < C ? score : -FLT_MAX;
+}
+
+// Scores of the C clusters for (b, h), bitonic-sorted (descending score, ascending id), top l
+// to selected[b * Hkv + h].
 __global__ void __launch_bounds__(kRouteThreads)
     route_kernel(const float* logits, const bf* q_pre, Router<bf16> r, int probes, int pow2,
                  int32_t* selected) {
   extern __shared__ float route_s[];
   float* score = route_s;                             // [pow2]
   int* ids = reinterpret_cast<int*>(score + pow2);    // [pow2]
-  float* red = reinterpret_cast<float*>(ids + pow2);  // [32]
-  float* qmean = red + 32;                            // [d]
+  float* red = reinterpret_cast<float*>(ids + pow2);  // [kRouteThreads / 32 * kMaxRouteGroup]
+  float* qmean = red + kRouteThreads / 32 * kMaxRouteGroup;  // [128]
+  float* exchange = qmean + 128;  // [2 * kRouteThreads] x (float, int)
+  int* exchange_ids = reinterpret_cast<int*>(exchange + 2 * kRouteThreads);
   const int hkv = r.num_kv_heads, g = r.num_q_heads / hkv, C = r.num_clusters, d = r.head_dim;
   const int b = blockIdx.x / hkv, h = blockIdx.x % hkv;
+  const int row0 = b * r.num_q_heads + h * g;
+  if (r.use_mlp && pow2 <= kRouteThreads && g <= kMaxRouteGroup) {
+    const float s = route_mlp_score(logits, row0, g, C, red);
+    const int id = route_sort_registers(s, exchange, exchange_ids);
+    if (int(threadIdx.x) < probes) selected[int64_t(blockIdx.x) * probes + threadIdx.x] = id;
+    return;
+  }
   for (int c = threadIdx.x; c < pow2; c += blockDim.x) {
     score[c] = c < C ? 0.f : -FLT_MAX;
     ids[c] = c;
   }
   if (r.use_mlp) {
     for (int j = 0; j < g; ++j) {
-      const float* z = logits + (int64_t(b) * r.num_q_heads + h * g + j) * C;
+      const float* z = logits + int64_t(row0 + j) * C;
       float m = -FLT_MAX;
       for (int c = threadIdx.x; c < C; c += blockDim.x) m = fmaxf(m, z[c]);
       m = block_reduce(m, red, [](float a, float x) { return fmaxf(a, x); });
@@ -360,8 +494,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   } else {
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
       float s = 0.f;
-      for (int j = 0; j < g; ++j)
-        s += __bfloat162float(q_pre[(int64_t(b) * r.num_q_heads + h * g + j) * d + i]);
+      for (int j = 0; j < g; ++j) s += __bfloat162float(q_pre[int64_t(row0 + j) * d + i]);
       qmean[i] = s / float(g);
     }
     __syncthreads();
@@ -373,6 +506,12 @@ __global__ void __launch_bounds__(kRouteThreads)
     }
   }
   __syncthreads();
+  if (pow2 <= kRouteThreads) {
+    const int id = route_sort_registers(
+        int(threadIdx.x) < C ? score[threadIdx.x] : -FLT_MAX, exchange, exchange_ids);
+    if (int(threadIdx.x) < probes) selected[int64_t(blockIdx.x) * probes + threadIdx.x] = id;
+    return;
+  }
   for (int size = 2; size <= pow2; size *= 2) {
     for (int stride = size / 2; stride > 0; stride /= 2) {
       for (int i = threadIdx.x; i < pow2 / 2; i += blockDim.x) {
@@ -408,7 +547,8 @@ __global__ void __launch_bounds__(kGatherThreads)
   __shared__ int chunk_total;
   extern __shared__ int gather_s[];
   int* prefix = gather_s;                                               // [probes + 1]
-  unsigned* chosen = reinterpret_cast<unsigned*>(prefix + probes + 1);  // [ceil(C / 32)]
+  int* first = prefix + probes + 1;                                     // [probes]
+  unsigned* chosen = reinterpret_cast<unsigned*>(first + probes);       // [ceil(C / 32)]
   const int hkv = kv.num_kv_heads, C = st.num_clusters;
   const int b = blockIdx.x / hkv, h = blockIdx.x % hkv;
   const int64_t slot = st.slot(b, h);
@@ -420,10 +560,29 @@ __global__ void __launch_bounds__(kGatherThreads)
   const int32_t* assign = st.assign_of(b, h);
   int32_t* rows = lists.rows + int64_t(blockIdx.x) * lists.max_tokens;
   int32_t* tokens = lists.tokens + int64_t(blockIdx.x) * lists.max_tokens;
-  auto put = [&](int i, int t) {
+  auto page_of = [&](int t) {
+    return int64_t(kv.page_table[int64_t(b) * kv.max_pages_per_seq + t / kv.page_size]);
+  };
+  auto put_paged = [&](int i, int t, int64_t page) {
     tokens[i] = t;
-    const int64_t page = kv.page_table[int64_t(b) * kv.max_pages_per_seq + t / kv.page_size];
     rows[i] = int32_t((page * kv.page_size + t % kv.page_size) * hkv + h);
+  };
+  auto put = [&](int i, int t) { put_paged(i, t, page_of(t)); };
+  // Tokens [t0, t1) at positions from `at`, kGatherIlp page-table loads in flight per thread.
+  auto put_run = [&](int at, int t0, int t1) {
+    for (int tb = t0 + int(threadIdx.x); tb < t1; tb += kGatherThreads * kGatherIlp) {
+      int64_t page[kGatherIlp];
+#pragma unroll
+      for (int u = 0; u < kGatherIlp; ++u) {
+        const int t = tb + u * kGatherThreads;
+        page[u] = t < t1 ? page_of(t) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kGatherIlp; ++u) {
+        const int t = tb + u * kGatherThreads;
+        if (t < t1) put_paged(at + (t - t0), t, page[u]);
+      }
+    }
   };
   for (int i = threadIdx.x; i < (C + 31) / 32; i += blockDim.x) chosen[i] = 0u;
   __syncthreads();
@@ -434,7 +593,8 @@ __global__ void __launch_bounds__(kGatherThreads)
     int size = 0;
     if (i < probes) {
       const int c = sel[i];
-      size = offsets[c + 1] - offsets[c];
+      first[i] = offsets[c];
+      size = offsets[c + 1] - first[i];
       atomicOr(&chosen[c / 32], 1u << (c % 32));
     }
     int excl, total;
@@ -446,22 +606,45 @@ __global__ void __launch_bounds__(kGatherThreads)
   if (threadIdx.x == 0) prefix[probes] = running;
   __syncthreads();
   const int sink = min(w.sink, n);
-  int pos = 0;
-  for (int t = threadIdx.x; t < sink; t += blockDim.x) put(t, t);
-  pos = sink;
   const int members_total = running;
-  for (int i = threadIdx.x; i < members_total; i += blockDim.x) {
-    int lo = 0, hi = probes - 1;  // the last k with prefix[k] <= i
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (prefix[mid] <= i)
-        lo = mid;
-      else
-        hi = mid - 1;
+  const int parts = gridDim.y - 1;  // member parts; the last CTA does everything else
+  if (int(blockIdx.y) < parts) {
+    // kGatherIlp members per thread and round, each round's member loads and then its page
+    // table loads issued together: the copy is a chain of dependent loads, not bandwidth.
+    const int per = (members_total + parts - 1) / parts;
+    const int i_end = min(members_total, int(blockIdx.y + 1) * per);
+    for (int i0 = blockIdx.y * per + threadIdx.x; i0 < i_end;
+         i0 += kGatherThreads * kGatherIlp) {
+      int t[kGatherIlp];
+#pragma unroll
+      for (int u = 0; u < kGatherIlp; ++u) {
+        const int i = i0 + u * kGatherThreads;
+        t[u] = -1;
+        if (i < i_end) {
+          int lo = 0, hi = probes - 1;  // the last k with prefix[k] <= i
+          while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (prefix[mid] <= i)
+              lo = mid;
+            else
+              hi = mid - 1;
+          }
+          t[u] = first[lo] + (i - prefix[lo]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kGatherIlp; ++u) t[u] = t[u] >= 0 ? members[t[u]] : -1;
+      int64_t page[kGatherIlp];
+#pragma unroll
+      for (int u = 0; u < kGatherIlp; ++u) page[u] = t[u] >= 0 ? page_of(t[u]) : 0;
+#pragma unroll
+      for (int u = 0; u < kGatherIlp; ++u)
+        if (t[u] >= 0) put_paged(sink + i0 + u * kGatherThreads, t[u], page[u]);
     }
-    put(pos + i, members[offsets[sel[lo]] + (i - prefix[lo])]);
+    return;
   }
-  pos += members_total;
+  put_run(0, 0, sink);
+  int pos = sink + members_total;
   // Post-prefill assignments: stream compaction of the chosen ones, in token order.
   for (int t0 = csr; t0 < indexed; t0 += kGatherThreads) {
     const int t = t0 + threadIdx.x;
@@ -479,7 +662,7 @@ __global__ void __launch_bounds__(kGatherThreads)
     __syncthreads();
   }
   const int tail0 = max(indexed, sink);
-  for (int t = tail0 + threadIdx.x; t < n; t += blockDim.x) put(pos + (t - tail0), t);
+  put_run(pos, tail0, n);
   pos += max(0, n - tail0);
   if (threadIdx.x == 0) {
     lists.counts[blockIdx.x] = pos;
@@ -491,7 +674,7 @@ __global__ void __launch_bounds__(kGatherThreads)
 }
 
 struct DecodeLayout {
-  size_t hidden, logits, scratch, positions, total;
+  size_t hidden, logits, scratch, positions, best, arrived, total;
 };
 
 DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, int C) {
@@ -500,8 +683,18 @@ DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, in
   l.logits = align_up(size_t(max_batch) * hq * C * sizeof(float));
   l.scratch = align_up(size_t(max_batch) * hkv * d * sizeof(bf16));
   l.positions = align_up(size_t(max_batch) * hkv * sizeof(int32_t));
-  l.total = l.hidden + l.logits + l.scratch + l.positions;
+  l.best = align_up(size_t(max_batch) * hkv * sizeof(unsigned long long));
+  l.arrived = align_up(size_t(max_batch) * hkv * sizeof(unsigned));
+  l.total = l.hidden + l.logits + l.scratch + l.positions + l.best + l.arrived;
   return l;
+}
+
+// route_kernel's shared memory for C rounded up to pow2: scores and ids, the reduction
+// scratch, the mean query and the register sort's exchange buffers.
+size_t route_smem_bytes(int pow2) {
+  return size_t(pow2) * (sizeof(float) + sizeof(int)) +
+         (kRouteThreads / 32 * kMaxRouteGroup + 128) * sizeof(float) +
+         2 * size_t(kRouteThreads) * (sizeof(float) + sizeof(int));
 }
 
 int next_pow2(int x) {
@@ -597,13 +790,18 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   float* hidden = reinterpret_cast<float*>(p);
   float* logits = reinterpret_cast<float*>(p + lay.hidden);
   bf16* scratch = reinterpret_cast<bf16*>(p + lay.hidden + lay.logits);
-  int32_t* positions = reinterpret_cast<int32_t*>(p + lay.hidden + lay.logits + lay.scratch);
+  char* step = p + lay.hidden + lay.logits + lay.scratch;
+  int32_t* positions = reinterpret_cast<int32_t*>(step);
+  auto* best = reinterpret_cast<unsigned long long*>(step + lay.positions);
+  auto* arrived = reinterpret_cast<unsigned*>(step + lay.positions + lay.best);
 
-  step_gather_kernel<<<B * hkv, 128, 0, stream>>>(kv, w, st, scratch, positions);
+  step_gather_kernel<<<B * hkv, 128, 0, stream>>>(kv, w, st, scratch, positions, best, arrived);
   cudaError_t e = rope_cuda(scratch, B * hkv, 1, d, d, positions, inv_freq, true, stream);
   if (e != cudaSuccess) return e;
-  step_assign_kernel<<<B * hkv, kStepThreads, 0, stream>>>(
-      kv, w, reinterpret_cast<const bf*>(scratch), r.centroids, r.centroid_norms, C, st);
+  step_assign_kernel<<<dim3(unsigned(B * hkv), unsigned((C + kStepChunk - 1) / kStepChunk)),
+                       kStepThreads, 0, stream>>>(kv, w, reinterpret_cast<const bf*>(scratch),
+                                                  r.centroids, r.centroid_norms, C, st, best,
+                                                  arrived);
 
   if (r.use_mlp) {
     const int rows_per_block = (kGemvThreads / 32) * kGemvRowsPerWarp;
@@ -617,14 +815,13 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
         hidden, reinterpret_cast<const bf*>(r.w2), r.b2, logits, B, hq, C, H);
   }
   const int pow2 = next_pow2(C);
-  const size_t route_smem =
-      size_t(pow2) * (sizeof(float) + sizeof(int)) + (32 + 128) * sizeof(float);
+  const size_t route_smem = route_smem_bytes(pow2);
   route_kernel<<<B * hkv, kRouteThreads, route_smem, stream>>>(
       logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2, selected);
   const size_t gather_smem =
-      size_t(probes + 1) * sizeof(int) + size_t((C + 31) / 32) * sizeof(unsigned);
-  gather_kernel<<<B * hkv, kGatherThreads, gather_smem, stream>>>(kv, w, st, selected, probes,
-                                                                  lists, counters, router_bytes);
+      size_t(2 * probes + 1) * sizeof(int) + size_t((C + 31) / 32) * sizeof(unsigned);
+  gather_kernel<<<dim3(unsigned(B * hkv), unsigned(kGatherParts)), kGatherThreads, gather_smem,
+                  stream>>>(kv, w, st, selected, probes, lists, counters, router_bytes);
   return cudaGetLastError();
 }
 
@@ -638,9 +835,8 @@ cudaError_t prepare_cuda(int hidden) {
   e = cudaFuncSetAttribute(gemv_kernel<bf, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            kGemvMaxBatch * 128 * int(sizeof(float)));
   if (e != cudaSuccess) return e;
-  const int route =
-      kMaxClustersCuda * int(sizeof(float) + sizeof(int)) + (32 + 128) * int(sizeof(float));
-  return cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, route);
+  return cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              int(route_smem_bytes(kMaxClustersCuda)));
 }
 
 }  // namespace kvs::kernels::saap
