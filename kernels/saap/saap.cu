@@ -432,11 +432,17 @@ __device__ float route_mlp_score(const float* logits, int row0, int g, int C, fl
 #pragma unroll
       for (int j = 0; j < kMaxRouteGroup; ++j) red[warp * kMaxRouteGroup + j] = v[j];
     __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kMaxRouteGroup; ++j) {
-      v[j] = red[j];
-      for (int w = 1; w < nw; ++w) v[j] = op(v[j], red[w * kMaxRouteGroup + j]);
+    // The warps' partials combined once, by lane j of warp 0, in warp order, then broadcast
+    // (every thread walking all 32 x g partials cost 248 shared loads a thread).
+    if (threadIdx.x < kMaxRouteGroup) {
+      const int j = threadIdx.x;
+      float x = red[j];
+      for (int w2 = 1; w2 < nw; ++w2) x = op(x, red[w2 * kMaxRouteGroup + j]);
+      red[nw * kMaxRouteGroup + j] = x;
     }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kMaxRouteGroup; ++j) v[j] = red[nw * kMaxRouteGroup + j];
   };
 #pragma unroll
   for (int j = 0; j < kMaxRouteGroup; ++j) m[j] = z[j];
@@ -462,8 +468,8 @@ __global__ void __launch_bounds__(kRouteThreads)
   extern __shared__ float route_s[];
   float* score = route_s;                             // [pow2]
   int* ids = reinterpret_cast<int*>(score + pow2);    // [pow2]
-  float* red = reinterpret_cast<float*>(ids + pow2);  // [kRouteThreads / 32 * kMaxRouteGroup]
-  float* qmean = red + kRouteThreads / 32 * kMaxRouteGroup;  // [128]
+  float* red = reinterpret_cast<float*>(ids + pow2);  // [(kRouteThreads / 32 + 1) * kMaxRouteGroup]
+  float* qmean = red + (kRouteThreads / 32 + 1) * kMaxRouteGroup;  // [128]
   float* exchange = qmean + 128;  // [2 * kRouteThreads] x (float, int)
   int* exchange_ids = reinterpret_cast<int*>(exchange + 2 * kRouteThreads);
   const int hkv = r.num_kv_heads, g = r.num_q_heads / hkv, C = r.num_clusters, d = r.head_dim;
@@ -693,7 +699,7 @@ DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, in
 // scratch, the mean query and the register sort's exchange buffers.
 size_t route_smem_bytes(int pow2) {
   return size_t(pow2) * (sizeof(float) + sizeof(int)) +
-         (kRouteThreads / 32 * kMaxRouteGroup + 128) * sizeof(float) +
+         ((kRouteThreads / 32 + 1) * kMaxRouteGroup + 128) * sizeof(float) +
          2 * size_t(kRouteThreads) * (sizeof(float) + sizeof(int));
 }
 
