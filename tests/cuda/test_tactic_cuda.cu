@@ -204,10 +204,11 @@ TEST(TacticCuda, PrefillKMeansMatchesCpu) {
 // Selection, union and attention of the GPU against the CPU reference run on the GPU's own
 // cluster state (so that only the selection and attention arithmetic is compared).
 void check_decode(int hq, int hkv, int d, const std::vector<int>& lens, double P, uint32_t seed,
-                  int max_context = 4096) {
+                  int max_context = 4096, bool zero_queries = false) {
   const ModelShape s = shape(hq, hkv, d);
   const int B = int(lens.size()), g = hq / hkv;
   Pair p(s, lens, 4096, seed);
+  if (zero_queries) std::fill(p.q.begin(), p.q.end(), float_to_bf16(0.f));
   auto ge = make(s, Backend::Cuda, B, P, 2048, max_context);
   auto& te = dynamic_cast<TacticEngine&>(*ge);
   DeviceBuffer<char> ws(ge->workspace_bytes());
@@ -302,6 +303,14 @@ TEST(TacticCuda, SelectionAndAttentionMatchCpuGqa8) {
 TEST(TacticCuda, SegmentedSortPathForLongContexts) {
   KVS_SKIP_WITHOUT_CUDA();
   check_decode(8, 2, 128, {2000, 300}, 0.9, 25, 140000);
+}
+
+// Zero queries score every cluster 0: the bucket sort has no spread to bucket by, and the
+// order kernel falls back to its block radix sort, which must keep the CPU's order (ties to
+// the lower cluster id) exactly.
+TEST(TacticCuda, EqualScoresTakeTheRadixSortFallback) {
+  KVS_SKIP_WITHOUT_CUDA();
+  check_decode(8, 2, 128, {1500, 300}, 0.75, 26, 4096, true);
 }
 
 TEST(TacticCuda, TargetOneIsDenseAttention) {
