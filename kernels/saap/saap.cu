@@ -211,9 +211,9 @@ __device__ __forceinline__ unsigned long long pack_candidate(float s, int c) {
 // centroid_score). One CTA per (sequence, kv head, kStepChunk centroids), the chunk's rows
 // staged through shared memory with coalesced copies: a thread reading its own rows (strided
 // 512 B apart across the warp) from global memory took 12 µs on an H100 even spread over 64
-// CTAs, and a single CTA for all C rows 16 µs. Each CTA's best
-// goes to a packed atomicMax; the last CTA to arrive commits it. The per-centroid dot product
-// is the same sequential loop as before, so the assignment is unchanged.
+// CTAs. Each CTA's best goes to a packed atomicMax; the last CTA to arrive commits it. The
+// per-centroid dot product is the same sequential loop as before, so the assignment is
+// unchanged.
 __global__ void __launch_bounds__(kStepThreads)
     step_assign_kernel(PagedKV kv, Window w, const bf* scratch, const float* centroids,
                        const float* norms, int C, IndexState st, unsigned long long* best_all,
