@@ -98,6 +98,7 @@ struct AttnPredEngine::LayerState {
   bool allocated = false;
   int calls = 0;  // decodes since the layer's prefill
   ap::HistoryState hist;
+  ap::CnnCache cnn;          // CUDA: the predictor's per-row cache beside the history
   uint8_t* flags = nullptr;  // [max_batch, Hkv, max_blocks]
   // CPU storage
   std::vector<float> host_rows;
@@ -184,6 +185,10 @@ AttnPredEngine::~AttnPredEngine() {
     cudaFree(ls.hist.rows);
     cudaFree(ls.hist.count);
     cudaFree(ls.hist.tokens);
+    cudaFree(ls.cnn.s);
+    cudaFree(ls.cnn.edge);
+    cudaFree(ls.cnn.count);
+    cudaFree(ls.cnn.end);
     cudaFree(ls.flags);
     if (ls.cache.k) {
       cudaFree(ls.cache.k);
@@ -230,6 +235,10 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
     h.rows = device_alloc<float>(n_rows);
     h.count = device_alloc<int32_t>(B);
     h.tokens = device_alloc<int32_t>(B);
+    ls.cnn.s = device_alloc<float>(int64_t(ap::CnnCache::s_floats(h)));
+    ls.cnn.edge = device_alloc<float>(int64_t(ap::CnnCache::edge_floats(h)));
+    ls.cnn.count = device_alloc<int32_t>(B);
+    ls.cnn.end = device_alloc<int32_t>(B);
     ls.flags = device_alloc<uint8_t>(n_flags);
     if (config_.attnpred.offload) {
       ap::BlockCache& c = ls.cache;
@@ -316,6 +325,7 @@ void AttnPredEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) 
   ls.prefetch_pending = false;
   KVS_CUDA_CHECK(cudaMemsetAsync(h.rows, 0, size_t(kv.batch) * row_elems * sizeof(float), stream));
   KVS_CUDA_CHECK(cudaMemsetAsync(h.count, 0, size_t(kv.batch) * sizeof(int32_t), stream));
+  KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(ls.cnn, kv.batch, stream));
   KVS_CUDA_CHECK(cudaMemcpyAsync(h.tokens, kv.seq_lens, size_t(kv.batch) * sizeof(int32_t),
                                  cudaMemcpyDefault, stream));
   KVS_CUDA_CHECK(cudaMemsetAsync(
@@ -406,7 +416,7 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
                                        kv.batch, hkv, scale, geo_, ls.hist, scratch, scratch_bytes,
                                        stream));
   }
-  KVS_CUDA_CHECK(ap::predict_cuda(device_params_, ls.hist, kv.batch, geo_, scores, stream));
+  KVS_CUDA_CHECK(ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, scores, stream));
   KVS_CUDA_CHECK(
       ap::select_blocks_cuda(scores, ls.hist, kv.batch, hkv, geo_, k_blocks_, ls.flags, stream));
   if (offload) {

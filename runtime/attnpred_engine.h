@@ -11,7 +11,9 @@
 //      row over all n tokens instead (a separate score kernel over all keys: the output is
 //      still the sparse attention, as the paper does; only the history is calibrated);
 //   3. predicts the next step's block scores with the CNN and takes each query head's top
-//      (budget - sink - recent) / block candidate blocks.
+//      (budget - sink - recent) / block candidate blocks. On CUDA the CNN is incremental
+//      (kernels/attnpred/attnpred.h CnnCache: about 5 of the `history` conv rows per step);
+//      its cache doubles the history's device memory (one fp32 value per history cell).
 // The prefill gives the engine keys but no queries, so it cannot compute the paper's prefill
 // history (the last 64 prompt queries' rows); the warm-up steps build it instead, and until
 // `history` rows exist the older rows are zeros.

@@ -1,9 +1,16 @@
 // CUDA side of AttentionPredictor (attnpred.h).
 //
-//   cnn        one CTA per (input, 64-column tile); streams the H rows through shared memory
-//              (3 input rows, 3 conv1 rows of 16 channels) and keeps each thread's 8 conv2
-//              channels' time sums in registers; fp32 without FMA contraction (__fmul_rn /
-//              __fadd_rn), in the CPU reference's order, so both backends agree bit for bit.
+//   cnn        one CTA per (input, 64-column tile) streams a band of rows through shared
+//              memory (3 input rows, 3 conv1 rows of 16 channels); a thread computes 8 conv2
+//              channels of one column (conv2's taps stored channel-minor in shared memory: two
+//              float4 loads per tap), the row's 32 relu values go through shared memory and
+//              one thread per column projects them onto conv3 (s). fp32 without FMA
+//              contraction (__fmul_rn / __fadd_rn), in the CPU reference's order, so both
+//              backends agree bit for bit.
+//   predict    the same bands over the history, but incremental (CnnCache): the 4 edge rows
+//              and the newly interior row per step, plus fix-up CTAs that recompute the
+//              stored rows' columns next to a moved slice end; then a sum kernel adds the H
+//              rows' s per column (and commits the cache's count and end).
 //   select     one CTA per (sequence, query head): 4-pass 8-bit radix select of the k-th
 //              largest score, then ties taken lowest index first (a block scan), flags OR-ed
 //              per kv head (plain stores of 1: the group's heads may race, all write 1).
@@ -48,115 +55,286 @@ __device__ __forceinline__ float madd(float acc, float w, float v) {
   return __fadd_rn(acc, __fmul_rn(w, v));
 }
 
-// Input of the CNN: contiguous samples [n, H, W].
-struct DenseInput {
-  const float* x;
-  float* y;
-  int H, W;
-  __device__ int begin(int) const { return 0; }
-  __device__ int end(int) const { return W; }
-  __device__ const float* row(int s, int r) const { return x + (int64_t(s) * H + r) * W; }
-  __device__ float* out(int s) const { return y + int64_t(s) * W; }
-};
+constexpr int kEdgeRows = 4;  // rows 0, 1, H-2, H-1 depend on the zero padding in time
+constexpr int kFixRows = 8;   // stored rows per fix-up CTA
+constexpr int kFixCols = 4;   // columns a fix-up recomputes at most: [old end - 2, new end)
+constexpr int kMaxEndMove = kFixCols - 2;
 
-// Input of the CNN: the candidate slice of a history, sample s = b * Hq + h.
-struct HistoryInput {
-  HistoryState hist;
-  Geometry g;
-  float* scores;
-  __device__ int begin(int) const { return g.candidate_begin(); }
-  __device__ int end(int s) const { return g.candidate_end(hist.tokens[s / hist.num_q_heads]); }
-  __device__ const float* row(int s, int r) const {
-    const int b = s / hist.num_q_heads, h = s % hist.num_q_heads;
-    return hist.logical_row(b, h, r, hist.count[b]);
+// Shared-memory weights: PyTorch's packing (attnpred.h kParam*), except that conv2's taps are
+// stored [ci][dy][dx][co], so one tap of a thread's 8 output channels is two float4 loads.
+__device__ __forceinline__ int w2t_index(int co, int ci, int dy, int dx) {
+  return kParamW2 + ((ci * 3 + dy) * 3 + dx) * kConv2Channels + co;
+}
+
+__device__ void load_weights(const float* __restrict__ params, float* w) {
+  for (int i = threadIdx.x; i < kParamCount; i += blockDim.x) {
+    int dst = i;
+    if (i >= kParamW2 && i < kParamB2) {
+      const int j = i - kParamW2, co = j / (kConv1Channels * 9), tap = j % (kConv1Channels * 9);
+      dst = w2t_index(co, tap / 9, tap % 9 / 3, tap % 3);
+    }
+    w[dst] = params[i];
   }
-  __device__ float* out(int s) const { return scores + int64_t(s) * hist.max_blocks; }
+}
+
+__device__ __forceinline__ float relu(float x) { return x > 0.f ? x : 0.f; }
+
+// relu(conv1) of channel ci at one position; r0, r1, r2: its 3 input rows, each at the
+// position's left neighbour (3 values).
+__device__ __forceinline__ float conv1_at(const float* w, int ci, const float* r0, const float* r1,
+                                          const float* r2) {
+  const float* rows[3] = {r0, r1, r2};
+  float acc = w[kParamB1 + ci];
+#pragma unroll
+  for (int dy = 0; dy < 3; ++dy)
+#pragma unroll
+    for (int dx = 0; dx < 3; ++dx) acc = madd(acc, w[kParamW1 + ci * 9 + dy * 3 + dx], rows[dy][dx]);
+  return relu(acc);
+}
+
+// conv2 pre-activations of channels [grp * 8, grp * 8 + 8) at one position; taps(ci, dy): the
+// 3 relu(conv1) values of channel ci, row dy - 1, columns -1 .. +1 around the position.
+template <class Taps>
+__device__ __forceinline__ void conv2_group(const float* w, int grp, Taps taps,
+                                            float (&acc)[kPerThread]) {
+  static_assert(kPerThread == 8, "two float4 weight loads per tap");
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) acc[k] = w[kParamB2 + grp * kPerThread + k];
+  for (int ci = 0; ci < kConv1Channels; ++ci) {
+#pragma unroll
+    for (int dy = 0; dy < 3; ++dy) {
+      const float* v = taps(ci, dy);
+      const float v3[3] = {v[0], v[1], v[2]};
+#pragma unroll
+      for (int dx = 0; dx < 3; ++dx) {
+        const float4* wq =
+            reinterpret_cast<const float4*>(w + w2t_index(grp * kPerThread, ci, dy, dx));
+        const float4 a = wq[0], c = wq[1];
+        acc[0] = madd(acc[0], a.x, v3[dx]);
+        acc[1] = madd(acc[1], a.y, v3[dx]);
+        acc[2] = madd(acc[2], a.z, v3[dx]);
+        acc[3] = madd(acc[3], a.w, v3[dx]);
+        acc[4] = madd(acc[4], c.x, v3[dx]);
+        acc[5] = madd(acc[5], c.y, v3[dx]);
+        acc[6] = madd(acc[6], c.z, v3[dx]);
+        acc[7] = madd(acc[7], c.w, v3[dx]);
+      }
+    }
+  }
+}
+
+// s = sum over conv2 channels of w3[c] * relu[c] (relu values `stride` apart), channel order.
+__device__ __forceinline__ float project(const float* w, const float* relu_values, int stride) {
+  float s = 0.f;
+  for (int co = 0; co < kConv2Channels; ++co)
+    s = madd(s, w[kParamW3 + co], relu_values[co * stride]);
+  return s;
+}
+
+struct BandSmem {
+  float xin[3][kTile + 4];                    // input rows, ring of 3; columns x0-2 .. x0+kTile+1
+  float c1[3][kConv1Channels][kTile + 2];     // relu(conv1) rows, ring of 3; x0-1 .. x0+kTile
+  float relu[kConv2Channels][kTile];          // relu(conv2) of the current row
 };
 
-template <class In>
-__global__ void __launch_bounds__(kCnnThreads)
-    cnn_kernel(const float* __restrict__ params, In in, int H) {
-  constexpr int C1 = kConv1Channels, C2 = kConv2Channels;
-  __shared__ float w[kParamCount];
-  __shared__ float xin[3][kTile + 4];
-  __shared__ float c1[3][C1][kTile + 2];
-  __shared__ float means[C2][kTile];
-  const int s = blockIdx.y, tid = threadIdx.x;
-  const int c_begin = in.begin(s), c_end = in.end(s);
-  const int W = c_end - c_begin;
-  const int x0 = blockIdx.x * kTile;
-  if (W <= 0 || x0 >= W) return;
-  for (int i = tid; i < kParamCount; i += kCnnThreads) w[i] = params[i];
+struct FixSmem {
+  float xin[kFixRows + 4][kFixCols + 4];
+  float c1[kConv1Channels][kFixRows + 2][kFixCols + 2];
+  float relu[kConv2Channels][kFixRows * kFixCols];
+};
 
-  auto load_input = [&](int r) {  // input row r (tile columns x0-2 .. x0+kTile+1) to its slot
-    float* dst = xin[(r + 3) % 3];
-    const float* src = (r >= 0 && r < H) ? in.row(s, r) : nullptr;
+// s of conv2 rows [ra, rb) over the columns [x0, x0 + kTile) of one CNN input of H rows and W
+// columns (row(r): the row's column 0, or nullptr for a row of zeros). sink(r, x, s) is
+// called by thread x - x0 for every x < W, rows in order. Every thread of the CTA calls this.
+template <class Row, class Sink>
+__device__ void conv_band(const float* w, BandSmem& sm, Row row, int H, int W, int x0, int ra,
+                          int rb, Sink sink) {
+  constexpr int C1 = kConv1Channels;
+  const int tid = threadIdx.x, col = tid % kTile, grp = tid / kTile;
+  auto load_input = [&](int r) {  // input row r (r >= -2) into its ring slot
+    float* dst = sm.xin[(r + 3) % 3];
+    const float* src = (r >= 0 && r < H) ? row(r) : nullptr;
     for (int i = tid; i < kTile + 4; i += kCnnThreads) {
       const int c = x0 - 2 + i;
-      dst[i] = (src && c >= 0 && c < W) ? src[c_begin + c] : 0.f;
+      dst[i] = (src && c >= 0 && c < W) ? src[c] : 0.f;
     }
   };
-  auto conv1_row = [&](int r) {  // conv1 row r (columns x0-1 .. x0+kTile) to its slot
-    auto& dst = c1[(r + 3) % 3];
+  auto conv1_row = [&](int r) {  // relu(conv1) row r (r >= -1) from input rows r-1 .. r+1
+    float(*dst)[kTile + 2] = sm.c1[(r + 3) % 3];
+    const float* i0 = sm.xin[(r + 2) % 3];
+    const float* i1 = sm.xin[(r + 3) % 3];
+    const float* i2 = sm.xin[(r + 4) % 3];
     for (int i = tid; i < C1 * (kTile + 2); i += kCnnThreads) {
-      const int ci = i / (kTile + 2), j = i % (kTile + 2);
-      const int c = x0 - 1 + j;
-      float v = 0.f;  // conv2's zero padding: outside the rows or the slice, not relu(bias)
-      if (r >= 0 && r < H && c >= 0 && c < W) {
-        float acc = w[kParamB1 + ci];
-        for (int dy = 0; dy < 3; ++dy)
-          for (int dx = 0; dx < 3; ++dx)
-            acc = madd(acc, w[kParamW1 + ci * 9 + dy * 3 + dx], xin[(r + dy - 1 + 3) % 3][j + dx]);
-        v = acc > 0.f ? acc : 0.f;
-      }
-      dst[ci][j] = v;
+      const int ci = i / (kTile + 2), j = i % (kTile + 2), c = x0 - 1 + j;
+      // conv2's zero padding outside the rows or the slice (not relu(bias)).
+      dst[ci][j] = (r >= 0 && r < H && c >= 0 && c < W) ? conv1_at(w, ci, i0 + j, i1 + j, i2 + j)
+                                                         : 0.f;
     }
   };
-
-  const int col = tid % kTile, grp = tid / kTile;
-  float sum[kPerThread];
-#pragma unroll
-  for (int k = 0; k < kPerThread; ++k) sum[k] = 0.f;
-  load_input(-1);
-  load_input(0);
+  load_input(ra - 2);
+  load_input(ra - 1);
+  load_input(ra);
   __syncthreads();
-  conv1_row(-1);
-  for (int j = 0; j <= H; ++j) {
+  conv1_row(ra - 1);
+  for (int j = ra; j <= rb; ++j) {
+    __syncthreads();  // the slots about to be overwritten have been read
     load_input(j + 1);
     __syncthreads();
     conv1_row(j);
     __syncthreads();
-    if (j >= 1 && x0 + col < W) {  // conv2 row j - 1 from conv1 rows j - 2, j - 1, j
+    if (j > ra) {  // conv2 row j - 1 from relu(conv1) rows j - 2 .. j
       const int r = j - 1;
-      float acc[kPerThread];
+      if (x0 + col < W) {
+        float acc[kPerThread];
+        conv2_group(
+            w, grp, [&](int ci, int dy) { return &sm.c1[(r + dy + 2) % 3][ci][col]; }, acc);
 #pragma unroll
-      for (int k = 0; k < kPerThread; ++k) acc[k] = w[kParamB2 + grp * kPerThread + k];
-      for (int ci = 0; ci < C1; ++ci)
-        for (int dy = 0; dy < 3; ++dy) {
-          const float* src = c1[(r + dy - 1 + 3) % 3][ci];
-          const float v0 = src[col], v1 = src[col + 1], v2 = src[col + 2];
-#pragma unroll
-          for (int k = 0; k < kPerThread; ++k) {
-            const float* wk = w + kParamW2 + ((grp * kPerThread + k) * C1 + ci) * 9 + dy * 3;
-            acc[k] = madd(acc[k], wk[0], v0);
-            acc[k] = madd(acc[k], wk[1], v1);
-            acc[k] = madd(acc[k], wk[2], v2);
-          }
-        }
-#pragma unroll
-      for (int k = 0; k < kPerThread; ++k) sum[k] = __fadd_rn(sum[k], acc[k] > 0.f ? acc[k] : 0.f);
+        for (int k = 0; k < kPerThread; ++k) sm.relu[grp * kPerThread + k][col] = relu(acc[k]);
+      }
+      __syncthreads();
+      if (tid < kTile && x0 + tid < W) sink(r, x0 + tid, project(w, &sm.relu[0][tid], kTile));
     }
-    __syncthreads();
   }
-#pragma unroll
-  for (int k = 0; k < kPerThread; ++k)
-    means[grp * kPerThread + k][col] = __fdiv_rn(sum[k], float(H));
+  __syncthreads();  // shared memory free for the caller
+}
+
+// s of conv2 rows [ra, rb) (at most kFixRows) x columns [xa, xb) (at most kFixCols) of one
+// CNN input (as conv_band); sink(r, x, s) once per position. Every thread calls this.
+template <class Row, class Sink>
+__device__ void conv_points(const float* w, FixSmem& sm, Row row, int H, int W, int ra, int rb,
+                            int xa, int xb, Sink sink) {
+  constexpr int C1 = kConv1Channels, IR = kFixRows + 4, IC = kFixCols + 4;
+  constexpr int CR = kFixRows + 2, CC = kFixCols + 2, P = kFixRows * kFixCols;
+  const int tid = threadIdx.x, nr = rb - ra, nc = xb - xa;
+  for (int i = tid; i < IR * IC; i += kCnnThreads) {  // inputs ra-2 .. rb+1, xa-2 .. xb+1
+    const int lr = i / IC, lc = i % IC, r = ra - 2 + lr, c = xa - 2 + lc;
+    const float* src = (r >= 0 && r < H && lr < nr + 4) ? row(r) : nullptr;
+    sm.xin[lr][lc] = (src && c >= 0 && c < W && lc < nc + 4) ? src[c] : 0.f;
+  }
   __syncthreads();
-  if (tid < kTile && x0 + tid < W) {
-    float out = w[kParamB3];
-    for (int co = 0; co < C2; ++co) out = madd(out, w[kParamW3 + co], means[co][tid]);
-    in.out(s)[c_begin + x0 + tid] = out;
+  for (int i = tid; i < C1 * CR * CC; i += kCnnThreads) {  // relu(conv1) ra-1 .. rb, xa-1 .. xb
+    const int ci = i / (CR * CC), lr = i % (CR * CC) / CC, lc = i % CC;
+    const int r = ra - 1 + lr, c = xa - 1 + lc;
+    sm.c1[ci][lr][lc] = (r >= 0 && r < H && c >= 0 && c < W && lr < nr + 2 && lc < nc + 2)
+                            ? conv1_at(w, ci, &sm.xin[lr][lc], &sm.xin[lr + 1][lc],
+                                       &sm.xin[lr + 2][lc])
+                            : 0.f;
   }
+  __syncthreads();
+  const int p = tid % P, grp = tid / P, lr = p / kFixCols, lc = p % kFixCols;
+  if (grp < kGroups && lr < nr && lc < nc) {
+    float acc[kPerThread];
+    conv2_group(w, grp, [&](int ci, int dy) { return &sm.c1[ci][lr + dy][lc]; }, acc);
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) sm.relu[grp * kPerThread + k][p] = relu(acc[k]);
+  }
+  __syncthreads();
+  if (tid < P && lr < nr && lc < nc) sink(ra + lr, xa + lc, project(w, &sm.relu[0][tid], P));
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kCnnThreads)
+    cnn_dense_kernel(const float* __restrict__ params, const float* __restrict__ x, int H, int W,
+                     float* __restrict__ y) {
+  __shared__ __align__(16) float w[kParamCount];
+  __shared__ BandSmem sm;
+  const int n = blockIdx.y, x0 = blockIdx.x * kTile;
+  load_weights(params, w);
+  __syncthreads();
+  float t = 0.f;  // thread x - x0's time sum of s, rows in order
+  conv_band(
+      w, sm, [&](int r) { return x + (int64_t(n) * H + r) * W; }, H, W, x0, 0, H,
+      [&](int, int, float s) { t = __fadd_rn(t, s); });
+  if (threadIdx.x < kTile && x0 + threadIdx.x < W)
+    y[int64_t(n) * W + x0 + threadIdx.x] = __fadd_rn(w[kParamB3], __fdiv_rn(t, float(H)));
+}
+
+__device__ __forceinline__ int edge_index(int r, int H) { return r < 2 ? r : kEdgeRows - (H - r); }
+__device__ __forceinline__ bool edge_row(int r, int H) { return r < 2 || r > H - 3; }
+
+// The CNN input of history (b, h) = sample s: the candidate slice of its H logical rows, and
+// where each row's s lives (edge rows: cache.edge; interior rows: cache.s at the row's slot).
+struct PredictSample {
+  HistoryState hist;
+  CnnCache cache;
+  int s, b, h, H, c0, W, count;
+  __device__ PredictSample(const HistoryState& hs, const CnnCache& cc, const Geometry& g, int s_)
+      : hist(hs), cache(cc), s(s_), b(s_ / hs.num_q_heads), h(s_ % hs.num_q_heads),
+        H(hs.history), c0(g.candidate_begin()), W(g.candidate_end(hs.tokens[b]) - c0),
+        count(hs.count[b]) {}
+  __device__ const float* row(int r) const {
+    const float* p = hist.logical_row(b, h, r, count);
+    return p ? p + c0 : nullptr;
+  }
+  // Ring slot of logical row r, also for the zero rows of a short history (slots not yet
+  // appended to: their s describes a zero row).
+  __device__ int slot(int r) const { return ((count - H + r) % H + H) % H; }
+  __device__ float* s_of(int r) const {
+    return edge_row(r, H)
+               ? cache.edge + (int64_t(s) * kEdgeRows + edge_index(r, H)) * hist.max_blocks + c0
+               : cache.s + (int64_t(s) * H + slot(r)) * hist.max_blocks + c0;
+  }
+};
+
+// Grid (n_tiles + fix-up CTAs, batch * Hq): tiles compute rows, fix-up CTA f recomputes the
+// stored rows [2 + f * kFixRows, ...) in the columns next to a moved slice end.
+__global__ void __launch_bounds__(kCnnThreads)
+    predict_rows_kernel(const float* __restrict__ params, HistoryState hist, CnnCache cache,
+                        Geometry g, int n_tiles) {
+  __shared__ __align__(16) float w[kParamCount];
+  __shared__ union {
+    BandSmem band;
+    FixSmem fix;
+  } sm;
+  const PredictSample ps(hist, cache, g, blockIdx.y);
+  const int H = ps.H, W = ps.W;
+  if (W <= 0) return;
+  const int seen = cache.count[ps.b], end = cache.end[ps.b], c1 = ps.c0 + W;
+  const bool incremental = H >= 5 && (seen == ps.count || seen + 1 == ps.count) && end <= c1 &&
+                           c1 - end <= kMaxEndMove;
+  auto row = [&](int r) { return ps.row(r); };
+  auto store = [&](int r, int x, float v) { ps.s_of(r)[x] = v; };
+  if (blockIdx.x < n_tiles) {
+    const int x0 = blockIdx.x * kTile;
+    if (x0 >= W) return;
+    load_weights(params, w);
+    __syncthreads();
+    if (incremental) {
+      conv_band(w, sm.band, row, H, W, x0, 0, 2, store);
+      conv_band(w, sm.band, row, H, W, x0, H - 3, H, store);
+    } else {
+      conv_band(w, sm.band, row, H, W, x0, 0, H, store);
+    }
+    return;
+  }
+  if (!incremental || end == c1) return;
+  const int ra = 2 + (blockIdx.x - n_tiles) * kFixRows, rb = min(ra + kFixRows, H - 3);
+  if (ra >= rb) return;
+  load_weights(params, w);
+  __syncthreads();
+  conv_points(w, sm.fix, row, H, W, ra, rb, max(0, end - 2 - ps.c0), W, store);
+}
+
+// scores of sample (b, h) = b3 + (its H rows' s summed in row order) / H; commits the cache.
+__global__ void __launch_bounds__(kThreads)
+    predict_sum_kernel(const float* __restrict__ params, HistoryState hist, CnnCache cache,
+                       Geometry g, float* __restrict__ scores) {
+  const PredictSample ps(hist, cache, g, blockIdx.y);
+  if (blockIdx.x == 0 && ps.h == 0 && threadIdx.x == 0) {
+    cache.count[ps.b] = ps.count;
+    cache.end[ps.b] = ps.c0 + ps.W;
+  }
+  const int x = blockIdx.x * kThreads + threadIdx.x;
+  if (x >= ps.W) return;
+  float t = 0.f;
+  for (int r = 0; r < ps.H; ++r) t = __fadd_rn(t, ps.s_of(r)[x]);
+  scores[int64_t(ps.s) * hist.max_blocks + ps.c0 + x] =
+      __fadd_rn(__ldg(params + kParamB3), __fdiv_rn(t, float(ps.H)));
+}
+
+__global__ void reset_cnn_cache_kernel(CnnCache cache, int batch) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b < batch) cache.count[b] = -1;
 }
 
 __device__ __forceinline__ unsigned order_key(float f) {
@@ -509,15 +687,29 @@ cudaError_t cnn_forward_cuda(const float* params, const float* x, int n, int H, 
   if (n <= 0 || W <= 0) return cudaSuccess;
   if (H < 1) return cudaErrorInvalidValue;
   const dim3 grid((W + kTile - 1) / kTile, n);
-  cnn_kernel<<<grid, kCnnThreads, 0, stream>>>(params, DenseInput{x, y, H, W}, H);
+  cnn_dense_kernel<<<grid, kCnnThreads, 0, stream>>>(params, x, H, W, y);
   return cudaGetLastError();
 }
 
-cudaError_t predict_cuda(const float* params, const HistoryState& hist, int batch,
-                         const Geometry& g, float* scores, cudaStream_t stream) {
+cudaError_t reset_cnn_cache_cuda(const CnnCache& cache, int batch, cudaStream_t stream) {
   if (batch <= 0) return cudaSuccess;
-  const dim3 grid((hist.max_blocks + kTile - 1) / kTile, batch * hist.num_q_heads);
-  cnn_kernel<<<grid, kCnnThreads, 0, stream>>>(params, HistoryInput{hist, g, scores}, hist.history);
+  if (!cache.count) return cudaErrorInvalidValue;
+  reset_cnn_cache_kernel<<<(batch + 127) / 128, 128, 0, stream>>>(cache, batch);
+  return cudaGetLastError();
+}
+
+cudaError_t predict_cuda(const float* params, const HistoryState& hist, const CnnCache& cache,
+                         int batch, const Geometry& g, float* scores, cudaStream_t stream) {
+  if (batch <= 0) return cudaSuccess;
+  if (!cache.s || !cache.edge || !cache.count || !cache.end || hist.history < 1)
+    return cudaErrorInvalidValue;
+  const int n_tiles = (hist.max_blocks + kTile - 1) / kTile;
+  const int n_fix = (std::max(0, hist.history - 5) + kFixRows - 1) / kFixRows;
+  const int samples = batch * hist.num_q_heads;
+  predict_rows_kernel<<<dim3(n_tiles + n_fix, samples), kCnnThreads, 0, stream>>>(params, hist,
+                                                                                 cache, g, n_tiles);
+  const dim3 sum_grid((hist.max_blocks + kThreads - 1) / kThreads, samples);
+  predict_sum_kernel<<<sum_grid, kThreads, 0, stream>>>(params, hist, cache, g, scores);
   return cudaGetLastError();
 }
 

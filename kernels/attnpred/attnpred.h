@@ -8,9 +8,13 @@
 // Parameters are packed in PyTorch's order (conv1.weight [16,1,3,3], conv1.bias, conv2.weight
 // [32,16,3,3], conv2.bias, conv3.weight [1,32,1], conv3.bias) at the kParam* offsets.
 //
-// Both backends evaluate the CNN in fp32 with one operation order (bias first, then the taps
-// in (input channel, dy, dx) order; time sum in row order; the final 1x1 conv in channel order)
-// and no fused multiply-add, so the CUDA scores equal the CPU reference's bit for bit.
+// Both backends evaluate the CNN in fp32 with one operation order and no fused multiply-add,
+// so the CUDA scores equal the CPU reference's bit for bit:
+//   conv1, conv2: bias first, then the taps in (input channel, dy, dx) order;
+//   s_r[col] = sum over conv2 channels (in order, from 0) of w3[c] * relu(conv2[c, r, col]);
+//   y[col]   = b3 + (sum over rows r = 0 .. H-1, in order, from 0, of s_r[col]) / H.
+// (The 1 x 1 conv3 is linear, so taking it per row before the time mean is the same CNN; it
+// lets the CUDA predictor keep each row's s and recompute only the rows a step changes.)
 //
 // History (per layer): fp32 rows [max_batch, Hq, history, max_blocks], a ring over time per
 // (sequence, head); count[b] rows appended since the sequence's prefill. Logical row i
@@ -115,16 +119,50 @@ void select_top_blocks_cpu(const float* scores, int count, int k, int offset, ui
 // The tokens attended by a sequence of n tokens under block_flags, ascending.
 std::vector<int32_t> selected_tokens_cpu(const Geometry& g, int n, const uint8_t* block_flags);
 
-// ---- CUDA ---------------------------------------------------------------------------------
+// ---- CUDA ----------------------------------------------------------------------------------
 
 // y [n, W] = CNN(x [n, H, W]) on the device (params: kParamCount device floats).
 cudaError_t cnn_forward_cuda(const float* params, const float* x, int n, int H, int W, float* y,
                              cudaStream_t stream);
 
+// The CUDA predictor's per-row cache (per layer, beside a HistoryState), which makes a decode
+// step's prediction cost about 5 conv2 rows instead of `history`.
+//
+// Conv2 row r of the CNN input depends on input rows r-2 .. r+2 and on the zero padding only
+// when r < 2 or r > H-3 ("edge rows"). An interior row's s (attnpred.h top) is therefore a
+// function of its ring slot's content alone, and once computed it stays valid while the
+// history slides, except in the two columns next to the candidate slice's right end
+// candidate_end(tokens), which moves as the context grows. So per step:
+//   - the edge rows 0, 1, H-2, H-1 are recomputed into `edge`;
+//   - the row that just became interior (H-3) is computed into its slot of `s`;
+//   - when candidate_end moved (by at most 2 blocks), the stored interior rows are recomputed
+//     in columns [old end - 2, new end);
+//   - y = b3 + (the rows' s summed in row order) / H.
+// Anything else (the first prediction after a prefill, more than one row appended since the
+// last prediction, the end moving back or by more than 2 blocks, H < 5) recomputes every row.
+// The result equals cnn_forward_cpu over the gathered input bit for bit either way.
+struct CnnCache {
+  float* s = nullptr;         ///< [max_batch, Hq, history, max_blocks]: s of each ring slot
+  float* edge = nullptr;      ///< [max_batch, Hq, 4, max_blocks]: s of the edge rows
+  int32_t* count = nullptr;   ///< [max_batch] history count s was last brought up to (-1: none)
+  int32_t* end = nullptr;     ///< [max_batch] candidate_end s's right columns were computed for
+
+  static size_t s_floats(const HistoryState& h) {
+    return size_t(h.max_batch) * h.num_q_heads * h.history * h.max_blocks;
+  }
+  static size_t edge_floats(const HistoryState& h) {
+    return size_t(h.max_batch) * h.num_q_heads * 4 * h.max_blocks;
+  }
+};
+
+// Marks the cache of sequences [0, batch) empty (prefill): the next prediction recomputes all.
+cudaError_t reset_cnn_cache_cuda(const CnnCache& cache, int batch, cudaStream_t stream);
+
 // CNN over every (b < batch, h) history's candidate slice: scores [max_batch, Hq, max_blocks]
 // get the predictions at their absolute column indices (columns outside the slice untouched).
-cudaError_t predict_cuda(const float* params, const HistoryState& hist, int batch,
-                         const Geometry& g, float* scores, cudaStream_t stream);
+// Updates `cache` (see CnnCache).
+cudaError_t predict_cuda(const float* params, const HistoryState& hist, const CnnCache& cache,
+                         int batch, const Geometry& g, float* scores, cudaStream_t stream);
 
 // Per (b, query head): top-k of the candidate scores, OR-ed into block_flags [max_batch, Hkv,
 // max_blocks] (zeroed here first). Same order as select_top_blocks_cpu.

@@ -30,7 +30,7 @@ void cnn_forward_cpu(const float* p, const float* x, int n, int H, int W, float*
                                 std::to_string(H) + ", " + std::to_string(W) + "]");
   constexpr int C1 = kConv1Channels, C2 = kConv2Channels;
   std::vector<float> c1(size_t(C1) * H * W);
-  std::vector<float> sum(size_t(C2) * W);
+  std::vector<float> time_sum(static_cast<size_t>(W));
   for (int s = 0; s < n; ++s) {
     const float* in = x + int64_t(s) * H * W;
     auto at = [&](int r, int c) {
@@ -48,24 +48,26 @@ void cnn_forward_cpu(const float* p, const float* x, int n, int H, int W, float*
     auto c1at = [&](int ci, int r, int c) {
       return r < 0 || r >= H || c < 0 || c >= W ? 0.f : c1[(size_t(ci) * H + r) * W + c];
     };
-    std::fill(sum.begin(), sum.end(), 0.f);
-    for (int co = 0; co < C2; ++co)
-      for (int r = 0; r < H; ++r)
-        for (int c = 0; c < W; ++c) {
+    // Row r's projection s_r = sum_co w3[co] relu(conv2[co, r]) (channel order), then the time
+    // mean of s over the rows in row order: the conv3 of the mean, regrouped so that a row's
+    // s can be kept and reused while the history slides (the CUDA predictor does).
+    std::fill(time_sum.begin(), time_sum.end(), 0.f);
+    for (int r = 0; r < H; ++r)
+      for (int c = 0; c < W; ++c) {
+        float s_r = 0.f;
+        for (int co = 0; co < C2; ++co) {
           float acc = p[kParamB2 + co];
           for (int ci = 0; ci < C1; ++ci)
             for (int dy = 0; dy < 3; ++dy)
               for (int dx = 0; dx < 3; ++dx)
                 acc = acc + p[kParamW2 + (co * C1 + ci) * 9 + dy * 3 + dx] *
                                 c1at(ci, r + dy - 1, c + dx - 1);
-          sum[size_t(co) * W + c] = sum[size_t(co) * W + c] + (acc > 0.f ? acc : 0.f);
+          s_r = s_r + p[kParamW3 + co] * (acc > 0.f ? acc : 0.f);
         }
-    for (int c = 0; c < W; ++c) {
-      float out = p[kParamB3];
-      for (int co = 0; co < C2; ++co)
-        out = out + p[kParamW3 + co] * (sum[size_t(co) * W + c] / float(H));
-      y[int64_t(s) * W + c] = out;
-    }
+        time_sum[size_t(c)] = time_sum[size_t(c)] + s_r;
+      }
+    for (int c = 0; c < W; ++c)
+      y[int64_t(s) * W + c] = p[kParamB3] + time_sum[size_t(c)] / float(H);
   }
 }
 

@@ -64,6 +64,76 @@ TEST(AttnPredCuda, CnnEqualsCpuBitForBit) {
   }
 }
 
+// The incremental CUDA predictor (CnnCache) against the CPU CNN over the gathered history, bit
+// for bit, after every step: a short history filling up (zero rows), the ring wrapping, the
+// slice end moving by 0, 1 or 2 blocks (stored rows fixed up) and by 3 (all recomputed), a
+// slice that starts empty, a prediction repeated without an append, two rows appended to one
+// sequence only (it recomputes, the other stays incremental), and a cache reset.
+TEST(AttnPredCuda, IncrementalPredictorEqualsCpuEveryStep) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<float> p = random_params(3);
+  Dev<float> dp(p);
+  const ap::Geometry g{0, 16, 64, 64};
+  const int B = 2, hq = 2, mb = 120;
+  const int growth[] = {1, 0, 1, 16, 1, 32, 1, 48, 5, 2};
+  for (int H : {1, 3, 5, 6, 13, 64}) {
+    ap::Geometry geo = g;
+    geo.history = H;
+    std::vector<float> rows(size_t(B) * hq * H * mb, 0.f);
+    std::vector<int32_t> count(B, 0), tokens = {50, 300};
+    ap::HistoryState hh{rows.data(), count.data(), tokens.data(), B, hq, H, mb};
+    Dev<float> drows(rows.size());
+    Dev<int32_t> dcount(B), dtokens(B);
+    ap::HistoryState dh{drows.p, dcount.p, dtokens.p, B, hq, H, mb};
+    Dev<float> cs(ap::CnnCache::s_floats(dh)), ce(ap::CnnCache::edge_floats(dh));
+    Dev<int32_t> cc(B), cend(B);
+    const ap::CnnCache cache{cs.p, ce.p, cc.p, cend.p};
+    KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(cache, B, nullptr));
+    Dev<float> dscores(size_t(B) * hq * mb);
+    std::mt19937 rng(uint32_t(40 + H));
+    std::uniform_real_distribution<float> u(0.f, 0.1f);
+    auto append = [&](int b) {
+      for (int h = 0; h < hq; ++h) {
+        std::vector<float> row(size_t(geo.num_blocks(tokens[size_t(b)])));
+        for (auto& v : row) v = u(rng);
+        ap::append_row_cpu(hh, b, h, row.data(), int(row.size()));
+      }
+      count[size_t(b)] += 1;
+    };
+    auto check = [&](int step) {
+      KVS_CUDA_CHECK(cudaMemcpy(drows.p, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice));
+      KVS_CUDA_CHECK(cudaMemcpy(dcount.p, count.data(), B * 4, cudaMemcpyHostToDevice));
+      KVS_CUDA_CHECK(cudaMemcpy(dtokens.p, tokens.data(), B * 4, cudaMemcpyHostToDevice));
+      KVS_CUDA_CHECK(ap::predict_cuda(dp.p, dh, cache, B, geo, dscores.p, nullptr));
+      const std::vector<float> got = dscores.get(size_t(B) * hq * mb);
+      for (int b = 0; b < B; ++b) {
+        const int c0 = geo.candidate_begin(), c1 = geo.candidate_end(tokens[size_t(b)]);
+        if (c1 <= c0) continue;
+        for (int h = 0; h < hq; ++h) {
+          std::vector<float> x(size_t(H) * (c1 - c0)), y(size_t(c1 - c0));
+          ap::gather_input_cpu(hh, b, h, c0, c1, x.data());
+          ap::cnn_forward_cpu(p.data(), x.data(), 1, H, c1 - c0, y.data());
+          for (int c = c0; c < c1; ++c)
+            ASSERT_EQ(got[(size_t(b) * hq + h) * mb + c], y[size_t(c - c0)])
+                << "H " << H << " step " << step << " seq " << b << " head " << h << " column "
+                << c << " (slice [" << c0 << ", " << c1 << "), " << count[size_t(b)] << " rows)";
+        }
+      }
+    };
+    for (int step = 0; step < H + 12; ++step) {
+      for (int b = 0; b < B; ++b) {
+        tokens[size_t(b)] += growth[(step + 3 * b) % 10];
+        append(b);
+      }
+      if (step % 7 == 3) append(1);
+      if (step == H / 2 + 4) KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(cache, B, nullptr));
+      check(step);
+      if (step % 5 == 2) check(step);
+    }
+    ASSERT_LT(geo.candidate_end(tokens[1]), mb);
+  }
+}
+
 TEST(AttnPredCuda, TopBlocksEqualCpu) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const int hq = 4, hkv = 2, mb = 700;
