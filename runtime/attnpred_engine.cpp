@@ -189,6 +189,7 @@ AttnPredEngine::~AttnPredEngine() {
     cudaFree(ls.cnn.edge);
     cudaFree(ls.cnn.count);
     cudaFree(ls.cnn.end);
+    cudaFree(ls.cnn.sum);
     cudaFree(ls.flags);
     if (ls.cache.k) {
       cudaFree(ls.cache.k);
@@ -239,6 +240,7 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
     ls.cnn.edge = device_alloc<float>(int64_t(ap::CnnCache::edge_floats(h)));
     ls.cnn.count = device_alloc<int32_t>(B);
     ls.cnn.end = device_alloc<int32_t>(B);
+    ls.cnn.sum = device_alloc<long long>(int64_t(ap::CnnCache::sum_values(h)));
     ls.flags = device_alloc<uint8_t>(n_flags);
     if (config_.attnpred.offload) {
       ap::BlockCache& c = ls.cache;

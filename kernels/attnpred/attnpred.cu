@@ -12,18 +12,21 @@
 //              stored rows' columns next to a moved slice end; then a sum kernel adds the H
 //              rows' s per column (and commits the cache's count and end).
 //   select     one CTA per (sequence, query head): 4-pass 8-bit radix select of the k-th
-//              largest score, then ties taken lowest index first (a block scan), flags OR-ed
-//              per kv head (plain stores of 1: the group's heads may race, all write 1).
-//   selection  one CTA per (sequence, kv head): attended-token counts per block, block scan,
-//              scatter of token ids and rows into the sub-request page table.
-//   row        scores q.k for the group's query heads (each K row read once per group), then
-//              one CTA per (sequence, query head): log-sum-exp, and the max-pool by a warp
-//              segmented max + one atomicMax per block run (probabilities are >= 0, so their
-//              float bits order as ints).
+//              largest score (one block scan per pass finds the digit), then ties taken lowest
+//              index first (one block scan over per-thread runs), flags OR-ed per kv head
+//              (plain stores of 1: the group's heads may race, all write 1).
+//   selection  one CTA per (sequence, kv head), a run of blocks per thread: attended-token
+//              counts, one block scan, scatter of token ids and rows into the sub-request
+//              page table.
+//   row        scores q.k for the group's query heads (each K row read once per group, one
+//              row per thread) with per-chunk softmax partials, then one CTA per
+//              (sequence, query head, 1024-position chunk): log-sum-exp from the partials and
+//              the chunk's max-pool by a warp segmented max + one atomicMax per block run.
 //   resident   plan (one CTA per (sequence, kv head): free slots, assign missing blocks) and a
 //              grid-stride copy kernel reading mapped pinned host memory: the block list never
 //              leaves the GPU, so no host sync is needed to issue the copies.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <climits>
@@ -33,6 +36,7 @@
 #include <string>
 
 #include "kernels/attnpred/attnpred.h"
+#include "kernels/common/ptx.cuh"
 
 namespace kvs::kernels::attnpred {
 namespace {
@@ -40,213 +44,296 @@ namespace {
 using bf = __nv_bfloat16;
 
 constexpr int kCnnThreads = 256;
-constexpr int kTile = 64;                             // output columns per CNN CTA
-constexpr int kGroups = kCnnThreads / kTile;          // conv2 channel groups per column
-constexpr int kPerThread = kConv2Channels / kGroups;  // 8 conv2 channels per thread
+constexpr int kTile = 64;  // output columns per CNN CTA
 constexpr int kThreads = 256;
-constexpr int kRowChunk = 1024;  // list positions per CTA of the score kernel
+constexpr int kScoreChunk = 256;  // list positions per CTA of the row score kernel (1 per thread)
+constexpr int kRowChunk = 1024;   // list positions per CTA of the row pool kernel
+constexpr int kSelThreads = 1024;
 constexpr int kMaxGroup = 8;
 
 struct MaxOp {
   __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 
-__device__ __forceinline__ float madd(float acc, float w, float v) {
-  return __fadd_rn(acc, __fmul_rn(w, v));
-}
-
 constexpr int kEdgeRows = 4;  // rows 0, 1, H-2, H-1 depend on the zero padding in time
 constexpr int kFixRows = 8;   // stored rows per fix-up CTA
 constexpr int kFixCols = 4;   // columns a fix-up recomputes at most: [old end - 2, new end)
 constexpr int kMaxEndMove = kFixCols - 2;
+constexpr int kTaps = 9;
+constexpr int kMaxRows = 3;                   // conv2 rows per conv_rows call
+constexpr double kFixedScale = 4294967296.0;  // 2^32: the time sum's fixed point
+// fp16 relu(conv1) tiles hold 16 channels per position in a stride of 24 halves (12 words):
+// the MMA's A loads (8 positions x 4 channel pairs per instruction) then hit 32 banks.
+constexpr int kC1Stride = 24;
+constexpr int kC1Words = kC1Stride / 2;
+static_assert(kCnnThreads == 256 && kTile == 64, "8 warps: 4 M tiles x 4 N tiles of 16 x 8");
+static_assert(kFixRows * kFixCols == 32, "a fix-up CTA is 2 M tiles x 4 N tiles");
 
-// Shared-memory weights: PyTorch's packing (attnpred.h kParam*), except that conv2's taps are
-// stored [ci][dy][dx][co], so one tap of a thread's 8 output channels is two float4 loads.
-__device__ __forceinline__ int w2t_index(int co, int ci, int dy, int dx) {
-  return kParamW2 + ((ci * 3 + dy) * 3 + dx) * kConv2Channels + co;
+// The CNN's fp32 biases and conv3 in shared memory; conv1's and conv2's weights are fp16 MMA
+// B fragments in registers.
+struct CnnWeights {
+  float b1[kConv1Channels];
+  float b2[kConv2Channels];
+  float w3[kConv2Channels];
+  float b3;
+};
+
+struct CnnFrags {
+  uint32_t w1[2][2];      // conv1, N tiles 0 and 1 (channels 0-7, 8-15): k = tap (9, padded)
+  uint32_t w2[kTaps][2];  // conv2, the warp's N tile (channels (warp % 4) * 8 ..): k = channel
+};
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-__device__ void load_weights(const float* __restrict__ params, float* w) {
-  for (int i = threadIdx.x; i < kParamCount; i += blockDim.x) {
-    int dst = i;
-    if (i >= kParamW2 && i < kParamB2) {
-      const int j = i - kParamW2, co = j / (kConv1Channels * 9), tap = j % (kConv1Channels * 9);
-      dst = w2t_index(co, tap / 9, tap % 9 / 3, tap % 3);
-    }
-    w[dst] = params[i];
+// Every thread calls this: the shared parameters and the thread's B fragments.
+__device__ __forceinline__ void load_weights(const float* __restrict__ params, CnnWeights& cw,
+                                             CnnFrags& f) {
+  for (int i = threadIdx.x; i < kConv1Channels; i += blockDim.x) cw.b1[i] = params[kParamB1 + i];
+  for (int i = threadIdx.x; i < kConv2Channels; i += blockDim.x) {
+    cw.b2[i] = params[kParamB2 + i];
+    cw.w3[i] = params[kParamW3 + i];
+  }
+  if (threadIdx.x == 0) cw.b3 = params[kParamB3];
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const float* w1 = params + kParamW1 + (nt * 8 + g) * 9;  // [tap] of channel nt * 8 + g
+    f.w1[nt][0] = pack_half2(w1[2 * t], w1[2 * t + 1]);
+    f.w1[nt][1] = pack_half2(t == 0 ? w1[8] : 0.f, 0.f);
+  }
+  const int n = (threadIdx.x / 32 % 4) * 8 + g;
+  const float* w2 = params + kParamW2 + n * kConv1Channels * 9;  // [ci][tap] of channel n
+#pragma unroll
+  for (int tap = 0; tap < kTaps; ++tap) {
+    f.w2[tap][0] = pack_half2(w2[(2 * t) * 9 + tap], w2[(2 * t + 1) * 9 + tap]);
+    f.w2[tap][1] = pack_half2(w2[(2 * t + 8) * 9 + tap], w2[(2 * t + 9) * 9 + tap]);
   }
 }
 
 __device__ __forceinline__ float relu(float x) { return x > 0.f ? x : 0.f; }
 
-// relu(conv1) of channel ci at one position; r0, r1, r2: its 3 input rows, each at the
-// position's left neighbour (3 values).
-__device__ __forceinline__ float conv1_at(const float* w, int ci, const float* r0, const float* r1,
-                                          const float* r2) {
-  const float* rows[3] = {r0, r1, r2};
-  float acc = w[kParamB1 + ci];
-#pragma unroll
-  for (int dy = 0; dy < 3; ++dy)
-#pragma unroll
-    for (int dx = 0; dx < 3; ++dx) acc = madd(acc, w[kParamW1 + ci * 9 + dy * 3 + dx], rows[dy][dx]);
-  return relu(acc);
+// One warp: relu(conv1) of 16 positions x 8 channels (N tile nt) on the tensor cores, one k16
+// step (k = tap dy * 3 + dx, taps 9-15 zero). x(m, dy, dx): the fp16 input of position m's tap
+// (m in 0..15). keep(m): whether position m is inside the rows and the slice (else its value
+// is conv2's zero padding, not relu(bias)). store(m, word): the fp16 pair of channels
+// nt * 8 + 2t, + 1 of position m.
+template <class X, class Keep, class Store>
+__device__ __forceinline__ void conv1_tile(const CnnWeights& cw, const CnnFrags& f, int nt, X x,
+                                           Keep keep, Store store) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int k0 = 2 * t, k1 = 2 * t + 1;  // this lane's taps (< 9); tap 8 only for t = 0
+  auto pair = [](__half lo, __half hi) {
+    const __half2 v = __halves2half2(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  };
+  const __half zero = __float2half_rn(0.f);
+  const uint32_t a[4] = {
+      pair(x(g, k0 / 3, k0 % 3), x(g, k1 / 3, k1 % 3)),
+      pair(x(g + 8, k0 / 3, k0 % 3), x(g + 8, k1 / 3, k1 % 3)),
+      pair(t == 0 ? x(g, 2, 2) : zero, zero),
+      pair(t == 0 ? x(g + 8, 2, 2) : zero, zero),
+  };
+  const float b0 = cw.b1[nt * 8 + 2 * t], b1 = cw.b1[nt * 8 + 2 * t + 1];
+  float acc[4] = {b0, b1, b0, b1};
+  // Selected, not indexed: a runtime index would move the fragments to local memory.
+  const uint32_t b[2] = {nt ? f.w1[1][0] : f.w1[0][0], nt ? f.w1[1][1] : f.w1[0][1]};
+  ptx::mma_f16_16816(acc, a, b, acc);
+  store(g, keep(g) ? pack_half2(relu(acc[0]), relu(acc[1])) : 0u);
+  store(g + 8, keep(g + 8) ? pack_half2(relu(acc[2]), relu(acc[3])) : 0u);
 }
 
-// conv2 pre-activations of channels [grp * 8, grp * 8 + 8) at one position; taps(ci, dy): the
-// 3 relu(conv1) values of channel ci, row dy - 1, columns -1 .. +1 around the position.
-template <class Taps>
-__device__ __forceinline__ void conv2_group(const float* w, int grp, Taps taps,
-                                            float (&acc)[kPerThread]) {
-  static_assert(kPerThread == 8, "two float4 weight loads per tap");
+// One warp: conv2 of 16 positions x the warp's 8 output channels on the tensor cores, one
+// k16 step per tap (k = input channel). a(dy, dx, half): the fp16 relu(conv1) word of
+// channels 2t, 2t + 1 for position g (half 0) or g + 8 (half 1) at tap (dy, dx); the word 4
+// further holds channels 2t + 8, 2t + 9. Then each position's share of s: the sum over the 8
+// channels of w3[c] relu(conv2[c]), written to part[nt][m0 + position].
+template <class A>
+__device__ __forceinline__ void conv2_tile(const CnnWeights& cw, const CnnFrags& f, A a,
+                                           float* part, int part_stride, int m0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, nt = threadIdx.x / 32 % 4;
+  const int n0 = nt * 8 + 2 * t;
+  float acc[4] = {cw.b2[n0], cw.b2[n0 + 1], cw.b2[n0], cw.b2[n0 + 1]};
 #pragma unroll
-  for (int k = 0; k < kPerThread; ++k) acc[k] = w[kParamB2 + grp * kPerThread + k];
-  for (int ci = 0; ci < kConv1Channels; ++ci) {
-#pragma unroll
-    for (int dy = 0; dy < 3; ++dy) {
-      const float* v = taps(ci, dy);
-      const float v3[3] = {v[0], v[1], v[2]};
-#pragma unroll
-      for (int dx = 0; dx < 3; ++dx) {
-        const float4* wq =
-            reinterpret_cast<const float4*>(w + w2t_index(grp * kPerThread, ci, dy, dx));
-        const float4 a = wq[0], c = wq[1];
-        acc[0] = madd(acc[0], a.x, v3[dx]);
-        acc[1] = madd(acc[1], a.y, v3[dx]);
-        acc[2] = madd(acc[2], a.z, v3[dx]);
-        acc[3] = madd(acc[3], a.w, v3[dx]);
-        acc[4] = madd(acc[4], c.x, v3[dx]);
-        acc[5] = madd(acc[5], c.y, v3[dx]);
-        acc[6] = madd(acc[6], c.z, v3[dx]);
-        acc[7] = madd(acc[7], c.w, v3[dx]);
-      }
-    }
+  for (int tap = 0; tap < kTaps; ++tap) {
+    const uint32_t* p0 = a(tap / 3, tap % 3, 0);
+    const uint32_t* p1 = a(tap / 3, tap % 3, 1);
+    const uint32_t frag[4] = {p0[0], p1[0], p0[4], p1[4]};
+    ptx::mma_f16_16816(acc, frag, f.w2[tap], acc);
+  }
+  float v0 = relu(acc[0]) * cw.w3[n0] + relu(acc[1]) * cw.w3[n0 + 1];
+  float v1 = relu(acc[2]) * cw.w3[n0] + relu(acc[3]) * cw.w3[n0 + 1];
+  v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
+  v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
+  v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
+  v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+  if (t == 0) {
+    part[nt * part_stride + m0 + g] = v0;
+    part[nt * part_stride + m0 + g + 8] = v1;
   }
 }
 
-// s = sum over conv2 channels of w3[c] * relu[c] (relu values `stride` apart), channel order.
-__device__ __forceinline__ float project(const float* w, const float* relu_values, int stride) {
-  float s = 0.f;
-  for (int co = 0; co < kConv2Channels; ++co)
-    s = madd(s, w[kParamW3 + co], relu_values[co * stride]);
-  return s;
+// s of one position from its 4 N tiles' shares, in a fixed order.
+__device__ __forceinline__ float sum_parts(const float* part, int stride, int p) {
+  return ((part[p] + part[stride + p]) + part[2 * stride + p]) + part[3 * stride + p];
 }
+
+constexpr int kC1Tiles = (kTile + 2 + 15) / 16;  // conv1 M tiles of a band row (66 positions)
+constexpr int kXinW = kC1Tiles * 16 + 2;         // input columns the conv1 tiles read
 
 struct BandSmem {
-  float xin[3][kTile + 4];                    // input rows, ring of 3; columns x0-2 .. x0+kTile+1
-  float c1[3][kConv1Channels][kTile + 2];     // relu(conv1) rows, ring of 3; x0-1 .. x0+kTile
-  float relu[kConv2Channels][kTile];          // relu(conv2) of the current row
+  __half xin[kMaxRows + 4][kXinW];  // fp16 input rows ra-2 .. rb+1; columns from x0 - 2
+  __align__(16) __half c1[kMaxRows + 2][kTile + 2][kC1Stride];  // relu(conv1) ra-1 .. rb
+  float part[kMaxRows][4][kTile];                               // s shares of the 4 N tiles
 };
 
+constexpr int kFixC1 = (kFixRows + 2) * (kFixCols + 2);  // conv1 positions of a fix-up
 struct FixSmem {
-  float xin[kFixRows + 4][kFixCols + 4];
-  float c1[kConv1Channels][kFixRows + 2][kFixCols + 2];
-  float relu[kConv2Channels][kFixRows * kFixCols];
+  __half xin[kFixRows + 4][kFixCols + 4];
+  __align__(16) __half c1[kFixRows + 2][kFixCols + 2][kC1Stride];
+  float part[4][kFixRows * kFixCols];
 };
 
-// s of conv2 rows [ra, rb) over the columns [x0, x0 + kTile) of one CNN input of H rows and W
-// columns (row(r): the row's column 0, or nullptr for a row of zeros). sink(r, x, s) is
-// called by thread x - x0 for every x < W, rows in order. Every thread of the CTA calls this.
+// s of conv2 rows [ra, rb) (at most kMaxRows) over the columns [x0, x0 + kTile) of one CNN
+// input of H rows and W columns (row(r): the row's column 0, or nullptr for a row of zeros).
+// sink(r, x, s) is called by thread x - x0 for every x < W, rows in order. All rows' inputs
+// are loaded at once (one global round trip per call). Every thread of the CTA calls this.
 template <class Row, class Sink>
-__device__ void conv_band(const float* w, BandSmem& sm, Row row, int H, int W, int x0, int ra,
-                          int rb, Sink sink) {
-  constexpr int C1 = kConv1Channels;
-  const int tid = threadIdx.x, col = tid % kTile, grp = tid / kTile;
-  auto load_input = [&](int r) {  // input row r (r >= -2) into its ring slot
-    float* dst = sm.xin[(r + 3) % 3];
+__device__ __forceinline__ void conv_rows(const CnnWeights& cw, const CnnFrags& f, BandSmem& sm,
+                                          Row row, int H, int W, int x0, int ra, int rb,
+                                          Sink sink) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, nr = rb - ra;
+  const int g = lane >> 2, t = lane & 3;
+  for (int i = tid; i < (nr + 4) * kXinW; i += kCnnThreads) {
+    const int lr = i / kXinW, k = i % kXinW, r = ra - 2 + lr, c = x0 - 2 + k;
     const float* src = (r >= 0 && r < H) ? row(r) : nullptr;
-    for (int i = tid; i < kTile + 4; i += kCnnThreads) {
-      const int c = x0 - 2 + i;
-      dst[i] = (src && c >= 0 && c < W) ? src[c] : 0.f;
-    }
-  };
-  auto conv1_row = [&](int r) {  // relu(conv1) row r (r >= -1) from input rows r-1 .. r+1
-    float(*dst)[kTile + 2] = sm.c1[(r + 3) % 3];
-    const float* i0 = sm.xin[(r + 2) % 3];
-    const float* i1 = sm.xin[(r + 3) % 3];
-    const float* i2 = sm.xin[(r + 4) % 3];
-    for (int i = tid; i < C1 * (kTile + 2); i += kCnnThreads) {
-      const int ci = i / (kTile + 2), j = i % (kTile + 2), c = x0 - 1 + j;
-      // conv2's zero padding outside the rows or the slice (not relu(bias)).
-      dst[ci][j] = (r >= 0 && r < H && c >= 0 && c < W) ? conv1_at(w, ci, i0 + j, i1 + j, i2 + j)
-                                                         : 0.f;
-    }
-  };
-  load_input(ra - 2);
-  load_input(ra - 1);
-  load_input(ra);
+    sm.xin[lr][k] = __float2half_rn((src && c >= 0 && c < W) ? src[c] : 0.f);
+  }
   __syncthreads();
-  conv1_row(ra - 1);
-  for (int j = ra; j <= rb; ++j) {
-    __syncthreads();  // the slots about to be overwritten have been read
-    load_input(j + 1);
-    __syncthreads();
-    conv1_row(j);
-    __syncthreads();
-    if (j > ra) {  // conv2 row j - 1 from relu(conv1) rows j - 2 .. j
-      const int r = j - 1;
-      if (x0 + col < W) {
-        float acc[kPerThread];
-        conv2_group(
-            w, grp, [&](int ci, int dy) { return &sm.c1[(r + dy + 2) % 3][ci][col]; }, acc);
+  // relu(conv1) rows ra-1 .. rb (local lr), positions j = column x0 - 1 + j: task = (lr, M
+  // tile, N tile).
+  for (int task = warp; task < (nr + 2) * kC1Tiles * 2; task += kCnnThreads / 32) {
+    const int nt = task % 2, mt = task / 2 % kC1Tiles, lr = task / 2 / kC1Tiles;
+    const int r = ra - 1 + lr, m0 = mt * 16;
+    conv1_tile(
+        cw, f, nt, [&](int m, int dy, int dx) { return sm.xin[lr + dy][m0 + m + dx]; },
+        [&](int m) {
+          const int c = x0 - 1 + m0 + m;
+          return r >= 0 && r < H && c >= 0 && c < W;
+        },
+        [&](int m, uint32_t word) {
+          if (m0 + m < kTile + 2)
+            *reinterpret_cast<uint32_t*>(&sm.c1[lr][m0 + m][nt * 8 + 2 * t]) = word;
+        });
+  }
+  __syncthreads();
+  for (int lr = 0; lr < nr; ++lr) {  // conv2 row ra + lr from relu(conv1) rows lr .. lr + 2
 #pragma unroll
-        for (int k = 0; k < kPerThread; ++k) sm.relu[grp * kPerThread + k][col] = relu(acc[k]);
-      }
-      __syncthreads();
-      if (tid < kTile && x0 + tid < W) sink(r, x0 + tid, project(w, &sm.relu[0][tid], kTile));
+    for (int mi = 0; mi < 2; ++mi) {
+      const int m0 = (warp / 4 + 2 * mi) * 16;
+      conv2_tile(
+          cw, f,
+          [&](int dy, int dx, int half) {
+            const uint32_t* base = reinterpret_cast<const uint32_t*>(&sm.c1[lr + dy][0][0]);
+            return base + (m0 + g + 8 * half + dx) * kC1Words + t;
+          },
+          &sm.part[lr][0][0], kTile, m0);
     }
   }
-  __syncthreads();  // shared memory free for the caller
+  __syncthreads();
+  if (tid < kTile && x0 + tid < W)
+    for (int lr = 0; lr < nr; ++lr)
+      sink(ra + lr, x0 + tid, sum_parts(&sm.part[lr][0][0], kTile, tid));
+  __syncthreads();  // shared memory free for the next call
+}
+
+// conv_rows over all H rows, kMaxRows at a time.
+template <class Row, class Sink>
+__device__ __forceinline__ void conv_all_rows(const CnnWeights& cw, const CnnFrags& f, BandSmem& sm,
+                                              Row row, int H, int W, int x0, Sink sink) {
+  for (int ra = 0; ra < H; ra += kMaxRows)
+    conv_rows(cw, f, sm, row, H, W, x0, ra, min(H, ra + kMaxRows), sink);
 }
 
 // s of conv2 rows [ra, rb) (at most kFixRows) x columns [xa, xb) (at most kFixCols) of one
-// CNN input (as conv_band); sink(r, x, s) once per position. Every thread calls this.
+// CNN input (as conv_rows, with the same per-position arithmetic); sink(r, x, s) once per
+// position. Every thread calls this.
 template <class Row, class Sink>
-__device__ void conv_points(const float* w, FixSmem& sm, Row row, int H, int W, int ra, int rb,
-                            int xa, int xb, Sink sink) {
-  constexpr int C1 = kConv1Channels, IR = kFixRows + 4, IC = kFixCols + 4;
-  constexpr int CR = kFixRows + 2, CC = kFixCols + 2, P = kFixRows * kFixCols;
-  const int tid = threadIdx.x, nr = rb - ra, nc = xb - xa;
+__device__ __forceinline__ void conv_points(const CnnWeights& cw, const CnnFrags& f, FixSmem& sm,
+                                            Row row, int H, int W, int ra, int rb, int xa, int xb,
+                                            Sink sink) {
+  constexpr int IR = kFixRows + 4, IC = kFixCols + 4, CC = kFixCols + 2, P = kFixRows * kFixCols;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, nr = rb - ra, nc = xb - xa;
+  const int t = lane & 3;
   for (int i = tid; i < IR * IC; i += kCnnThreads) {  // inputs ra-2 .. rb+1, xa-2 .. xb+1
     const int lr = i / IC, lc = i % IC, r = ra - 2 + lr, c = xa - 2 + lc;
     const float* src = (r >= 0 && r < H && lr < nr + 4) ? row(r) : nullptr;
-    sm.xin[lr][lc] = (src && c >= 0 && c < W && lc < nc + 4) ? src[c] : 0.f;
+    sm.xin[lr][lc] = __float2half_rn((src && c >= 0 && c < W && lc < nc + 4) ? src[c] : 0.f);
   }
   __syncthreads();
-  for (int i = tid; i < C1 * CR * CC; i += kCnnThreads) {  // relu(conv1) ra-1 .. rb, xa-1 .. xb
-    const int ci = i / (CR * CC), lr = i % (CR * CC) / CC, lc = i % CC;
-    const int r = ra - 1 + lr, c = xa - 1 + lc;
-    sm.c1[ci][lr][lc] = (r >= 0 && r < H && c >= 0 && c < W && lr < nr + 2 && lc < nc + 2)
-                            ? conv1_at(w, ci, &sm.xin[lr][lc], &sm.xin[lr + 1][lc],
-                                       &sm.xin[lr + 2][lc])
-                            : 0.f;
+  {  // relu(conv1) ra-1 .. rb x xa-1 .. xb: 4 M tiles x 2 N tiles, one per warp
+    const int nt = warp % 2, m0 = warp / 2 * 16;
+    const __half zero = __float2half_rn(0.f);
+    conv1_tile(
+        cw, f, nt,
+        [&](int m, int dy, int dx) {
+          const int p = m0 + m;
+          return p < kFixC1 ? sm.xin[p / CC + dy][p % CC + dx] : zero;
+        },
+        [&](int m) {
+          const int p = m0 + m, lr = p / CC, lc = p % CC, r = ra - 1 + lr, c = xa - 1 + lc;
+          return p < kFixC1 && lr < nr + 2 && lc < nc + 2 && r >= 0 && r < H && c >= 0 && c < W;
+        },
+        [&](int m, uint32_t word) {
+          const int p = m0 + m;
+          if (p < kFixC1)
+            *reinterpret_cast<uint32_t*>(&sm.c1[p / CC][p % CC][nt * 8 + 2 * t]) = word;
+        });
   }
   __syncthreads();
-  const int p = tid % P, grp = tid / P, lr = p / kFixCols, lc = p % kFixCols;
-  if (grp < kGroups && lr < nr && lc < nc) {
-    float acc[kPerThread];
-    conv2_group(w, grp, [&](int ci, int dy) { return &sm.c1[ci][lr + dy][lc]; }, acc);
-#pragma unroll
-    for (int k = 0; k < kPerThread; ++k) sm.relu[grp * kPerThread + k][p] = relu(acc[k]);
+  {
+    const int g = lane >> 2, m0 = tid / 128 * 16;
+    conv2_tile(
+        cw, f,
+        [&](int dy, int dx, int half) {
+          const int p = m0 + g + 8 * half, lr = p / kFixCols, lc = p % kFixCols;
+          return reinterpret_cast<const uint32_t*>(&sm.c1[lr + dy][lc + dx][0]) + t;
+        },
+        &sm.part[0][0], P, m0);
   }
   __syncthreads();
-  if (tid < P && lr < nr && lc < nc) sink(ra + lr, xa + lc, project(w, &sm.relu[0][tid], P));
+  const int lr = tid / kFixCols, lc = tid % kFixCols;
+  if (tid < P && lr < nr && lc < nc) sink(ra + lr, xa + lc, sum_parts(&sm.part[0][0], P, tid));
   __syncthreads();
+}
+
+// A row's s as a 64-bit multiple of 2^-32 (attnpred.h numerics: the exact time sum).
+__device__ __forceinline__ long long fixed(float s) {
+  return __double2ll_rn(double(s) * kFixedScale);
+}
+
+// y = b3 + (the fixed-point time sum) / H.
+__device__ __forceinline__ float cnn_output(float b3, long long sum, int H) {
+  return __fadd_rn(b3, __double2float_rn(__ddiv_rn(double(sum) / kFixedScale, double(H))));
 }
 
 __global__ void __launch_bounds__(kCnnThreads)
     cnn_dense_kernel(const float* __restrict__ params, const float* __restrict__ x, int H, int W,
                      float* __restrict__ y) {
-  __shared__ __align__(16) float w[kParamCount];
+  __shared__ CnnWeights cw;
   __shared__ BandSmem sm;
+  CnnFrags f;
   const int n = blockIdx.y, x0 = blockIdx.x * kTile;
-  load_weights(params, w);
+  load_weights(params, cw, f);
   __syncthreads();
-  float t = 0.f;  // thread x - x0's time sum of s, rows in order
-  conv_band(
-      w, sm, [&](int r) { return x + (int64_t(n) * H + r) * W; }, H, W, x0, 0, H,
-      [&](int, int, float s) { t = __fadd_rn(t, s); });
+  long long sum = 0;  // thread x - x0's time sum
+  conv_all_rows(
+      cw, f, sm, [&](int r) { return x + (int64_t(n) * H + r) * W; }, H, W, x0,
+      [&](int, int, float s) { sum += fixed(s); });
   if (threadIdx.x < kTile && x0 + threadIdx.x < W)
-    y[int64_t(n) * W + x0 + threadIdx.x] = __fadd_rn(w[kParamB3], __fdiv_rn(t, float(H)));
+    y[int64_t(n) * W + x0 + threadIdx.x] = cnn_output(cw.b3, sum, H);
 }
 
 __device__ __forceinline__ int edge_index(int r, int H) { return r < 2 ? r : kEdgeRows - (H - r); }
@@ -259,8 +346,14 @@ struct PredictSample {
   CnnCache cache;
   int s, b, h, H, c0, W, count;
   __device__ PredictSample(const HistoryState& hs, const CnnCache& cc, const Geometry& g, int s_)
-      : hist(hs), cache(cc), s(s_), b(s_ / hs.num_q_heads), h(s_ % hs.num_q_heads),
-        H(hs.history), c0(g.candidate_begin()), W(g.candidate_end(hs.tokens[b]) - c0),
+      : hist(hs),
+        cache(cc),
+        s(s_),
+        b(s_ / hs.num_q_heads),
+        h(s_ % hs.num_q_heads),
+        H(hs.history),
+        c0(g.candidate_begin()),
+        W(g.candidate_end(hs.tokens[b]) - c0),
         count(hs.count[b]) {}
   __device__ const float* row(int r) const {
     const float* p = hist.logical_row(b, h, r, count);
@@ -269,53 +362,83 @@ struct PredictSample {
   // Ring slot of logical row r, also for the zero rows of a short history (slots not yet
   // appended to: their s describes a zero row).
   __device__ int slot(int r) const { return ((count - H + r) % H + H) % H; }
+  // The stored s of logical row r's ring slot (what it held while interior).
+  __device__ float* ring(int r) const {
+    return cache.s + (int64_t(s) * H + slot(r)) * hist.max_blocks + c0;
+  }
   __device__ float* s_of(int r) const {
     return edge_row(r, H)
                ? cache.edge + (int64_t(s) * kEdgeRows + edge_index(r, H)) * hist.max_blocks + c0
-               : cache.s + (int64_t(s) * H + slot(r)) * hist.max_blocks + c0;
+               : ring(r);
+  }
+  __device__ unsigned long long* sum() const {
+    return reinterpret_cast<unsigned long long*>(cache.sum + int64_t(s) * hist.max_blocks + c0);
   }
 };
 
 // Grid (n_tiles + fix-up CTAs, batch * Hq): tiles compute rows, fix-up CTA f recomputes the
-// stored rows [2 + f * kFixRows, ...) in the columns next to a moved slice end.
-__global__ void __launch_bounds__(kCnnThreads)
+// stored rows [2 + f * kFixRows, ...) in the columns next to a moved slice end. The interior
+// rows' fixed-point sum (cache.sum) is rewritten by a full recompute and otherwise adjusted by
+// integer atomics (exact, so the order of the CTAs' updates does not matter).
+__global__ void __launch_bounds__(kCnnThreads, 5)
     predict_rows_kernel(const float* __restrict__ params, HistoryState hist, CnnCache cache,
                         Geometry g, int n_tiles) {
-  __shared__ __align__(16) float w[kParamCount];
+  __shared__ CnnWeights cw;
   __shared__ union {
     BandSmem band;
     FixSmem fix;
   } sm;
+  CnnFrags f;
   const PredictSample ps(hist, cache, g, blockIdx.y);
   const int H = ps.H, W = ps.W;
   if (W <= 0) return;
   const int seen = cache.count[ps.b], end = cache.end[ps.b], c1 = ps.c0 + W;
-  const bool incremental = H >= 5 && (seen == ps.count || seen + 1 == ps.count) && end <= c1 &&
-                           c1 - end <= kMaxEndMove;
+  const bool incremental =
+      H >= 5 && (seen == ps.count || seen + 1 == ps.count) && end <= c1 && c1 - end <= kMaxEndMove;
   auto row = [&](int r) { return ps.row(r); };
-  auto store = [&](int r, int x, float v) { ps.s_of(r)[x] = v; };
   if (blockIdx.x < n_tiles) {
     const int x0 = blockIdx.x * kTile;
     if (x0 >= W) return;
-    load_weights(params, w);
+    load_weights(params, cw, f);
     __syncthreads();
-    if (incremental) {
-      conv_band(w, sm.band, row, H, W, x0, 0, 2, store);
-      conv_band(w, sm.band, row, H, W, x0, H - 3, H, store);
-    } else {
-      conv_band(w, sm.band, row, H, W, x0, 0, H, store);
+    if (!incremental) {
+      long long sum = 0;
+      conv_all_rows(cw, f, sm.band, row, H, W, x0, [&](int r, int x, float v) {
+        ps.s_of(r)[x] = v;
+        if (!edge_row(r, H)) sum += fixed(v);
+      });
+      if (threadIdx.x < kTile && x0 + threadIdx.x < W) ps.sum()[x0 + threadIdx.x] = sum;
+      return;
     }
+    auto store = [&](int r, int x, float v) {
+      float* dst = ps.s_of(r) + x;
+      if (r == H - 3) {  // the row that became interior (or, no row appended, is recomputed)
+        long long delta = fixed(v) - (seen == ps.count ? fixed(*dst) : 0);
+        if (seen + 1 == ps.count) delta -= fixed(ps.ring(1)[x]);  // the row that left
+        atomicAdd(ps.sum() + x, static_cast<unsigned long long>(delta));
+      }
+      *dst = v;
+    };
+    conv_rows(cw, f, sm.band, row, H, W, x0, 0, 2, store);
+    conv_rows(cw, f, sm.band, row, H, W, x0, H - 3, H, store);
     return;
   }
   if (!incremental || end == c1) return;
   const int ra = 2 + (blockIdx.x - n_tiles) * kFixRows, rb = min(ra + kFixRows, H - 3);
   if (ra >= rb) return;
-  load_weights(params, w);
+  load_weights(params, cw, f);
   __syncthreads();
-  conv_points(w, sm.fix, row, H, W, ra, rb, max(0, end - 2 - ps.c0), W, store);
+  conv_points(cw, f, sm.fix, row, H, W, ra, rb, max(0, end - 2 - ps.c0), W,
+              [&](int r, int x, float v) {
+                float* dst = ps.s_of(r) + x;
+                atomicAdd(ps.sum() + x, static_cast<unsigned long long>(fixed(v) - fixed(*dst)));
+                *dst = v;
+              });
 }
 
-// scores of sample (b, h) = b3 + (its H rows' s summed in row order) / H; commits the cache.
+// scores of sample (b, h) = b3 + (interior sum + the edge rows' fixed-point s) / H; commits
+// the cache. It also zeroes the sums and stored s of the kMaxEndMove columns past the slice,
+// which an incremental step may add to the slice: their stored rows and sum then agree.
 __global__ void __launch_bounds__(kThreads)
     predict_sum_kernel(const float* __restrict__ params, HistoryState hist, CnnCache cache,
                        Geometry g, float* __restrict__ scores) {
@@ -324,12 +447,20 @@ __global__ void __launch_bounds__(kThreads)
     cache.count[ps.b] = ps.count;
     cache.end[ps.b] = ps.c0 + ps.W;
   }
-  const int x = blockIdx.x * kThreads + threadIdx.x;
+  const int x = blockIdx.x * kThreads + threadIdx.x, H = ps.H;
+  const int z0 = max(ps.W, 0);
+  if (x >= z0 && x < z0 + kMaxEndMove && ps.c0 + x < hist.max_blocks) {
+    ps.sum()[x] = 0;
+    for (int slot = 0; slot < H; ++slot)
+      cache.s[(int64_t(ps.s) * H + slot) * hist.max_blocks + ps.c0 + x] = 0.f;
+    return;
+  }
   if (x >= ps.W) return;
-  float t = 0.f;
-  for (int r = 0; r < ps.H; ++r) t = __fadd_rn(t, ps.s_of(r)[x]);
+  long long sum = static_cast<long long>(ps.sum()[x]);
+  for (int r = 0; r < min(2, H); ++r) sum += fixed(ps.s_of(r)[x]);
+  for (int r = max(2, H - 2); r < H; ++r) sum += fixed(ps.s_of(r)[x]);
   scores[int64_t(ps.s) * hist.max_blocks + ps.c0 + x] =
-      __fadd_rn(__ldg(params + kParamB3), __fdiv_rn(t, float(ps.H)));
+      cnn_output(__ldg(params + kParamB3), sum, H);
 }
 
 __global__ void reset_cnn_cache_kernel(CnnCache cache, int batch) {
@@ -342,10 +473,14 @@ __device__ __forceinline__ unsigned order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-__global__ void __launch_bounds__(kThreads)
+// One CTA per (sequence, query head): the k-th largest key by a 4-pass 8-bit radix select
+// (shared histogram, then one block scan over the bins from the top finds the digit), then the
+// keys above it and the first `remaining` keys equal to it by index (a contiguous run per
+// thread, one block scan of the runs' tie counts).
+__global__ void __launch_bounds__(kSelThreads)
     select_kernel(const float* __restrict__ scores, HistoryState hist, int num_kv_heads, Geometry g,
                   int k, uint8_t* flags) {
-  using Scan = cub::BlockScan<int, kThreads>;
+  using Scan = cub::BlockScan<int, kSelThreads>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ int hist_bins[256];
   __shared__ unsigned s_prefix;
@@ -359,46 +494,48 @@ __global__ void __launch_bounds__(kThreads)
   const float* sc = scores + int64_t(s) * hist.max_blocks + c0;
   uint8_t* fl = flags + (int64_t(b) * num_kv_heads + h / group) * hist.max_blocks + c0;
   if (k >= count) {
-    for (int j = tid; j < count; j += kThreads) fl[j] = 1;
+    for (int j = tid; j < count; j += kSelThreads) fl[j] = 1;
     return;
   }
   if (k <= 0) return;
   unsigned prefix = 0, mask = 0;
   int remaining = k;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = tid; i < 256; i += kThreads) hist_bins[i] = 0;
+    if (tid < 256) hist_bins[tid] = 0;
     __syncthreads();
-    for (int j = tid; j < count; j += kThreads) {
+    for (int j = tid; j < count; j += kSelThreads) {
       const unsigned key = order_key(sc[j]);
       if ((key & mask) == prefix) atomicAdd(&hist_bins[(key >> shift) & 255u], 1);
     }
     __syncthreads();
-    if (tid == 0) {
-      int acc = 0, d = 255;
-      for (; d > 0; --d) {
-        if (acc + hist_bins[d] >= remaining) break;
-        acc += hist_bins[d];
-      }
-      s_prefix = prefix | (unsigned(d) << shift);
-      s_remaining = remaining - acc;
+    // Thread i < 256 takes digit 255 - i: `above` keys have a larger digit.
+    const int v = tid < 256 ? hist_bins[255 - tid] : 0;
+    int above, total;
+    Scan(scan).ExclusiveSum(v, above, total);
+    if (tid < 256 && above < remaining && above + v >= remaining) {
+      s_prefix = prefix | (unsigned(255 - tid) << shift);
+      s_remaining = remaining - above;
     }
     __syncthreads();
     prefix = s_prefix;
     remaining = s_remaining;
     mask |= 255u << shift;
-    __syncthreads();
   }
   // prefix is the k-th largest key; `remaining` of the keys equal to it are taken, by index.
-  int taken = 0;
-  for (int base = 0; base < count; base += kThreads) {
-    const int j = base + tid;
-    const unsigned key = j < count ? order_key(sc[j]) : 0u;
-    const int tie = (j < count && key == prefix) ? 1 : 0;
-    int before, total;
-    Scan(scan).ExclusiveSum(tie, before, total);
-    if (j < count && (key > prefix || (tie && taken + before < remaining))) fl[j] = 1;
-    taken += total;
-    __syncthreads();
+  const int per = (count + kSelThreads - 1) / kSelThreads;
+  const int j0 = min(count, tid * per), j1 = min(count, j0 + per);
+  int ties = 0;
+  for (int j = j0; j < j1; ++j) ties += order_key(sc[j]) == prefix;
+  int before, total;
+  Scan(scan).ExclusiveSum(ties, before, total);
+  for (int j = j0; j < j1; ++j) {
+    const unsigned key = order_key(sc[j]);
+    if (key > prefix) {
+      fl[j] = 1;
+    } else if (key == prefix) {
+      if (before < remaining) fl[j] = 1;
+      ++before;
+    }
   }
 }
 
@@ -409,11 +546,13 @@ __device__ __forceinline__ int block_attended(const Geometry& g, int j, int n, c
   return max(0, hi - max(lo, n - g.recent));
 }
 
-__global__ void __launch_bounds__(kThreads)
+// One CTA per (sequence, kv head); thread t owns a contiguous run of blocks, so one block scan
+// of the runs' attended-token counts places every token (ascending, as attended_token order).
+__global__ void __launch_bounds__(kSelThreads)
     build_selection_kernel(PagedKV kv, const uint8_t* __restrict__ flags, int max_blocks,
                            Geometry g, const int32_t* __restrict__ block_slot,
                            tactic::Selection sel, unsigned long long* counters) {
-  using Scan = cub::BlockScan<int, kThreads>;
+  using Scan = cub::BlockScan<int, kSelThreads>;
   __shared__ typename Scan::TempStorage scan;
   const int bh = blockIdx.x, tid = threadIdx.x;
   const int b = bh / kv.num_kv_heads, h = bh % kv.num_kv_heads;
@@ -423,28 +562,24 @@ __global__ void __launch_bounds__(kThreads)
   int32_t* rows = sel.rows + int64_t(bh) * sel.max_tokens;
   int32_t* toks = sel.tokens + int64_t(bh) * sel.max_tokens;
   const int nb = g.num_blocks(n);
-  int written = 0;
+  const int per = (nb + kSelThreads - 1) / kSelThreads;
+  const int j0 = min(nb, tid * per), j1 = min(nb, j0 + per);
+  int mine = 0;
+  for (int j = j0; j < j1; ++j) mine += block_attended(g, j, n, fl);
+  int p, written;
+  Scan(scan).ExclusiveSum(mine, p, written);
   unsigned long long missing = 0;
-  for (int base = 0; base < nb; base += kThreads) {
-    const int j = base + tid;
-    const int cnt = j < nb ? block_attended(g, j, n, fl) : 0;
-    int pos, total;
-    Scan(scan).ExclusiveSum(cnt, pos, total);
-    if (cnt > 0) {
-      const int lo = j * g.block, hi = min(lo + g.block, n);
-      int p = written + pos;
-      const int slot = slots ? slots[j] : 0;
-      if (slots && slot < 0) missing += cnt;
-      for (int t = hi - cnt; t < hi; ++t, ++p) {
-        if (p >= sel.max_tokens) break;
-        toks[p] = t;
-        rows[p] = slots ? max(slot, 0) * g.block + t % g.block
-                        : int32_t(kv.offset(b, t, h) / kv.head_dim);
-      }
-      (void)lo;
+  for (int j = j0; j < j1 && p < sel.max_tokens; ++j) {
+    const int cnt = block_attended(g, j, n, fl);
+    if (cnt == 0) continue;
+    const int hi = min(j * g.block + g.block, n);
+    const int slot = slots ? slots[j] : 0;
+    if (slots && slot < 0) missing += cnt;
+    for (int t = hi - cnt; t < hi && p < sel.max_tokens; ++t, ++p) {
+      toks[p] = t;
+      rows[p] =
+          slots ? max(slot, 0) * g.block + t % g.block : int32_t(kv.offset(b, t, h) / kv.head_dim);
     }
-    written += total;
-    __syncthreads();
   }
   if (tid == 0) {
     sel.counts[bh] = min(written, sel.max_tokens);
@@ -455,73 +590,151 @@ __global__ void __launch_bounds__(kThreads)
   if (counters && missing) atomicAdd(counters + 1, missing);
 }
 
-// Scores of the list positions [i0, i0 + kRowChunk) of (b, kv head h) for its query heads.
+// Merges softmax partials (max, sum of exp(x - max)); an empty partial has max -inf.
+__device__ __forceinline__ float2 merge_partial(float2 a, float2 b) {
+  if (a.x == -INFINITY) return b;
+  if (b.x == -INFINITY) return a;
+  const float m = fmaxf(a.x, b.x);
+  return make_float2(m, a.y * expf(a.x - m) + b.y * expf(b.x - m));
+}
+
+// Scores of the list positions [i0, i0 + kScoreChunk) of (b, kv head h) for its query heads (one
+// key per thread: its row read as 16-byte loads, the group's queries broadcast from shared
+// memory), and per query head the chunk's softmax partial. The CTAs of chunk y also zero
+// their share of the history slot the row goes to (row_pool_kernel's atomicMax needs a zeroed
+// row; it runs after this kernel).
+template <int D>
 __global__ void __launch_bounds__(kThreads)
     row_scores_kernel(const bf16* __restrict__ q_raw, int num_q_heads, PagedKV view, bool sub,
-                      int num_kv_heads, float scale, float* scores, int max_tokens) {
-  extern __shared__ float qs[];  // [group, d]
-  const int bh = blockIdx.x, tid = threadIdx.x;
+                      int num_kv_heads, float scale, float* scores, int max_tokens,
+                      float2* __restrict__ partials, int num_chunks, HistoryState hist) {
+  constexpr int kWarps = kThreads / 32, kVec = D / 8;  // 16-byte pieces of a key row
+  __shared__ __align__(16) float qs[kMaxGroup][D];
+  __shared__ float2 warp_part[kWarps][kMaxGroup];
+  const int bh = blockIdx.x, tid = threadIdx.x, chunk = blockIdx.y;
   const int b = bh / num_kv_heads, h = bh % num_kv_heads;
-  const int g = num_q_heads / num_kv_heads, d = view.head_dim;
+  const int g = num_q_heads / num_kv_heads;
+  {
+    const int per = (hist.max_blocks + gridDim.y - 1) / gridDim.y;
+    const int j0 = chunk * per, j1 = min(hist.max_blocks, j0 + per);
+    for (int j = 0; j < g; ++j) {
+      float* row = hist.slot(b, h * g + j, hist.count[b] % hist.history);
+      for (int c = j0 + tid; c < j1; c += kThreads) row[c] = 0.f;
+    }
+  }
   const int seq = sub ? bh : b, kvh = sub ? 0 : h;
   const int n = view.seq_lens[seq];
-  const int i0 = blockIdx.y * kRowChunk;
+  const int i0 = chunk * kScoreChunk;
   if (i0 >= n) return;
-  const bf* q = reinterpret_cast<const bf*>(q_raw) + (int64_t(b) * num_q_heads + h * g) * d;
-  for (int i = tid; i < g * d; i += kThreads) qs[i] = __bfloat162float(q[i]);
+  const bf* q = reinterpret_cast<const bf*>(q_raw) + (int64_t(b) * num_q_heads + h * g) * D;
+  for (int i = tid; i < g * D; i += kThreads) qs[i / D][i % D] = __bfloat162float(q[i]);
   __syncthreads();
-  const int lane = tid & 31, warp = tid >> 5;
-  const int per_lane = d / 32;  // 4 (d = 128) or 2 (d = 64)
-  const int i1 = min(n, i0 + kRowChunk);
-  for (int i = i0 + warp; i < i1; i += kThreads / 32) {
-    const bf* k = reinterpret_cast<const bf*>(view.k) + view.offset(seq, i, kvh);
-    float kf[4];
-    for (int e = 0; e < per_lane; ++e) kf[e] = __bfloat162float(k[lane * per_lane + e]);
-    for (int j = 0; j < g; ++j) {
-      float dot = 0.f;
-      for (int e = 0; e < per_lane; ++e) dot += qs[j * d + lane * per_lane + e] * kf[e];
-      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      if (lane == 0) scores[(int64_t(b) * num_q_heads + h * g + j) * max_tokens + i] = dot * scale;
+  float2 part[kMaxGroup];
+#pragma unroll
+  for (int j = 0; j < kMaxGroup; ++j) part[j] = make_float2(-INFINITY, 0.f);
+  // One key per thread and no loop: a loop would let the compiler hoist all the queries'
+  // shared-memory loads into registers (and spill).
+  const int i = i0 + tid;
+  if (i < n) {
+    const uint4* k = reinterpret_cast<const uint4*>(view.k + view.offset(seq, i, kvh));
+    uint4 kr[kVec];
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) kr[v] = k[v];
+    float dot[kMaxGroup];
+#pragma unroll
+    for (int j = 0; j < kMaxGroup; ++j) dot[j] = 0.f;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      // bf16 -> fp32 is a shift into the high half (low half first in memory).
+      const uint32_t w[4] = {kr[v].x, kr[v].y, kr[v].z, kr[v].w};
+      float kf[8];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        kf[2 * u] = __uint_as_float(w[u] << 16);
+        kf[2 * u + 1] = __uint_as_float(w[u] & 0xffff0000u);
+      }
+#pragma unroll
+      for (int j = 0; j < kMaxGroup; ++j) {
+        if (j >= g) continue;
+        const float4 qa = *reinterpret_cast<const float4*>(&qs[j][v * 8]);
+        const float4 qb = *reinterpret_cast<const float4*>(&qs[j][v * 8 + 4]);
+        dot[j] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
+                  qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+      }
     }
+#pragma unroll
+    for (int j = 0; j < kMaxGroup; ++j) {
+      if (j >= g) continue;
+      const float x = dot[j] * scale;
+      scores[(int64_t(b) * num_q_heads + h * g + j) * max_tokens + i] = x;
+      if (x > part[j].x) {
+        part[j].y = part[j].y * expf(part[j].x - x) + 1.f;
+        part[j].x = x;
+      } else {
+        part[j].y += expf(x - part[j].x);
+      }
+    }
+  }
+  const int lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+  for (int j = 0; j < kMaxGroup; ++j) {
+    if (j >= g) continue;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float2 other = make_float2(__shfl_xor_sync(0xffffffffu, part[j].x, o),
+                                       __shfl_xor_sync(0xffffffffu, part[j].y, o));
+      part[j] = merge_partial(part[j], other);
+    }
+    if (lane == 0) warp_part[warp][j] = part[j];
+  }
+  __syncthreads();
+  if (tid < g) {
+    float2 p = make_float2(-INFINITY, 0.f);
+    for (int w = 0; w < kWarps; ++w) p = merge_partial(p, warp_part[w][tid]);
+    partials[(int64_t(b) * num_q_heads + h * g + tid) * num_chunks + chunk] = p;
   }
 }
 
-// Softmax over the list of (b, query head) and its max-pool into the history row.
+// Chunk y of (b, query head): the log-sum-exp from all chunks' partials, then the softmax of
+// the chunk's scores max-pooled into the history row (a warp segmented max + one atomicMax
+// per block run; probabilities are >= 0, so their float bits order as ints).
 __global__ void __launch_bounds__(kThreads)
     row_pool_kernel(int num_q_heads, PagedKV view, bool sub, const int32_t* __restrict__ ids,
-                    int ids_stride, const int32_t* __restrict__ kv_lens, int num_kv_heads,
-                    const float* __restrict__ scores, int max_tokens, Geometry geo,
-                    HistoryState hist) {
+                    int ids_stride, int num_kv_heads, const float* __restrict__ scores,
+                    int max_tokens, const float2* __restrict__ partials, int num_chunks,
+                    Geometry geo, HistoryState hist) {
   using Reduce = cub::BlockReduce<float, kThreads>;
   __shared__ typename Reduce::TempStorage red;
   __shared__ float s_val;
-  const int s = blockIdx.x, tid = threadIdx.x;
+  const int s = blockIdx.x, tid = threadIdx.x, chunk = blockIdx.y;
   const int b = s / num_q_heads, qh = s % num_q_heads;
   const int g = num_q_heads / num_kv_heads, h = qh / g;
   const int seq = sub ? b * num_kv_heads + h : b;
   const int n = view.seq_lens[seq];
-  const float* sc = scores + int64_t(s) * max_tokens;
-  const int32_t* id = ids ? ids + int64_t(seq) * ids_stride : nullptr;
-  float* row = hist.slot(b, qh, hist.count[b] % hist.history);
-  for (int j = tid; j < hist.max_blocks; j += kThreads) row[j] = 0.f;
+  const int i0 = chunk * kRowChunk;
+  if (i0 >= n) return;
+  const int used = (n + kScoreChunk - 1) / kScoreChunk;  // score CTAs that wrote a partial
+  const float2* part = partials + int64_t(s) * num_chunks;
   float m = -INFINITY;
-  for (int i = tid; i < n; i += kThreads) m = fmaxf(m, sc[i]);
+  for (int c = tid; c < used; c += kThreads) m = fmaxf(m, part[c].x);
   m = Reduce(red).Reduce(m, MaxOp());
   if (tid == 0) s_val = m;
   __syncthreads();
   m = s_val;
   float z = 0.f;
-  for (int i = tid; i < n; i += kThreads) z += expf(sc[i] - m);
+  for (int c = tid; c < used; c += kThreads) z += part[c].y * expf(part[c].x - m);
   __syncthreads();
   z = Reduce(red).Sum(z);
   if (tid == 0) s_val = m + logf(z);
   __syncthreads();
   const float lse = s_val;
-  (void)kv_lens;
-  const int lane = tid & 31;
-  for (int base = (tid & ~31); base < n; base += kThreads) {
+  const float* sc = scores + int64_t(s) * max_tokens;
+  const int32_t* id = ids ? ids + int64_t(seq) * ids_stride : nullptr;
+  float* row = hist.slot(b, qh, hist.count[b] % hist.history);
+  const int lane = tid & 31, i1 = min(n, i0 + kRowChunk);
+  for (int base = i0 + (tid & ~31); base < i1; base += kThreads) {
     const int i = base + lane;
-    const bool ok = i < n;
+    const bool ok = i < i1;
     float p = ok ? expf(sc[i] - lse) : 0.f;
     const int blk = ok ? (id ? id[i] : i) / geo.block : -1;
     for (int o = 1; o < 32; o <<= 1) {
@@ -701,13 +914,13 @@ cudaError_t reset_cnn_cache_cuda(const CnnCache& cache, int batch, cudaStream_t 
 cudaError_t predict_cuda(const float* params, const HistoryState& hist, const CnnCache& cache,
                          int batch, const Geometry& g, float* scores, cudaStream_t stream) {
   if (batch <= 0) return cudaSuccess;
-  if (!cache.s || !cache.edge || !cache.count || !cache.end || hist.history < 1)
+  if (!cache.s || !cache.edge || !cache.count || !cache.end || !cache.sum || hist.history < 1)
     return cudaErrorInvalidValue;
   const int n_tiles = (hist.max_blocks + kTile - 1) / kTile;
   const int n_fix = (std::max(0, hist.history - 5) + kFixRows - 1) / kFixRows;
   const int samples = batch * hist.num_q_heads;
-  predict_rows_kernel<<<dim3(n_tiles + n_fix, samples), kCnnThreads, 0, stream>>>(params, hist,
-                                                                                 cache, g, n_tiles);
+  predict_rows_kernel<<<dim3(n_tiles + n_fix, samples), kCnnThreads, 0, stream>>>(
+      params, hist, cache, g, n_tiles);
   const dim3 sum_grid((hist.max_blocks + kThreads - 1) / kThreads, samples);
   predict_sum_kernel<<<sum_grid, kThreads, 0, stream>>>(params, hist, cache, g, scores);
   return cudaGetLastError();
@@ -719,8 +932,8 @@ cudaError_t select_blocks_cuda(const float* scores, const HistoryState& hist, in
   cudaError_t e = cudaMemsetAsync(block_flags, 0,
                                   size_t(hist.max_batch) * num_kv_heads * hist.max_blocks, stream);
   if (e != cudaSuccess || batch <= 0) return e;
-  select_kernel<<<batch * hist.num_q_heads, kThreads, 0, stream>>>(scores, hist, num_kv_heads, g,
-                                                                   k_blocks, block_flags);
+  select_kernel<<<batch * hist.num_q_heads, kSelThreads, 0, stream>>>(scores, hist, num_kv_heads, g,
+                                                                      k_blocks, block_flags);
   return cudaGetLastError();
 }
 
@@ -729,13 +942,19 @@ cudaError_t build_selection_cuda(const PagedKV& kv, const uint8_t* block_flags, 
                                  const tactic::Selection& sel, unsigned long long* counters,
                                  cudaStream_t stream) {
   if (kv.batch <= 0) return cudaSuccess;
-  build_selection_kernel<<<kv.batch * kv.num_kv_heads, kThreads, 0, stream>>>(
+  build_selection_kernel<<<kv.batch * kv.num_kv_heads, kSelThreads, 0, stream>>>(
       kv, block_flags, max_blocks, g, block_slot, sel, counters);
   return cudaGetLastError();
 }
 
+// Scratch of append_row_cuda: scores [max_batch, Hq, max_tokens] | chunk partials
+// [max_batch, Hq, chunks] (float2).
+static int score_chunks(int max_tokens) { return (max_tokens + kScoreChunk - 1) / kScoreChunk; }
+
 size_t row_scratch_bytes(int max_batch, int num_q_heads, int max_tokens) {
-  return size_t(max_batch) * num_q_heads * size_t(max_tokens) * sizeof(float);
+  const size_t heads = size_t(max_batch) * num_q_heads;
+  const size_t score_bytes = (heads * size_t(max_tokens) * sizeof(float) + 255) / 256 * 256;
+  return score_bytes + heads * size_t(score_chunks(max_tokens)) * sizeof(float2);
 }
 
 cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
@@ -753,12 +972,21 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
   if (scratch_bytes < row_scratch_bytes(batch, num_q_heads, max_tokens))
     return cudaErrorInvalidValue;
   float* scores = static_cast<float*>(scratch);
-  const dim3 grid(batch * num_kv_heads, (max_tokens + kRowChunk - 1) / kRowChunk);
-  row_scores_kernel<<<grid, kThreads, size_t(group) * view.head_dim * sizeof(float), stream>>>(
-      q, num_q_heads, view, sub, num_kv_heads, scale, scores, max_tokens);
-  row_pool_kernel<<<batch * num_q_heads, kThreads, 0, stream>>>(num_q_heads, view, sub, token_ids,
-                                                                ids_stride, kv_lens, num_kv_heads,
-                                                                scores, max_tokens, g, hist);
+  const int chunks = score_chunks(max_tokens);
+  float2* partials = reinterpret_cast<float2*>(
+      static_cast<char*>(scratch) +
+      (size_t(batch) * num_q_heads * max_tokens * sizeof(float) + 255) / 256 * 256);
+  const dim3 grid(batch * num_kv_heads, chunks);
+  if (view.head_dim == 128)
+    row_scores_kernel<128><<<grid, kThreads, 0, stream>>>(
+        q, num_q_heads, view, sub, num_kv_heads, scale, scores, max_tokens, partials, chunks, hist);
+  else
+    row_scores_kernel<64><<<grid, kThreads, 0, stream>>>(
+        q, num_q_heads, view, sub, num_kv_heads, scale, scores, max_tokens, partials, chunks, hist);
+  const int pool_chunks = (max_tokens + kRowChunk - 1) / kRowChunk;
+  row_pool_kernel<<<dim3(batch * num_q_heads, pool_chunks), kThreads, 0, stream>>>(
+      num_q_heads, view, sub, token_ids, ids_stride, num_kv_heads, scores, max_tokens, partials,
+      chunks, g, hist);
   advance_history_kernel<<<(batch + 127) / 128, 128, 0, stream>>>(hist, kv_lens, batch);
   return cudaGetLastError();
 }

@@ -8,13 +8,21 @@
 // Parameters are packed in PyTorch's order (conv1.weight [16,1,3,3], conv1.bias, conv2.weight
 // [32,16,3,3], conv2.bias, conv3.weight [1,32,1], conv3.bias) at the kParam* offsets.
 //
-// Both backends evaluate the CNN in fp32 with one operation order and no fused multiply-add,
-// so the CUDA scores equal the CPU reference's bit for bit:
-//   conv1, conv2: bias first, then the taps in (input channel, dy, dx) order;
-//   s_r[col] = sum over conv2 channels (in order, from 0) of w3[c] * relu(conv2[c, r, col]);
-//   y[col]   = b3 + (sum over rows r = 0 .. H-1, in order, from 0, of s_r[col]) / H.
+// Numerics, the same definition in both backends (the paper's own inference runs the CNN in
+// fp16):
+//   conv1: fp16 inputs times fp16 weights (exact products), summed in fp32 from the bias;
+//          relu; rounded to fp16;
+//   conv2: fp16 weights times those fp16 values, summed in fp32 from the bias. CUDA sums both
+//          convs on the tensor cores, the CPU in (input channel, dy, dx) order: they differ by
+//          fp32 rounding;
+//   s_r[col] = sum over conv2 channels of w3[c] * relu(conv2[c, r, col]) (fp32);
+//   y[col]   = b3 + (S[col] / 2^32) / H in double, rounded to fp32, where S is the exact
+//              64-bit sum over the rows of each s_r[col] * 2^32 rounded to an integer.
 // (The 1 x 1 conv3 is linear, so taking it per row before the time mean is the same CNN; it
-// lets the CUDA predictor keep each row's s and recompute only the rows a step changes.)
+// lets the CUDA predictor keep each row's s and recompute only the rows a step changes. The
+// fixed-point time sum is exact whatever the order, so it can be kept as a running sum;
+// 2^-32 is far below fp32's resolution at the scores' size.) The CUDA results are
+// deterministic, and the incremental predictor equals its own full recompute bit for bit.
 //
 // History (per layer): fp32 rows [max_batch, Hq, history, max_blocks], a ring over time per
 // (sequence, head); count[b] rows appended since the sequence's prefill. Logical row i
@@ -137,21 +145,26 @@ cudaError_t cnn_forward_cuda(const float* params, const float* x, int n, int H, 
 //   - the row that just became interior (H-3) is computed into its slot of `s`;
 //   - when candidate_end moved (by at most 2 blocks), the stored interior rows are recomputed
 //     in columns [old end - 2, new end);
-//   - y = b3 + (the rows' s summed in row order) / H.
+//   - `sum` keeps the interior rows' fixed-point time sum, adjusted by exact integer atomics
+//     as rows enter, leave or are fixed up; y adds the edge rows to it.
 // Anything else (the first prediction after a prefill, more than one row appended since the
 // last prediction, the end moving back or by more than 2 blocks, H < 5) recomputes every row.
-// The result equals cnn_forward_cpu over the gathered input bit for bit either way.
+// Either way the result is bit for bit the full recompute's.
 struct CnnCache {
-  float* s = nullptr;         ///< [max_batch, Hq, history, max_blocks]: s of each ring slot
-  float* edge = nullptr;      ///< [max_batch, Hq, 4, max_blocks]: s of the edge rows
-  int32_t* count = nullptr;   ///< [max_batch] history count s was last brought up to (-1: none)
-  int32_t* end = nullptr;     ///< [max_batch] candidate_end s's right columns were computed for
+  float* s = nullptr;        ///< [max_batch, Hq, history, max_blocks]: s of each ring slot
+  float* edge = nullptr;     ///< [max_batch, Hq, 4, max_blocks]: s of the edge rows
+  int32_t* count = nullptr;  ///< [max_batch] history count s was last brought up to (-1: none)
+  int32_t* end = nullptr;    ///< [max_batch] candidate_end s's right columns were computed for
+  long long* sum = nullptr;  ///< [max_batch, Hq, max_blocks]: interior rows' fixed-point sum
 
   static size_t s_floats(const HistoryState& h) {
     return size_t(h.max_batch) * h.num_q_heads * h.history * h.max_blocks;
   }
   static size_t edge_floats(const HistoryState& h) {
     return size_t(h.max_batch) * h.num_q_heads * 4 * h.max_blocks;
+  }
+  static size_t sum_values(const HistoryState& h) {
+    return size_t(h.max_batch) * h.num_q_heads * h.max_blocks;
   }
 };
 

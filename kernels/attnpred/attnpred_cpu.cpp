@@ -1,7 +1,10 @@
 // CPU reference of AttentionPredictor's kernels (attnpred.h). This file is compiled with
-// -ffp-contract=off: the CUDA kernels use the same operation order without fused
-// multiply-adds, so predictions agree bit for bit between the backends.
+// -ffp-contract=off. The CNN follows attnpred.h's numerics; the CUDA kernels sum the convs on
+// the tensor cores, in another order, so the two agree to fp32 rounding.
+#include <cuda_fp16.h>
+
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -24,17 +27,26 @@ void validate(const Geometry& g) {
            std::to_string(g.recent));
 }
 
+namespace {
+// x rounded to fp16 (nearest even), as a float.
+float to_half(float x) { return __half2float(__float2half_rn(x)); }
+constexpr double kFixed = 4294967296.0;  // 2^32: the time sum's fixed point
+}  // namespace
+
 void cnn_forward_cpu(const float* p, const float* x, int n, int H, int W, float* y) {
   if (n < 0 || H < 1 || W < 0)
     throw std::invalid_argument("cnn_forward_cpu: bad input shape [" + std::to_string(n) + ", " +
                                 std::to_string(H) + ", " + std::to_string(W) + "]");
   constexpr int C1 = kConv1Channels, C2 = kConv2Channels;
+  std::vector<float> w1(p + kParamW1, p + kParamB1), w2(p + kParamW2, p + kParamB2);
+  for (float& v : w1) v = to_half(v);
+  for (float& v : w2) v = to_half(v);
   std::vector<float> c1(size_t(C1) * H * W);
-  std::vector<float> time_sum(static_cast<size_t>(W));
+  std::vector<long long> time_sum(static_cast<size_t>(W));
   for (int s = 0; s < n; ++s) {
     const float* in = x + int64_t(s) * H * W;
     auto at = [&](int r, int c) {
-      return r < 0 || r >= H || c < 0 || c >= W ? 0.f : in[r * W + c];
+      return r < 0 || r >= H || c < 0 || c >= W ? 0.f : to_half(in[r * W + c]);
     };
     for (int ci = 0; ci < C1; ++ci)
       for (int r = 0; r < H; ++r)
@@ -42,16 +54,15 @@ void cnn_forward_cpu(const float* p, const float* x, int n, int H, int W, float*
           float acc = p[kParamB1 + ci];
           for (int dy = 0; dy < 3; ++dy)
             for (int dx = 0; dx < 3; ++dx)
-              acc = acc + p[kParamW1 + ci * 9 + dy * 3 + dx] * at(r + dy - 1, c + dx - 1);
-          c1[(size_t(ci) * H + r) * W + c] = acc > 0.f ? acc : 0.f;
+              acc = acc + w1[size_t(ci * 9 + dy * 3 + dx)] * at(r + dy - 1, c + dx - 1);
+          c1[(size_t(ci) * H + r) * W + c] = to_half(acc > 0.f ? acc : 0.f);
         }
     auto c1at = [&](int ci, int r, int c) {
       return r < 0 || r >= H || c < 0 || c >= W ? 0.f : c1[(size_t(ci) * H + r) * W + c];
     };
-    // Row r's projection s_r = sum_co w3[co] relu(conv2[co, r]) (channel order), then the time
-    // mean of s over the rows in row order: the conv3 of the mean, regrouped so that a row's
-    // s can be kept and reused while the history slides (the CUDA predictor does).
-    std::fill(time_sum.begin(), time_sum.end(), 0.f);
+    // Row r's projection s_r = sum_co w3[co] relu(conv2[co, r]), then the exact fixed-point
+    // time sum (attnpred.h numerics).
+    std::fill(time_sum.begin(), time_sum.end(), 0ll);
     for (int r = 0; r < H; ++r)
       for (int c = 0; c < W; ++c) {
         float s_r = 0.f;
@@ -60,14 +71,15 @@ void cnn_forward_cpu(const float* p, const float* x, int n, int H, int W, float*
           for (int ci = 0; ci < C1; ++ci)
             for (int dy = 0; dy < 3; ++dy)
               for (int dx = 0; dx < 3; ++dx)
-                acc = acc + p[kParamW2 + (co * C1 + ci) * 9 + dy * 3 + dx] *
+                acc = acc + w2[size_t((co * C1 + ci) * 9 + dy * 3 + dx)] *
                                 c1at(ci, r + dy - 1, c + dx - 1);
           s_r = s_r + p[kParamW3 + co] * (acc > 0.f ? acc : 0.f);
         }
-        time_sum[size_t(c)] = time_sum[size_t(c)] + s_r;
+        time_sum[size_t(c)] += static_cast<long long>(std::nearbyint(double(s_r) * kFixed));
       }
     for (int c = 0; c < W; ++c)
-      y[int64_t(s) * W + c] = p[kParamB3] + time_sum[size_t(c)] / float(H);
+      y[int64_t(s) * W + c] =
+          p[kParamB3] + static_cast<float>(double(time_sum[size_t(c)]) / kFixed / double(H));
   }
 }
 

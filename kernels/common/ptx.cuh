@@ -1,8 +1,9 @@
 // Thin wrappers over the sm_80+ PTX instructions that the attention kernels are built from:
-// asynchronous 16-byte global-to-shared copies, ldmatrix, and the bf16 m16n8k16 tensor-core
-// MMA. Fragment layouts are those of the PTX ISA ("Matrix Fragments for mma.m16n8k16"):
-// with g = lane / 4 and t = lane % 4, A holds rows g and g + 8, columns 2t, 2t + 1 (+8);
-// B holds rows (k) 2t, 2t + 1 (+8) of column (n) g; C holds rows g, g + 8, columns 2t, 2t + 1.
+// asynchronous 16-byte global-to-shared copies, ldmatrix, and the bf16 and fp16 m16n8k16
+// tensor-core MMAs. Fragment layouts are those of the PTX ISA ("Matrix Fragments for
+// mma.m16n8k16"): with g = lane / 4 and t = lane % 4, A holds rows g and g + 8, columns 2t,
+// 2t + 1 (+8); B holds rows (k) 2t, 2t + 1 (+8) of column (n) g; C holds rows g, g + 8,
+// columns 2t, 2t + 1.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -74,6 +75,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
                                                const uint32_t (&b)[2], const float (&c)[4]) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
+        "f"(c[2]), "f"(c[3]));
+}
+
+// The same with A and B in fp16.
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], const uint32_t (&a)[4],
+                                              const uint32_t (&b)[2], const float (&c)[4]) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
       "{%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),

@@ -1,4 +1,4 @@
-// AttentionPredictor on CUDA against the CPU reference: the CNN bit for bit, the engine's
+// AttentionPredictor on CUDA against the CPU reference: the CNN (to fp32 rounding), the engine's
 // outputs, history and selections, GPU-resident and offloaded; each step's output and history
 // row also against an fp64 reference over the GPU's own selection (so wrong cached rows show
 // even where a near-tie flipped a selection), and after each prefetch the resident blocks are
@@ -43,7 +43,13 @@ std::vector<float> random_params(uint32_t seed) {
   return p;
 }
 
-TEST(AttnPredCuda, CnnEqualsCpuBitForBit) {
+// CUDA and CPU CNN scores differ only by conv2's fp32 summation order (attnpred.h): about
+// 1e-6 of the scores' size; a wrong tap, channel or row would be off by orders more.
+bool close_score(float got, float want) {
+  return std::abs(got - want) <= 1e-4f + 1e-4f * std::abs(want);
+}
+
+TEST(AttnPredCuda, CnnMatchesCpu) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const std::vector<float> p = random_params(1);
   std::mt19937 rng(2);
@@ -59,17 +65,18 @@ TEST(AttnPredCuda, CnnEqualsCpuBitForBit) {
       KVS_CUDA_CHECK(ap::cnn_forward_cuda(dp.p, dx.p, n, H, W, dy.p, nullptr));
       const std::vector<float> g = dy.get(y.size());
       for (size_t i = 0; i < y.size(); ++i)
-        ASSERT_EQ(g[i], y[i]) << "H " << H << " W " << W << " at " << i;
+        ASSERT_PRED2(close_score, g[i], y[i]) << "H " << H << " W " << W << " at " << i;
     }
   }
 }
 
-// The incremental CUDA predictor (CnnCache) against the CPU CNN over the gathered history, bit
-// for bit, after every step: a short history filling up (zero rows), the ring wrapping, the
-// slice end moving by 0, 1 or 2 blocks (stored rows fixed up) and by 3 (all recomputed), a
-// slice that starts empty, a prediction repeated without an append, two rows appended to one
-// sequence only (it recomputes, the other stays incremental), and a cache reset.
-TEST(AttnPredCuda, IncrementalPredictorEqualsCpuEveryStep) {
+// The incremental CUDA predictor (CnnCache) after every step: bit for bit its own full
+// recompute (a second cache, reset before each prediction), and the CPU CNN over the gathered
+// history within close_score. The steps cover a short history filling up (zero rows), the ring
+// wrapping, the slice end moving by 0, 1 or 2 blocks (stored rows fixed up) and by 3 (all
+// recomputed), a slice that starts empty, a prediction repeated without an append, two rows
+// appended to one sequence only (it recomputes, the other stays incremental), and a cache reset.
+TEST(AttnPredCuda, IncrementalPredictorEqualsFullRecomputeEveryStep) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const std::vector<float> p = random_params(3);
   Dev<float> dp(p);
@@ -87,9 +94,14 @@ TEST(AttnPredCuda, IncrementalPredictorEqualsCpuEveryStep) {
     ap::HistoryState dh{drows.p, dcount.p, dtokens.p, B, hq, H, mb};
     Dev<float> cs(ap::CnnCache::s_floats(dh)), ce(ap::CnnCache::edge_floats(dh));
     Dev<int32_t> cc(B), cend(B);
-    const ap::CnnCache cache{cs.p, ce.p, cc.p, cend.p};
+    Dev<long long> csum(ap::CnnCache::sum_values(dh));
+    const ap::CnnCache cache{cs.p, ce.p, cc.p, cend.p, csum.p};
     KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(cache, B, nullptr));
-    Dev<float> dscores(size_t(B) * hq * mb);
+    Dev<float> fs(ap::CnnCache::s_floats(dh)), fe(ap::CnnCache::edge_floats(dh));
+    Dev<int32_t> fc(B), fend(B);
+    Dev<long long> fsum(ap::CnnCache::sum_values(dh));
+    const ap::CnnCache full{fs.p, fe.p, fc.p, fend.p, fsum.p};
+    Dev<float> dscores(size_t(B) * hq * mb), dfull(size_t(B) * hq * mb);
     std::mt19937 rng(uint32_t(40 + H));
     std::uniform_real_distribution<float> u(0.f, 0.1f);
     auto append = [&](int b) {
@@ -105,7 +117,10 @@ TEST(AttnPredCuda, IncrementalPredictorEqualsCpuEveryStep) {
       KVS_CUDA_CHECK(cudaMemcpy(dcount.p, count.data(), B * 4, cudaMemcpyHostToDevice));
       KVS_CUDA_CHECK(cudaMemcpy(dtokens.p, tokens.data(), B * 4, cudaMemcpyHostToDevice));
       KVS_CUDA_CHECK(ap::predict_cuda(dp.p, dh, cache, B, geo, dscores.p, nullptr));
+      KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(full, B, nullptr));
+      KVS_CUDA_CHECK(ap::predict_cuda(dp.p, dh, full, B, geo, dfull.p, nullptr));
       const std::vector<float> got = dscores.get(size_t(B) * hq * mb);
+      const std::vector<float> want = dfull.get(size_t(B) * hq * mb);
       for (int b = 0; b < B; ++b) {
         const int c0 = geo.candidate_begin(), c1 = geo.candidate_end(tokens[size_t(b)]);
         if (c1 <= c0) continue;
@@ -113,10 +128,15 @@ TEST(AttnPredCuda, IncrementalPredictorEqualsCpuEveryStep) {
           std::vector<float> x(size_t(H) * (c1 - c0)), y(size_t(c1 - c0));
           ap::gather_input_cpu(hh, b, h, c0, c1, x.data());
           ap::cnn_forward_cpu(p.data(), x.data(), 1, H, c1 - c0, y.data());
-          for (int c = c0; c < c1; ++c)
-            ASSERT_EQ(got[(size_t(b) * hq + h) * mb + c], y[size_t(c - c0)])
+          for (int c = c0; c < c1; ++c) {
+            const size_t i = (size_t(b) * hq + h) * mb + size_t(c);
+            ASSERT_EQ(got[i], want[i])
+                << "H " << H << " step " << step << " seq " << b << " head " << h << " column " << c
+                << " (slice [" << c0 << ", " << c1 << "), " << count[size_t(b)] << " rows)";
+            ASSERT_PRED2(close_score, got[i], y[size_t(c - c0)])
                 << "H " << H << " step " << step << " seq " << b << " head " << h << " column "
-                << c << " (slice [" << c0 << ", " << c1 << "), " << count[size_t(b)] << " rows)";
+                << c;
+          }
         }
       }
     };
@@ -362,8 +382,8 @@ void run_against_cpu(bool offload) {
       }
     }
   }
-  // The scores agree bit for bit given equal histories; fp32 vs fp64 history rows may flip a
-  // near-tie, so most (not necessarily all) sparse steps select identically.
+  // The scores agree to fp32 rounding given equal histories; that and fp32 vs fp64 history
+  // rows may flip a near-tie, so most (not necessarily all) sparse steps select identically.
   EXPECT_GE(same_selection * 4, sparse_steps * 3) << same_selection << " of " << sparse_steps;
   if (offload) {
     const auto os = gpu.offload_stats();

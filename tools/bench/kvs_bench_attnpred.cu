@@ -248,6 +248,7 @@ int main(int argc, char** argv) try {
     cnn.edge = dalloc<float>(ap::CnnCache::edge_floats(hist));
     cnn.count = dalloc<int32_t>(1);
     cnn.end = dalloc<int32_t>(1);
+    cnn.sum = dalloc<long long>(ap::CnnCache::sum_values(hist));
     KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(cnn, 1, stream));
     float* scores = dalloc<float>(size_t(hq) * mb);
     uint8_t* flags = dalloc<uint8_t>(size_t(hkv) * mb);
@@ -356,12 +357,13 @@ int main(int argc, char** argv) try {
       cudaFreeHost(hk[size_t(l)]);
       cudaFreeHost(hv[size_t(l)]);
     }
-    for (void* p :
-         {(void*)table, (void*)len, (void*)q, (void*)out, dws, ws_gpu, ws_off, (void*)hist.rows,
-          (void*)hist.count, (void*)hist.tokens, (void*)cnn.s, (void*)cnn.edge, (void*)cnn.count,
-          (void*)cnn.end, (void*)dparams, (void*)scores, (void*)flags,
-          (void*)sel.rows, (void*)sel.tokens, (void*)sel.counts, sws, rs})
+    for (void* p : {(void*)table, (void*)len, (void*)q, (void*)out, dws, ws_gpu, ws_off})
       cudaFree(p);
+    for (void* p : {(void*)hist.rows, (void*)hist.count, (void*)hist.tokens, (void*)cnn.s})
+      cudaFree(p);
+    for (void* p : {(void*)cnn.edge, (void*)cnn.count, (void*)cnn.end, (void*)dparams}) cudaFree(p);
+    for (void* p : {(void*)scores, (void*)flags, (void*)sel.rows, (void*)sel.tokens}) cudaFree(p);
+    for (void* p : {(void*)sel.counts, sws, rs, (void*)cnn.sum}) cudaFree(p);
     cudaFreeHost(lens_host);
   }
   cudaStreamDestroy(stream);
