@@ -190,6 +190,7 @@ AttnPredEngine::~AttnPredEngine() {
     cudaFree(ls.cnn.count);
     cudaFree(ls.cnn.end);
     cudaFree(ls.cnn.sum);
+    cudaFree(ls.cnn.frags);
     cudaFree(ls.flags);
     if (ls.cache.k) {
       cudaFree(ls.cache.k);
@@ -241,6 +242,7 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
     ls.cnn.count = device_alloc<int32_t>(B);
     ls.cnn.end = device_alloc<int32_t>(B);
     ls.cnn.sum = device_alloc<long long>(int64_t(ap::CnnCache::sum_values(h)));
+    ls.cnn.frags = device_alloc<uint32_t>(ap::kCnnFragWords);
     ls.flags = device_alloc<uint8_t>(n_flags);
     if (config_.attnpred.offload) {
       ap::BlockCache& c = ls.cache;
@@ -327,7 +329,7 @@ void AttnPredEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) 
   ls.prefetch_pending = false;
   KVS_CUDA_CHECK(cudaMemsetAsync(h.rows, 0, size_t(kv.batch) * row_elems * sizeof(float), stream));
   KVS_CUDA_CHECK(cudaMemsetAsync(h.count, 0, size_t(kv.batch) * sizeof(int32_t), stream));
-  KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(ls.cnn, kv.batch, stream));
+  KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(device_params_, ls.cnn, kv.batch, stream));
   KVS_CUDA_CHECK(cudaMemcpyAsync(h.tokens, kv.seq_lens, size_t(kv.batch) * sizeof(int32_t),
                                  cudaMemcpyDefault, stream));
   KVS_CUDA_CHECK(cudaMemsetAsync(

@@ -18,8 +18,8 @@
 //   selection  one CTA per (sequence, kv head), a run of blocks per thread: attended-token
 //              counts, one block scan, scatter of token ids and rows into the sub-request
 //              page table.
-//   row        scores q.k for the group's query heads (each K row read once per group, one
-//              row per thread) with per-chunk softmax partials, then one CTA per
+//   row        scores q.k for the group's query heads (each K row read once per group, by
+//              16-byte lanes) with per-chunk softmax partials, then one CTA per
 //              (sequence, query head, 1024-position chunk): log-sum-exp from the partials and
 //              the chunk's max-pool by a warp segmented max + one atomicMax per block run.
 //   resident   plan (one CTA per (sequence, kv head): free slots, assign missing blocks) and a
@@ -88,8 +88,40 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Every thread calls this: the shared parameters and the thread's B fragments.
-__device__ __forceinline__ void load_weights(const float* __restrict__ params, CnnWeights& cw,
+// The thread's B fragments, from the packed parameters (conv2's N tile: the warp's % 4).
+__device__ __forceinline__ void make_frags(const float* __restrict__ params, int lane, int nt2,
+                                           CnnFrags& f) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const float* w1 = params + kParamW1 + (nt * 8 + g) * 9;  // [tap] of channel nt * 8 + g
+    f.w1[nt][0] = pack_half2(w1[2 * t], w1[2 * t + 1]);
+    f.w1[nt][1] = pack_half2(t == 0 ? w1[8] : 0.f, 0.f);
+  }
+  const float* w2 = params + kParamW2 + (nt2 * 8 + g) * kConv1Channels * 9;  // [ci][tap]
+#pragma unroll
+  for (int tap = 0; tap < kTaps; ++tap) {
+    f.w2[tap][0] = pack_half2(w2[(2 * t) * 9 + tap], w2[(2 * t + 1) * 9 + tap]);
+    f.w2[tap][1] = pack_half2(w2[(2 * t + 8) * 9 + tap], w2[(2 * t + 9) * 9 + tap]);
+  }
+}
+
+// CnnCache::frags: every (conv2 N tile, lane)'s CnnFrags, contiguous per lane, so a thread
+// loads its own with 8-byte loads instead of gathering 78 scattered parameters.
+constexpr int kFragWords = sizeof(CnnFrags) / 4;
+static_assert(kFragWords % 2 == 0 && 4 * 32 * kFragWords == kCnnFragWords, "frags layout");
+
+__global__ void pack_frags_kernel(const float* __restrict__ params, uint32_t* frags) {
+  CnnFrags f;
+  make_frags(params, threadIdx.x % 32, threadIdx.x / 32, f);
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(&f);
+  for (int i = 0; i < kFragWords; ++i) frags[threadIdx.x * kFragWords + i] = w[i];
+}
+
+// Every thread calls this: the shared parameters, and the thread's B fragments (from the
+// packed copy when there is one).
+__device__ __forceinline__ void load_weights(const float* __restrict__ params,
+                                             const uint32_t* __restrict__ frags, CnnWeights& cw,
                                              CnnFrags& f) {
   for (int i = threadIdx.x; i < kConv1Channels; i += blockDim.x) cw.b1[i] = params[kParamB1 + i];
   for (int i = threadIdx.x; i < kConv2Channels; i += blockDim.x) {
@@ -97,19 +129,23 @@ __device__ __forceinline__ void load_weights(const float* __restrict__ params, C
     cw.w3[i] = params[kParamW3 + i];
   }
   if (threadIdx.x == 0) cw.b3 = params[kParamB3];
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    const float* w1 = params + kParamW1 + (nt * 8 + g) * 9;  // [tap] of channel nt * 8 + g
-    f.w1[nt][0] = pack_half2(w1[2 * t], w1[2 * t + 1]);
-    f.w1[nt][1] = pack_half2(t == 0 ? w1[8] : 0.f, 0.f);
+  const int lane = threadIdx.x & 31, nt2 = threadIdx.x / 32 % 4;
+  if (!frags) {
+    make_frags(params, lane, nt2, f);
+    return;
   }
-  const int n = (threadIdx.x / 32 % 4) * 8 + g;
-  const float* w2 = params + kParamW2 + n * kConv1Channels * 9;  // [ci][tap] of channel n
+  const uint2* src = reinterpret_cast<const uint2*>(frags + (nt2 * 32 + lane) * kFragWords);
+  uint2 v[kFragWords / 2];
+#pragma unroll
+  for (int i = 0; i < kFragWords / 2; ++i) v[i] = src[i];
+  f.w1[0][0] = v[0].x;
+  f.w1[0][1] = v[0].y;
+  f.w1[1][0] = v[1].x;
+  f.w1[1][1] = v[1].y;
 #pragma unroll
   for (int tap = 0; tap < kTaps; ++tap) {
-    f.w2[tap][0] = pack_half2(w2[(2 * t) * 9 + tap], w2[(2 * t + 1) * 9 + tap]);
-    f.w2[tap][1] = pack_half2(w2[(2 * t + 8) * 9 + tap], w2[(2 * t + 9) * 9 + tap]);
+    f.w2[tap][0] = v[2 + tap].x;
+    f.w2[tap][1] = v[2 + tap].y;
   }
 }
 
@@ -326,7 +362,7 @@ __global__ void __launch_bounds__(kCnnThreads)
   __shared__ BandSmem sm;
   CnnFrags f;
   const int n = blockIdx.y, x0 = blockIdx.x * kTile;
-  load_weights(params, cw, f);
+  load_weights(params, nullptr, cw, f);
   __syncthreads();
   long long sum = 0;  // thread x - x0's time sum
   conv_all_rows(
@@ -399,7 +435,7 @@ __global__ void __launch_bounds__(kCnnThreads, 5)
   if (blockIdx.x < n_tiles) {
     const int x0 = blockIdx.x * kTile;
     if (x0 >= W) return;
-    load_weights(params, cw, f);
+    load_weights(params, cache.frags, cw, f);
     __syncthreads();
     if (!incremental) {
       long long sum = 0;
@@ -426,7 +462,7 @@ __global__ void __launch_bounds__(kCnnThreads, 5)
   if (!incremental || end == c1) return;
   const int ra = 2 + (blockIdx.x - n_tiles) * kFixRows, rb = min(ra + kFixRows, H - 3);
   if (ra >= rb) return;
-  load_weights(params, cw, f);
+  load_weights(params, cache.frags, cw, f);
   __syncthreads();
   conv_points(cw, f, sm.fix, row, H, W, ra, rb, max(0, end - 2 - ps.c0), W,
               [&](int r, int x, float v) {
@@ -598,19 +634,22 @@ __device__ __forceinline__ float2 merge_partial(float2 a, float2 b) {
   return make_float2(m, a.y * expf(a.x - m) + b.y * expf(b.x - m));
 }
 
-// Scores of the list positions [i0, i0 + kScoreChunk) of (b, kv head h) for its query heads (one
-// key per thread: its row read as 16-byte loads, the group's queries broadcast from shared
-// memory), and per query head the chunk's softmax partial. The CTAs of chunk y also zero
-// their share of the history slot the row goes to (row_pool_kernel's atomicMax needs a zeroed
-// row; it runs after this kernel).
+// Scores of the list positions [i0, i0 + kScoreChunk) of (b, kv head h) for its query heads,
+// and per query head the chunk's softmax partial. A key row is read by D / 8 lanes (16 bytes
+// each, coalesced), 4 keys per lane group in flight; each lane keeps its 8 elements of the
+// group's queries in registers, and the dot products are reduced across the lane group. The
+// CTAs of chunk y also zero their share of the history slot the row goes to (row_pool_kernel's
+// atomicMax needs a zeroed row; it runs after this kernel).
 template <int D>
 __global__ void __launch_bounds__(kThreads)
     row_scores_kernel(const bf16* __restrict__ q_raw, int num_q_heads, PagedKV view, bool sub,
                       int num_kv_heads, float scale, float* scores, int max_tokens,
                       float2* __restrict__ partials, int num_chunks, HistoryState hist) {
-  constexpr int kWarps = kThreads / 32, kVec = D / 8;  // 16-byte pieces of a key row
-  __shared__ __align__(16) float qs[kMaxGroup][D];
-  __shared__ float2 warp_part[kWarps][kMaxGroup];
+  constexpr int kLanes = D / 8, kGroups = 32 / kLanes;  // lanes per key, keys per warp step
+  constexpr int kWarps = kThreads / 32, kBatch = 4;
+  constexpr int kSteps = kScoreChunk / (kWarps * kGroups);  // key steps per warp
+  static_assert(kSteps % kBatch == 0, "whole batches");
+  __shared__ float2 warp_part[kWarps][kGroups][kMaxGroup];
   const int bh = blockIdx.x, tid = threadIdx.x, chunk = blockIdx.y;
   const int b = bh / num_kv_heads, h = bh % num_kv_heads;
   const int g = num_q_heads / num_kv_heads;
@@ -626,71 +665,63 @@ __global__ void __launch_bounds__(kThreads)
   const int n = view.seq_lens[seq];
   const int i0 = chunk * kScoreChunk;
   if (i0 >= n) return;
-  const bf* q = reinterpret_cast<const bf*>(q_raw) + (int64_t(b) * num_q_heads + h * g) * D;
-  for (int i = tid; i < g * D; i += kThreads) qs[i / D][i % D] = __bfloat162float(q[i]);
-  __syncthreads();
-  float2 part[kMaxGroup];
+  const int lane = tid & 31, warp = tid >> 5, sub_lane = lane % kLanes, grp = lane / kLanes;
+  // This lane's 8 elements of each query head (bf16 pairs widened: high half = first shift).
+  float qr[kMaxGroup][8];
+  {
+    const bf* q = reinterpret_cast<const bf*>(q_raw) + (int64_t(b) * num_q_heads + h * g) * D;
 #pragma unroll
-  for (int j = 0; j < kMaxGroup; ++j) part[j] = make_float2(-INFINITY, 0.f);
-  // One key per thread and no loop: a loop would let the compiler hoist all the queries'
-  // shared-memory loads into registers (and spill).
-  const int i = i0 + tid;
-  if (i < n) {
-    const uint4* k = reinterpret_cast<const uint4*>(view.k + view.offset(seq, i, kvh));
-    uint4 kr[kVec];
+    for (int j = 0; j < kMaxGroup; ++j)
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) kr[v] = k[v];
-    float dot[kMaxGroup];
+      for (int u = 0; u < 8; ++u)
+        qr[j][u] = j < g ? __bfloat162float(q[j * D + sub_lane * 8 + u]) : 0.f;
+  }
+  float2 part = make_float2(-INFINITY, 0.f);  // query head sub_lane's partial (sub_lane < g)
+  for (int step = 0; step < kSteps; step += kBatch) {
+    uint4 kr[kBatch];
 #pragma unroll
-    for (int j = 0; j < kMaxGroup; ++j) dot[j] = 0.f;
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + ((step + u) * kWarps + warp) * kGroups + grp;
+      const bf16* k = view.k + view.offset(seq, min(i, n - 1), kvh);
+      kr[u] = reinterpret_cast<const uint4*>(k)[sub_lane];
+    }
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) {
-      // bf16 -> fp32 is a shift into the high half (low half first in memory).
-      const uint32_t w[4] = {kr[v].x, kr[v].y, kr[v].z, kr[v].w};
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + ((step + u) * kWarps + warp) * kGroups + grp;
+      const uint32_t w[4] = {kr[u].x, kr[u].y, kr[u].z, kr[u].w};
       float kf[8];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        kf[2 * u] = __uint_as_float(w[u] << 16);
-        kf[2 * u + 1] = __uint_as_float(w[u] & 0xffff0000u);
+      for (int e = 0; e < 4; ++e) {  // bf16 -> fp32: a shift into the high half
+        kf[2 * e] = __uint_as_float(w[e] << 16);
+        kf[2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
       }
 #pragma unroll
       for (int j = 0; j < kMaxGroup; ++j) {
         if (j >= g) continue;
-        const float4 qa = *reinterpret_cast<const float4*>(&qs[j][v * 8]);
-        const float4 qb = *reinterpret_cast<const float4*>(&qs[j][v * 8 + 4]);
-        dot[j] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
-                  qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
-      }
-    }
+        float dot = 0.f;
 #pragma unroll
-    for (int j = 0; j < kMaxGroup; ++j) {
-      if (j >= g) continue;
-      const float x = dot[j] * scale;
-      scores[(int64_t(b) * num_q_heads + h * g + j) * max_tokens + i] = x;
-      if (x > part[j].x) {
-        part[j].y = part[j].y * expf(part[j].x - x) + 1.f;
-        part[j].x = x;
-      } else {
-        part[j].y += expf(x - part[j].x);
+        for (int e = 0; e < 8; ++e) dot += qr[j][e] * kf[e];
+#pragma unroll
+        for (int o = kLanes / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        if (sub_lane == j && i < n) {
+          const float x = dot * scale;
+          scores[(int64_t(b) * num_q_heads + h * g + j) * max_tokens + i] = x;
+          if (x > part.x) {
+            part.y = part.y * expf(part.x - x) + 1.f;
+            part.x = x;
+          } else {
+            part.y += expf(x - part.x);
+          }
+        }
       }
     }
   }
-  const int lane = tid & 31, warp = tid >> 5;
-#pragma unroll
-  for (int j = 0; j < kMaxGroup; ++j) {
-    if (j >= g) continue;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float2 other = make_float2(__shfl_xor_sync(0xffffffffu, part[j].x, o),
-                                       __shfl_xor_sync(0xffffffffu, part[j].y, o));
-      part[j] = merge_partial(part[j], other);
-    }
-    if (lane == 0) warp_part[warp][j] = part[j];
-  }
+  if (sub_lane < g) warp_part[warp][grp][sub_lane] = part;
   __syncthreads();
   if (tid < g) {
     float2 p = make_float2(-INFINITY, 0.f);
-    for (int w = 0; w < kWarps; ++w) p = merge_partial(p, warp_part[w][tid]);
+    for (int w = 0; w < kWarps; ++w)
+      for (int q = 0; q < kGroups; ++q) p = merge_partial(p, warp_part[w][q][tid]);
     partials[(int64_t(b) * num_q_heads + h * g + tid) * num_chunks + chunk] = p;
   }
 }
@@ -904,9 +935,11 @@ cudaError_t cnn_forward_cuda(const float* params, const float* x, int n, int H, 
   return cudaGetLastError();
 }
 
-cudaError_t reset_cnn_cache_cuda(const CnnCache& cache, int batch, cudaStream_t stream) {
+cudaError_t reset_cnn_cache_cuda(const float* params, const CnnCache& cache, int batch,
+                                 cudaStream_t stream) {
   if (batch <= 0) return cudaSuccess;
-  if (!cache.count) return cudaErrorInvalidValue;
+  if (!cache.count || !cache.frags) return cudaErrorInvalidValue;
+  pack_frags_kernel<<<1, 4 * 32, 0, stream>>>(params, cache.frags);
   reset_cnn_cache_kernel<<<(batch + 127) / 128, 128, 0, stream>>>(cache, batch);
   return cudaGetLastError();
 }
@@ -914,7 +947,8 @@ cudaError_t reset_cnn_cache_cuda(const CnnCache& cache, int batch, cudaStream_t 
 cudaError_t predict_cuda(const float* params, const HistoryState& hist, const CnnCache& cache,
                          int batch, const Geometry& g, float* scores, cudaStream_t stream) {
   if (batch <= 0) return cudaSuccess;
-  if (!cache.s || !cache.edge || !cache.count || !cache.end || !cache.sum || hist.history < 1)
+  if (!cache.s || !cache.edge || !cache.count || !cache.end || !cache.sum || !cache.frags ||
+      hist.history < 1)
     return cudaErrorInvalidValue;
   const int n_tiles = (hist.max_blocks + kTile - 1) / kTile;
   const int n_fix = (std::max(0, hist.history - 5) + kFixRows - 1) / kFixRows;

@@ -150,12 +150,15 @@ cudaError_t cnn_forward_cuda(const float* params, const float* x, int n, int H, 
 // Anything else (the first prediction after a prefill, more than one row appended since the
 // last prediction, the end moving back or by more than 2 blocks, H < 5) recomputes every row.
 // Either way the result is bit for bit the full recompute's.
+constexpr int kCnnFragWords = 4 * 32 * 22;  // 4 conv2 N tiles x 32 lanes x 22 words
+
 struct CnnCache {
-  float* s = nullptr;        ///< [max_batch, Hq, history, max_blocks]: s of each ring slot
-  float* edge = nullptr;     ///< [max_batch, Hq, 4, max_blocks]: s of the edge rows
-  int32_t* count = nullptr;  ///< [max_batch] history count s was last brought up to (-1: none)
-  int32_t* end = nullptr;    ///< [max_batch] candidate_end s's right columns were computed for
-  long long* sum = nullptr;  ///< [max_batch, Hq, max_blocks]: interior rows' fixed-point sum
+  float* s = nullptr;         ///< [max_batch, Hq, history, max_blocks]: s of each ring slot
+  float* edge = nullptr;      ///< [max_batch, Hq, 4, max_blocks]: s of the edge rows
+  int32_t* count = nullptr;   ///< [max_batch] history count s was last brought up to (-1: none)
+  int32_t* end = nullptr;     ///< [max_batch] candidate_end s's right columns were computed for
+  long long* sum = nullptr;   ///< [max_batch, Hq, max_blocks]: interior rows' fixed-point sum
+  uint32_t* frags = nullptr;  ///< [kCnnFragWords]: the CNN's weights as MMA fragments
 
   static size_t s_floats(const HistoryState& h) {
     return size_t(h.max_batch) * h.num_q_heads * h.history * h.max_blocks;
@@ -169,7 +172,9 @@ struct CnnCache {
 };
 
 // Marks the cache of sequences [0, batch) empty (prefill): the next prediction recomputes all.
-cudaError_t reset_cnn_cache_cuda(const CnnCache& cache, int batch, cudaStream_t stream);
+// Also packs `params` (the weights predict_cuda will be called with) into cache.frags.
+cudaError_t reset_cnn_cache_cuda(const float* params, const CnnCache& cache, int batch,
+                                 cudaStream_t stream);
 
 // CNN over every (b < batch, h) history's candidate slice: scores [max_batch, Hq, max_blocks]
 // get the predictions at their absolute column indices (columns outside the slice untouched).

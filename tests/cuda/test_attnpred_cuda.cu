@@ -95,12 +95,13 @@ TEST(AttnPredCuda, IncrementalPredictorEqualsFullRecomputeEveryStep) {
     Dev<float> cs(ap::CnnCache::s_floats(dh)), ce(ap::CnnCache::edge_floats(dh));
     Dev<int32_t> cc(B), cend(B);
     Dev<long long> csum(ap::CnnCache::sum_values(dh));
-    const ap::CnnCache cache{cs.p, ce.p, cc.p, cend.p, csum.p};
-    KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(cache, B, nullptr));
+    Dev<uint32_t> cfrags(ap::kCnnFragWords), ffrags(ap::kCnnFragWords);
+    const ap::CnnCache cache{cs.p, ce.p, cc.p, cend.p, csum.p, cfrags.p};
+    KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(dp.p, cache, B, nullptr));
     Dev<float> fs(ap::CnnCache::s_floats(dh)), fe(ap::CnnCache::edge_floats(dh));
     Dev<int32_t> fc(B), fend(B);
     Dev<long long> fsum(ap::CnnCache::sum_values(dh));
-    const ap::CnnCache full{fs.p, fe.p, fc.p, fend.p, fsum.p};
+    const ap::CnnCache full{fs.p, fe.p, fc.p, fend.p, fsum.p, ffrags.p};
     Dev<float> dscores(size_t(B) * hq * mb), dfull(size_t(B) * hq * mb);
     std::mt19937 rng(uint32_t(40 + H));
     std::uniform_real_distribution<float> u(0.f, 0.1f);
@@ -117,7 +118,7 @@ TEST(AttnPredCuda, IncrementalPredictorEqualsFullRecomputeEveryStep) {
       KVS_CUDA_CHECK(cudaMemcpy(dcount.p, count.data(), B * 4, cudaMemcpyHostToDevice));
       KVS_CUDA_CHECK(cudaMemcpy(dtokens.p, tokens.data(), B * 4, cudaMemcpyHostToDevice));
       KVS_CUDA_CHECK(ap::predict_cuda(dp.p, dh, cache, B, geo, dscores.p, nullptr));
-      KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(full, B, nullptr));
+      KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(dp.p, full, B, nullptr));
       KVS_CUDA_CHECK(ap::predict_cuda(dp.p, dh, full, B, geo, dfull.p, nullptr));
       const std::vector<float> got = dscores.get(size_t(B) * hq * mb);
       const std::vector<float> want = dfull.get(size_t(B) * hq * mb);
@@ -146,7 +147,7 @@ TEST(AttnPredCuda, IncrementalPredictorEqualsFullRecomputeEveryStep) {
         append(b);
       }
       if (step % 7 == 3) append(1);
-      if (step == H / 2 + 4) KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(cache, B, nullptr));
+      if (step == H / 2 + 4) KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(dp.p, cache, B, nullptr));
       check(step);
       if (step % 5 == 2) check(step);
     }

@@ -249,9 +249,10 @@ int main(int argc, char** argv) try {
     cnn.count = dalloc<int32_t>(1);
     cnn.end = dalloc<int32_t>(1);
     cnn.sum = dalloc<long long>(ap::CnnCache::sum_values(hist));
-    KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(cnn, 1, stream));
+    cnn.frags = dalloc<uint32_t>(ap::kCnnFragWords);
     float* scores = dalloc<float>(size_t(hq) * mb);
     uint8_t* flags = dalloc<uint8_t>(size_t(hkv) * mb);
+    KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(dparams, cnn, 1, stream));
     set_len(0);
     // A decode step's predictor: one row appended since the last prediction, the slice end
     // where it was (the stored rows' end columns are recomputed one step in 16 as the
@@ -363,7 +364,7 @@ int main(int argc, char** argv) try {
       cudaFree(p);
     for (void* p : {(void*)cnn.edge, (void*)cnn.count, (void*)cnn.end, (void*)dparams}) cudaFree(p);
     for (void* p : {(void*)scores, (void*)flags, (void*)sel.rows, (void*)sel.tokens}) cudaFree(p);
-    for (void* p : {(void*)sel.counts, sws, rs, (void*)cnn.sum}) cudaFree(p);
+    for (void* p : {(void*)sel.counts, sws, rs, (void*)cnn.sum, (void*)cnn.frags}) cudaFree(p);
     cudaFreeHost(lens_host);
   }
   cudaStreamDestroy(stream);
