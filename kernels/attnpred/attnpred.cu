@@ -22,9 +22,10 @@
 //              16-byte lanes) with per-chunk softmax partials, then one CTA per
 //              (sequence, query head, 1024-position chunk): log-sum-exp from the partials and
 //              the chunk's max-pool by a warp segmented max + one atomicMax per block run.
-//   resident   plan (one CTA per (sequence, kv head): free slots, assign missing blocks) and a
-//              grid-stride copy kernel reading mapped pinned host memory: the block list never
-//              leaves the GPU, so no host sync is needed to issue the copies.
+//   resident   plan (one CTA per (sequence, kv head), runs of slots and blocks per thread: free
+//              slots, assign missing blocks) and a copy kernel with one warp per (head, list
+//              entry) reading mapped pinned host memory: the block list never leaves the GPU,
+//              so no host sync is needed to issue the copies.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -219,10 +220,11 @@ __device__ __forceinline__ float sum_parts(const float* part, int stride, int p)
 constexpr int kC1Tiles = (kTile + 2 + 15) / 16;  // conv1 M tiles of a band row (66 positions)
 constexpr int kXinW = kC1Tiles * 16 + 2;         // input columns the conv1 tiles read
 
+// Two bands of at most kMaxRows conv2 rows each, computed in one pass.
 struct BandSmem {
-  __half xin[kMaxRows + 4][kXinW];  // fp16 input rows ra-2 .. rb+1; columns from x0 - 2
-  __align__(16) __half c1[kMaxRows + 2][kTile + 2][kC1Stride];  // relu(conv1) ra-1 .. rb
-  float part[kMaxRows][4][kTile];                               // s shares of the 4 N tiles
+  __half xin[2][kMaxRows + 4][kXinW];  // fp16 input rows ra-2 .. rb+1; columns from x0 - 2
+  __align__(16) __half c1[2][kMaxRows + 2][kTile + 2][kC1Stride];  // relu(conv1) ra-1 .. rb
+  float part[2][kMaxRows][4][kTile];                               // s shares of the N tiles
 };
 
 constexpr int kFixC1 = (kFixRows + 2) * (kFixCols + 2);  // conv1 positions of a fix-up
@@ -232,65 +234,88 @@ struct FixSmem {
   float part[4][kFixRows * kFixCols];
 };
 
-// s of conv2 rows [ra, rb) (at most kMaxRows) over the columns [x0, x0 + kTile) of one CNN
-// input of H rows and W columns (row(r): the row's column 0, or nullptr for a row of zeros).
-// sink(r, x, s) is called by thread x - x0 for every x < W, rows in order. All rows' inputs
-// are loaded at once (one global round trip per call). Every thread of the CTA calls this.
+// s of the conv2 rows [ra0, rb0) and [ra1, rb1) (each at most kMaxRows, ascending, the second
+// possibly empty) over the columns [x0, x0 + kTile) of one CNN input of H rows and W columns
+// (row(r): the row's column 0, or nullptr for a row of zeros). sink(r, x, s) is called by
+// thread x - x0 for every x < W, rows in order. Both bands' inputs are loaded at once, then
+// convolved together: one global round trip and four barriers per call. Every thread of the
+// CTA calls this.
 template <class Row, class Sink>
 __device__ __forceinline__ void conv_rows(const CnnWeights& cw, const CnnFrags& f, BandSmem& sm,
-                                          Row row, int H, int W, int x0, int ra, int rb,
-                                          Sink sink) {
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, nr = rb - ra;
+                                          Row row, int H, int W, int x0, int ra0, int rb0, int ra1,
+                                          int rb1, Sink sink) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  for (int i = tid; i < (nr + 4) * kXinW; i += kCnnThreads) {
-    const int lr = i / kXinW, k = i % kXinW, r = ra - 2 + lr, c = x0 - 2 + k;
-    const float* src = (r >= 0 && r < H) ? row(r) : nullptr;
-    sm.xin[lr][k] = __float2half_rn((src && c >= 0 && c < W) ? src[c] : 0.f);
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int ra = q ? ra1 : ra0, nr = q ? rb1 - ra1 : rb0 - ra0;
+    if (nr <= 0) continue;
+    for (int i = tid; i < (nr + 4) * kXinW; i += kCnnThreads) {
+      const int lr = i / kXinW, k = i % kXinW, r = ra - 2 + lr, c = x0 - 2 + k;
+      const float* src = (r >= 0 && r < H) ? row(r) : nullptr;
+      sm.xin[q][lr][k] = __float2half_rn((src && c >= 0 && c < W) ? src[c] : 0.f);
+    }
   }
   __syncthreads();
   // relu(conv1) rows ra-1 .. rb (local lr), positions j = column x0 - 1 + j: task = (lr, M
   // tile, N tile).
-  for (int task = warp; task < (nr + 2) * kC1Tiles * 2; task += kCnnThreads / 32) {
-    const int nt = task % 2, mt = task / 2 % kC1Tiles, lr = task / 2 / kC1Tiles;
-    const int r = ra - 1 + lr, m0 = mt * 16;
-    conv1_tile(
-        cw, f, nt, [&](int m, int dy, int dx) { return sm.xin[lr + dy][m0 + m + dx]; },
-        [&](int m) {
-          const int c = x0 - 1 + m0 + m;
-          return r >= 0 && r < H && c >= 0 && c < W;
-        },
-        [&](int m, uint32_t word) {
-          if (m0 + m < kTile + 2)
-            *reinterpret_cast<uint32_t*>(&sm.c1[lr][m0 + m][nt * 8 + 2 * t]) = word;
-        });
-  }
-  __syncthreads();
-  for (int lr = 0; lr < nr; ++lr) {  // conv2 row ra + lr from relu(conv1) rows lr .. lr + 2
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-      const int m0 = (warp / 4 + 2 * mi) * 16;
-      conv2_tile(
-          cw, f,
-          [&](int dy, int dx, int half) {
-            const uint32_t* base = reinterpret_cast<const uint32_t*>(&sm.c1[lr + dy][0][0]);
-            return base + (m0 + g + 8 * half + dx) * kC1Words + t;
+  for (int q = 0; q < 2; ++q) {
+    const int ra = q ? ra1 : ra0, nr = q ? rb1 - ra1 : rb0 - ra0;
+    if (nr <= 0) continue;
+    for (int task = warp; task < (nr + 2) * kC1Tiles * 2; task += kCnnThreads / 32) {
+      const int nt = task % 2, mt = task / 2 % kC1Tiles, lr = task / 2 / kC1Tiles;
+      const int r = ra - 1 + lr, m0 = mt * 16;
+      conv1_tile(
+          cw, f, nt, [&](int m, int dy, int dx) { return sm.xin[q][lr + dy][m0 + m + dx]; },
+          [&](int m) {
+            const int c = x0 - 1 + m0 + m;
+            return r >= 0 && r < H && c >= 0 && c < W;
           },
-          &sm.part[lr][0][0], kTile, m0);
+          [&](int m, uint32_t word) {
+            if (m0 + m < kTile + 2)
+              *reinterpret_cast<uint32_t*>(&sm.c1[q][lr][m0 + m][nt * 8 + 2 * t]) = word;
+          });
     }
   }
   __syncthreads();
-  if (tid < kTile && x0 + tid < W)
-    for (int lr = 0; lr < nr; ++lr)
-      sink(ra + lr, x0 + tid, sum_parts(&sm.part[lr][0][0], kTile, tid));
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int nr = q ? rb1 - ra1 : rb0 - ra0;
+    for (int lr = 0; lr < nr; ++lr) {  // conv2 row ra + lr from relu(conv1) rows lr .. lr + 2
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        const int m0 = (warp / 4 + 2 * mi) * 16;
+        conv2_tile(
+            cw, f,
+            [&](int dy, int dx, int half) {
+              const uint32_t* base = reinterpret_cast<const uint32_t*>(&sm.c1[q][lr + dy][0][0]);
+              return base + (m0 + g + 8 * half + dx) * kC1Words + t;
+            },
+            &sm.part[q][lr][0][0], kTile, m0);
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < kTile && x0 + tid < W) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int ra = q ? ra1 : ra0, nr = q ? rb1 - ra1 : rb0 - ra0;
+      for (int lr = 0; lr < nr; ++lr)
+        sink(ra + lr, x0 + tid, sum_parts(&sm.part[q][lr][0][0], kTile, tid));
+    }
+  }
   __syncthreads();  // shared memory free for the next call
 }
 
-// conv_rows over all H rows, kMaxRows at a time.
+// conv_rows over all H rows, two bands of kMaxRows at a time.
 template <class Row, class Sink>
 __device__ __forceinline__ void conv_all_rows(const CnnWeights& cw, const CnnFrags& f, BandSmem& sm,
                                               Row row, int H, int W, int x0, Sink sink) {
-  for (int ra = 0; ra < H; ra += kMaxRows)
-    conv_rows(cw, f, sm, row, H, W, x0, ra, min(H, ra + kMaxRows), sink);
+  for (int ra = 0; ra < H; ra += 2 * kMaxRows) {
+    const int mid = min(H, ra + kMaxRows);
+    conv_rows(cw, f, sm, row, H, W, x0, ra, mid, mid, min(H, mid + kMaxRows), sink);
+  }
 }
 
 // s of conv2 rows [ra, rb) (at most kFixRows) x columns [xa, xb) (at most kFixCols) of one
@@ -455,8 +480,7 @@ __global__ void __launch_bounds__(kCnnThreads, 5)
       }
       *dst = v;
     };
-    conv_rows(cw, f, sm.band, row, H, W, x0, 0, 2, store);
-    conv_rows(cw, f, sm.band, row, H, W, x0, H - 3, H, store);
+    conv_rows(cw, f, sm.band, row, H, W, x0, 0, 2, H - 3, H, store);
     return;
   }
   if (!incremental || end == c1) return;
@@ -794,12 +818,12 @@ __device__ __forceinline__ bool wanted(const Geometry& g, int j, int n_next, con
   return j * g.block < g.sink || fl[j] || (j + 1) * g.block > n_next - g.recent;
 }
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kSelThreads)
     plan_resident_kernel(const int32_t* __restrict__ kv_lens, const uint8_t* __restrict__ flags,
                          Geometry g, int len_delta, bool skip_tail,
                          const int32_t* __restrict__ copied_lens, BlockCache cache,
                          unsigned long long* counters) {
-  using Scan = cub::BlockScan<int, kThreads>;
+  using Scan = cub::BlockScan<int, kSelThreads>;
   __shared__ typename Scan::TempStorage scan;
   extern __shared__ int free_slots[];
   const int bh = blockIdx.x, tid = threadIdx.x;
@@ -812,7 +836,7 @@ __global__ void __launch_bounds__(kThreads)
   int32_t* slot_block = cache.slot_block + int64_t(bh) * cache.slots_per_head;
   int32_t* list = cache.copy_list + int64_t(bh) * cache.slots_per_head * 2;
   const int slot0 = bh * cache.slots_per_head;
-  for (int s = tid; s < cache.slots_per_head; s += kThreads) {
+  for (int s = tid; s < cache.slots_per_head; s += kSelThreads) {
     const int blk = slot_block[s];
     if (blk >= 0 && !wanted(g, blk, n_next, fl, skip_tail)) {
       slot_block[s] = -1;
@@ -820,34 +844,46 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  int nfree = 0;
-  for (int base = 0; base < cache.slots_per_head; base += kThreads) {
-    const int s = base + tid;
-    const int f = (s < cache.slots_per_head && slot_block[s] < 0) ? 1 : 0;
-    int pos, total;
-    Scan(scan).ExclusiveSum(f, pos, total);
-    if (f) free_slots[nfree + pos] = s;
-    nfree += total;
-    __syncthreads();
-  }
+  // Free slots in ascending order: a contiguous run of slots per thread, one block scan.
+  const int sper = (cache.slots_per_head + kSelThreads - 1) / kSelThreads;
+  const int s0 = min(cache.slots_per_head, tid * sper);
+  const int s1 = min(cache.slots_per_head, s0 + sper);
+  int my_free = 0;
+  for (int sl = s0; sl < s1; ++sl) my_free += slot_block[sl] < 0;
+  int fpos, nfree;
+  Scan(scan).ExclusiveSum(my_free, fpos, nfree);
+  for (int sl = s0; sl < s1; ++sl)
+    if (slot_block[sl] < 0) free_slots[fpos++] = sl;
+  __syncthreads();
+  // Blocks in ascending order, a contiguous run per thread: those wanted without a slot take
+  // the free slots in order; those also copied (new or stale) go to the copy list in order.
   const int nb = g.num_blocks(n_next);
-  int used = 0, copies = 0;
+  const int bper = (nb + kSelThreads - 1) / kSelThreads;
+  const int j0 = min(nb, tid * bper), j1 = min(nb, j0 + bper);
+  auto needs = [&](int j, int* need_slot, int* need_copy) {
+    const bool want = wanted(g, j, n_next, fl, skip_tail);
+    *need_slot = want && block_slot[j] < 0;
+    *need_copy = *need_slot || (want && (int64_t(j) + 1) * g.block > stale_from);
+  };
+  int my_slots = 0, my_copies = 0;
+  for (int j = j0; j < j1; ++j) {
+    int ns, nc;
+    needs(j, &ns, &nc);
+    my_slots += ns;
+    my_copies += nc;
+  }
+  int spos, stotal, cpos, ctotal;
+  Scan(scan).ExclusiveSum(my_slots, spos, stotal);
+  __syncthreads();
+  Scan(scan).ExclusiveSum(my_copies, cpos, ctotal);
   unsigned long long overflow = 0;
-  for (int base = 0; base < nb; base += kThreads) {
-    const int j = base + tid;
-    const bool want = j < nb && wanted(g, j, n_next, fl, skip_tail);
-    const int have = want ? block_slot[j] : -1;
-    const int need_slot = (want && have < 0) ? 1 : 0;
-    const bool stale = want && (int64_t(j) + 1) * g.block > stale_from;
-    const int need_copy = (need_slot || stale) ? 1 : 0;
-    int spos, stotal, cpos, ctotal;
-    Scan(scan).ExclusiveSum(need_slot, spos, stotal);
-    __syncthreads();
-    Scan(scan).ExclusiveSum(need_copy, cpos, ctotal);
-    int slot = have;
-    if (need_slot) {
-      if (used + spos < nfree) {
-        const int local = free_slots[used + spos];
+  for (int j = j0; j < j1; ++j) {
+    int ns, nc;
+    needs(j, &ns, &nc);
+    int slot = block_slot[j];
+    if (ns) {
+      if (spos < nfree) {
+        const int local = free_slots[spos];
         slot = slot0 + local;
         block_slot[j] = slot;
         slot_block[local] = j;
@@ -855,16 +891,15 @@ __global__ void __launch_bounds__(kThreads)
         slot = -1;
         ++overflow;
       }
+      ++spos;
     }
-    if (need_copy && slot >= 0) {
-      list[2 * (copies + cpos)] = j;
-      list[2 * (copies + cpos) + 1] = slot;
+    if (nc) {  // slot -1 (no free slot: counted above) is skipped by the copy kernel
+      list[2 * cpos] = j;
+      list[2 * cpos + 1] = slot;
+      ++cpos;
     }
-    used += stotal;
-    copies += ctotal;
-    __syncthreads();
   }
-  if (tid == 0) cache.copy_count[bh] = min(copies, cache.slots_per_head);
+  if (tid == 0) cache.copy_count[bh] = min(ctotal, cache.slots_per_head);
   if (counters && overflow) atomicAdd(counters + 1, overflow);
 }
 
@@ -877,27 +912,29 @@ __global__ void __launch_bounds__(kThreads)
   const int d = cache.head_dim;
   const int vec_per_row = d * 2 / 16;  // uint4 per row: 16 (d = 128) or 8 (d = 64)
   unsigned long long copied = 0;
-  const int bhs = cache.max_batch * cache.num_kv_heads;
-  for (int bh = 0; bh < bhs; ++bh) {
+  // Every (sequence, kv head, list entry) is one warp's item, so the copies of all heads are
+  // in flight together (one host round trip, not one per head).
+  const int bhs = min(cache.max_batch, host_kv.batch) * cache.num_kv_heads;
+  const int64_t items = int64_t(bhs) * cache.slots_per_head;
+  for (int64_t item = warp; item < items; item += nwarps) {
+    const int bh = int(item / cache.slots_per_head), e = int(item % cache.slots_per_head);
+    if (e >= cache.copy_count[bh]) continue;
     const int b = bh / cache.num_kv_heads, h = bh % cache.num_kv_heads;
-    if (b >= host_kv.batch) break;
-    const int count = cache.copy_count[bh];
     const int n = host_kv.seq_lens[b];
     const int32_t* list = cache.copy_list + int64_t(bh) * cache.slots_per_head * 2;
-    for (int e = warp; e < count; e += nwarps) {
-      const int j = list[2 * e], slot = list[2 * e + 1];
-      const int t0 = j * g.block, t1 = min(t0 + g.block, n);
-      for (int idx = lane; idx < (t1 - t0) * vec_per_row; idx += 32) {
-        const int t = t0 + idx / vec_per_row, v = idx % vec_per_row;
-        const int64_t src = host_kv.offset(b, t, h);
-        const int64_t dst = (int64_t(slot) * g.block + t % g.block) * d;
-        reinterpret_cast<uint4*>(cache.k + dst)[v] =
-            reinterpret_cast<const uint4*>(host_kv.k + src)[v];
-        reinterpret_cast<uint4*>(cache.v + dst)[v] =
-            reinterpret_cast<const uint4*>(host_kv.v + src)[v];
-      }
-      if (lane == 0) ++copied;
+    const int j = list[2 * e], slot = list[2 * e + 1];
+    if (slot < 0) continue;
+    const int t0 = j * g.block, t1 = min(t0 + g.block, n);
+    for (int idx = lane; idx < (t1 - t0) * vec_per_row; idx += 32) {
+      const int t = t0 + idx / vec_per_row, v = idx % vec_per_row;
+      const int64_t src = host_kv.offset(b, t, h);
+      const int64_t dst = (int64_t(slot) * g.block + t % g.block) * d;
+      reinterpret_cast<uint4*>(cache.k + dst)[v] =
+          reinterpret_cast<const uint4*>(host_kv.k + src)[v];
+      reinterpret_cast<uint4*>(cache.v + dst)[v] =
+          reinterpret_cast<const uint4*>(host_kv.v + src)[v];
     }
+    if (lane == 0) ++copied;
   }
   if (counters && copied) atomicAdd(counters, copied);
   __syncthreads();
@@ -1035,7 +1072,7 @@ cudaError_t make_resident_cuda(const PagedKV& host_kv, const uint8_t* block_flag
   if (host_kv.batch <= 0) return cudaSuccess;
   const size_t smem = size_t(cache.slots_per_head) * sizeof(int);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
-  plan_resident_kernel<<<host_kv.batch * cache.num_kv_heads, kThreads, smem, stream>>>(
+  plan_resident_kernel<<<host_kv.batch * cache.num_kv_heads, kSelThreads, smem, stream>>>(
       host_kv.seq_lens, block_flags, g, len_delta, skip_tail, copied_lens, cache, counters);
   copy_blocks_kernel<<<copy_ctas, kThreads, 0, stream>>>(host_kv, g, cache, counters, done);
   return cudaGetLastError();
