@@ -83,6 +83,21 @@ struct StateAccumulator {
     lse.add(lse_i);
   }
 
+  // Folds in another accumulator (a partial merge of other states), as if its states had
+  // been added here one by one.
+  __device__ __forceinline__ void add(const StateAccumulator& other) {
+    if (other.lse.m == -INFINITY) return;
+    if (lse.m == -INFINITY) {
+      *this = other;
+      return;
+    }
+    const float mm = fmaxf(lse.m, other.lse.m);
+    const float a = expf(lse.m - mm), b = expf(other.lse.m - mm);
+#pragma unroll
+    for (int k = 0; k < N; ++k) o[k] = fmaf(o[k], a, other.o[k] * b);
+    lse.add(other.lse);
+  }
+
   // The merged normalized o (0 when every state was empty) into out.
   __device__ __forceinline__ void normalized(float (&out)[N]) const {
     const float inv = lse.sum > 0.f ? 1.f / lse.sum : 0.f;

@@ -43,14 +43,8 @@ using tiles::kMaxGroup;
 constexpr int kMaxChunksPerHead = 512;
 constexpr int kMergeWarps = 8;
 
-// Written by the CTA of chunk 0 of each sequence; read by the merge kernel.
-struct SequencePlan {
-  int32_t first_item;
-  int32_t num_items;
-};
-
 struct WorkspaceLayout {
-  size_t plan_offset, lse_offset, o_offset, total;
+  size_t lse_offset, o_offset, total;
 };
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -58,8 +52,7 @@ size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 WorkspaceLayout workspace_layout(int max_batch, int num_q_heads, int head_dim) {
   const size_t items = size_t(kMaxChunksPerHead) + size_t(max_batch);
   WorkspaceLayout w;
-  w.plan_offset = 0;
-  w.lse_offset = align_up(sizeof(SequencePlan) * size_t(max_batch), 256);
+  w.lse_offset = 0;
   w.o_offset = w.lse_offset + align_up(sizeof(float) * items * num_q_heads, 256);
   w.total = w.o_offset + align_up(sizeof(float) * items * num_q_heads * head_dim, 256);
   return w;
@@ -74,8 +67,7 @@ struct DecodeParams {
   int group;
   int chunks_per_head;  // target chunks per kv head over the whole batch
   __nv_bfloat16* o;
-  float* lse;  // may be null
-  SequencePlan* plan;
+  float* lse;          // may be null
   float* partial_lse;  // [items, num_q_heads]
   float* partial_o;    // [items, num_q_heads, head_dim]
 };
@@ -88,33 +80,40 @@ struct WorkItem {
   int begin, end;  // token range of this chunk
 };
 
-// Tokens per chunk: total / chunks_per_head rounded up to whole rounds of tiles (align).
-// Then sum_b max(1, ceil(len_b / chunk)) <= total / chunk + batch
+// The plan, which both kernels derive from seq_lens on their own (whole warps; every lane
+// gets the same answer), so that no plan launch or stored plan sits between them.
+//
+// Tokens per chunk: the batch's total / chunks_per_head rounded up to whole rounds of tiles
+// (align). Then sum_b max(1, ceil(len_b / chunk)) <= total / chunk + batch
 // <= chunks_per_head + batch, which bounds the item count (grid.x) and the workspace.
-__device__ __forceinline__ int64_t plan_chunk(int64_t total_tokens, int chunks_per_head,
-                                              int align) {
-  const int64_t c = (total_tokens + chunks_per_head - 1) / chunks_per_head;
+__device__ int64_t plan_chunk(const int32_t* seq_lens, int batch, int chunks_per_head, int align,
+                              int lane) {
+  int64_t total = 0;
+  for (int i = lane; i < batch; i += 32) total += seq_lens[i];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
+  const int64_t c = (total + chunks_per_head - 1) / chunks_per_head;
   const int64_t aligned = (c + align - 1) / align * align;
   return aligned > align ? aligned : align;
 }
 
-// Maps work item `item` to its sequence and token range. Called by whole warps; every warp
-// of every CTA derives the same plan from seq_lens. An empty sequence gets one item (it
-// writes o = 0, lse = -inf), so every sequence has a chunk 0.
-__device__ WorkItem find_work_item(const DecodeParams& p, int align, int item, int lane) {
-  int64_t total = 0;
-  for (int i = lane; i < p.batch; i += 32) total += p.seq_lens[i];
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-  const int64_t chunk = plan_chunk(total, p.chunks_per_head, align);
+// A sequence's chunk count. An empty sequence gets one item (it writes o = 0, lse = -inf),
+// so every sequence has a chunk 0.
+__device__ __forceinline__ int chunks_of(int len, int64_t chunk) {
+  return len > 0 ? int((len + chunk - 1) / chunk) : 1;
+}
 
+// Maps work item `item` to its sequence and token range (items are numbered sequence by
+// sequence).
+__device__ WorkItem find_work_item(const DecodeParams& p, int align, int item, int lane) {
+  const int64_t chunk = plan_chunk(p.seq_lens, p.batch, p.chunks_per_head, align, lane);
   WorkItem w{};
   w.valid = false;
   int base = 0;  // items of the sequences before this round of 32
   for (int i0 = 0; i0 < p.batch; i0 += 32) {
     const int i = i0 + lane;
     const int len = i < p.batch ? p.seq_lens[i] : 0;
-    const int n = i < p.batch ? int(len > 0 ? (len + chunk - 1) / chunk : 1) : 0;
+    const int n = i < p.batch ? chunks_of(len, chunk) : 0;
     int incl = n;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
@@ -154,8 +153,6 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const int kvh = blockIdx.y;
   const WorkItem w = find_work_item(p, Cfg::kChunkAlign, blockIdx.x, lane);
   if (!w.valid) return;  // the same for every thread of the CTA
-  if (blockIdx.y == 0 && threadIdx.x == 0 && blockIdx.x == w.first_item)
-    p.plan[w.b] = SequencePlan{w.first_item, w.num_items};
 
   const int64_t group_row = int64_t(w.b) * p.num_q_heads + kvh * p.group;
   uint32_t qa[D / 16][2];
@@ -166,24 +163,29 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   // The CTA's state per (head, dim): straight to o / lse for a single-chunk sequence, else
   // to the workspace for the merge kernel.
   const bool direct = w.num_items == 1;
-  for (int idx = threadIdx.x; idx < p.group * D; idx += Cfg::kThreads) {
-    const int hg = idx / D, d = idx % D;
-    float lse;
-    const float o = tiles::merged_warp_state<Cfg>(smem, hg, d, &lse);
+  tiles::merge_warp_states<Cfg>(smem, p.group, [&](int hg, int d, float4 o, float lse) {
     const int64_t row = group_row + hg;
     if (direct) {
-      p.o[row * D + d] = __float2bfloat16_rn(o);
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x, o.y),
+                           hi = __floats2bfloat162_rn(o.z, o.w);
+      uint2 packed;
+      packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+      packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(p.o + row * D + d) = packed;
       if (d == 0 && p.lse) p.lse[row] = lse;
     } else {
       const int64_t prow = int64_t(blockIdx.x) * p.num_q_heads + kvh * p.group + hg;
-      p.partial_o[prow * D + d] = o;
+      *reinterpret_cast<float4*>(p.partial_o + prow * D + d) = o;
       if (d == 0) p.partial_lse[prow] = lse;
     }
-  }
+  });
 }
 
 struct MergeParams {
-  const SequencePlan* plan;
+  const int32_t* seq_lens;
+  int batch;
+  int chunks_per_head;
+  int align;
   const float* partial_lse;
   const float* partial_o;
   int num_q_heads;
@@ -191,57 +193,78 @@ struct MergeParams {
   float* lse;
 };
 
-// One CTA per (sequence, query head) row. Every warp computes the merged lse on its own
-// (lanes over the chunk states), then the warps split the states, each summing its share
-// of weight * o with all its loads independent, and the warps' sums add up in shared
-// memory: a row costs a few memory round trips, not one per chunk.
+// One CTA per (sequence, query head) row. Before the wait (while the decode grid runs) each
+// warp derives the row's chunks from seq_lens. After it, the warps split the row's chunk
+// states, each loading up to kMergeBatch of its states at once (lse and o together) and
+// merging them in one pass (StateAccumulator); the warps' accumulators then combine through
+// shared memory. So a row costs one memory round trip after the wait, not one per chunk.
 template <int D>
 __global__ void __launch_bounds__(kMergeWarps * 32)
     dense_merge_kernel(const __grid_constant__ MergeParams p) {
   constexpr int kPer = D / 32;  // dims per lane: one 16-byte (D 128) or 8-byte load
+  constexpr int kMergeBatch = 8;
   using Vec = typename std::conditional<kPer == 4, float4, float2>::type;
-  __shared__ float red[kMergeWarps][D];
-  // Everything below reads what dense_decode_kernel wrote.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  __shared__ float red_o[kMergeWarps][D];
+  __shared__ float red_m[kMergeWarps], red_sum[kMergeWarps];
   const int row = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int b = row / p.num_q_heads, h = row % p.num_q_heads;
-  const SequencePlan plan = p.plan[b];
-  if (plan.num_items <= 1) return;  // written directly by the decode kernel
-  const float* lse_col = p.partial_lse + int64_t(plan.first_item) * p.num_q_heads + h;
-
-  LseAccumulator lacc;
-  for (int i = lane; i < plan.num_items; i += 32) lacc.add(lse_col[int64_t(i) * p.num_q_heads]);
-  const float lse = warp_merge_lse(lacc).lse();
-
-  float o[kPer];
+  // seq_lens is not written by the decode kernel: the plan is read before the wait.
+  const int64_t chunk = plan_chunk(p.seq_lens, p.batch, p.chunks_per_head, p.align, lane);
+  int first_item = 0;  // the chunks of the sequences before b
+  for (int i = lane; i < b; i += 32) first_item += chunks_of(p.seq_lens[i], chunk);
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) o[j] = 0.f;
-#pragma unroll 4
-  for (int i = warp; i < plan.num_items; i += kMergeWarps) {
-    const int64_t prow = int64_t(plan.first_item + i) * p.num_q_heads + h;
-    const float wt = merge_weight(p.partial_lse[prow], lse);
-    const Vec x = *reinterpret_cast<const Vec*>(p.partial_o + prow * D + lane * kPer);
-    const float* xs = reinterpret_cast<const float*>(&x);
+  for (int off = 16; off > 0; off >>= 1)
+    first_item += __shfl_xor_sync(0xffffffffu, first_item, off);
+  const int num_items = chunks_of(p.seq_lens[b], chunk);
+  // Everything below reads what dense_decode_kernel wrote. Every CTA waits, the ones with
+  // nothing to merge included, so that this grid never ends before the decode grid.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (num_items <= 1) return;  // written directly by the decode kernel
+
+  StateAccumulator<kPer> acc;
+  for (int i0 = warp; i0 < num_items; i0 += kMergeWarps * kMergeBatch) {
+    float lse_i[kMergeBatch];
+    Vec o_i[kMergeBatch];
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) o[j] = wt > 0.f ? fmaf(wt, xs[j], o[j]) : o[j];
+    for (int k = 0; k < kMergeBatch; ++k) {
+      const int i = i0 + k * kMergeWarps;
+      lse_i[k] = -INFINITY;
+      if (i < num_items) {
+        const int64_t prow = int64_t(first_item + i) * p.num_q_heads + h;
+        lse_i[k] = p.partial_lse[prow];
+        o_i[k] = *reinterpret_cast<const Vec*>(p.partial_o + prow * D + lane * kPer);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kMergeBatch; ++k)
+      acc.add(lse_i[k], *reinterpret_cast<const float(*)[kPer]>(&o_i[k]));
   }
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) red[warp][lane * kPer + j] = o[j];
+  for (int j = 0; j < kPer; ++j) red_o[warp][lane * kPer + j] = acc.o[j];
+  if (lane == 0) {
+    red_m[warp] = acc.lse.m;
+    red_sum[warp] = acc.lse.sum;
+  }
   __syncthreads();
   if (warp != 0) return;
+  StateAccumulator<kPer> total;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    float sum = 0.f;
+  for (int ww = 0; ww < kMergeWarps; ++ww) {
+    StateAccumulator<kPer> part;
+    part.lse.m = red_m[ww];
+    part.lse.sum = red_sum[ww];
 #pragma unroll
-    for (int ww = 0; ww < kMergeWarps; ++ww) sum += red[ww][lane * kPer + j];
-    o[j] = sum;
+    for (int j = 0; j < kPer; ++j) part.o[j] = red_o[ww][lane * kPer + j];
+    total.add(part);
   }
+  float o[kPer];
+  total.normalized(o);
   __nv_bfloat16* dst = p.o + int64_t(row) * D + lane * kPer;
 #pragma unroll
   for (int j = 0; j < kPer; j += 2)
     *reinterpret_cast<__nv_bfloat162*>(dst + j) = __floats2bfloat162_rn(o[j], o[j + 1]);
-  if (lane == 0 && p.lse) p.lse[row] = lse;
+  if (lane == 0 && p.lse) p.lse[row] = total.lse.lse();
 }
 
 // The decode kernels: w4.s3 (4 warps, 2 CTAs per SM) serves every call; w8.s3 (8 warps,
@@ -340,9 +363,12 @@ cudaError_t launch_dense_decode(const bf16* q, int num_q_heads, const PagedKV& k
   DecodeParams p;
   p.q = reinterpret_cast<const __nv_bfloat16*>(q);
   p.kv = tiles::KvSource{reinterpret_cast<const __nv_bfloat16*>(kv.k),
-                          reinterpret_cast<const __nv_bfloat16*>(kv.v), kv.page_table,
-                          kv.page_size, kv.num_kv_heads, kv.max_pages_per_seq,
-                          scale * tiles::kLog2e};
+                         reinterpret_cast<const __nv_bfloat16*>(kv.v),
+                         kv.page_table,
+                         kv.page_size,
+                         kv.num_kv_heads,
+                         kv.max_pages_per_seq,
+                         scale * tiles::kLog2e};
   p.seq_lens = kv.seq_lens;
   p.batch = kv.batch;
   p.num_q_heads = num_q_heads;
@@ -350,7 +376,6 @@ cudaError_t launch_dense_decode(const bf16* q, int num_q_heads, const PagedKV& k
   p.chunks_per_head = chunks_per_head;
   p.o = reinterpret_cast<__nv_bfloat16*>(o);
   p.lse = lse;
-  p.plan = reinterpret_cast<SequencePlan*>(ws + layout.plan_offset);
   p.partial_lse = reinterpret_cast<float*>(ws + layout.lse_offset);
   p.partial_o = reinterpret_cast<float*>(ws + layout.o_offset);
 
@@ -360,7 +385,10 @@ cudaError_t launch_dense_decode(const bf16* q, int num_q_heads, const PagedKV& k
   if (err != cudaSuccess) return err;
 
   MergeParams mp;
-  mp.plan = p.plan;
+  mp.seq_lens = kv.seq_lens;
+  mp.batch = kv.batch;
+  mp.chunks_per_head = chunks_per_head;
+  mp.align = kernel.warps * tiles::kTile;
   mp.partial_lse = p.partial_lse;
   mp.partial_o = p.partial_o;
   mp.num_q_heads = num_q_heads;

@@ -615,14 +615,11 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant_
     tiles::attend_tiles<Cfg, true>(p.kv, b, kvh, begin, end, below ? head_start : 0, qa, smem);
     if (sg == segments - 1) load_inputs();  // in flight during the CTA merge and arrival
     __syncthreads();
-    for (int idx = threadIdx.x; idx < p.group * D; idx += kThreads) {
-      const int hg = idx / D, d = idx % D;
-      float lse;
-      const float o = tiles::merged_warp_state<Cfg>(smem, hg, d, &lse);
+    tiles::merge_warp_states<Cfg>(smem, p.group, [&](int hg, int d, float4 o, float lse) {
       const int64_t prow = int64_t(w.state + sg) * p.group + hg;
-      p.partial_o[prow * D + d] = o;
+      *reinterpret_cast<float4*>(p.partial_o + prow * D + d) = o;
       if (d == 0) p.partial_lse[prow] = lse;
-    }
+    });
   }
 
   // The CTA that brings the pair's last chunk completes the pair's heads; the counter goes
