@@ -151,6 +151,13 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 
   const int lane = threadIdx.x % 32;
   const int kvh = blockIdx.y;
+  // While the lengths come in: an L2 prefetch of the page table, one 128-byte line per warp
+  // of the grid from its start (the whole table at batch 1 up to ~500K tokens), so that the
+  // chunk's first page lookups, which wait for the plan, hit L2 instead of going to DRAM.
+  const int64_t table_line = (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * Cfg::kWarps +
+                             threadIdx.x / 32;
+  if (lane == 0 && table_line * 32 < int64_t(p.batch) * p.kv.max_pages_per_seq)
+    ptx::prefetch_l2(p.kv.page_table + table_line * 32);
   const WorkItem w = find_work_item(p, Cfg::kChunkAlign, blockIdx.x, lane);
   if (!w.valid) return;  // the same for every thread of the CTA
 
