@@ -5,17 +5,20 @@
 // from memory once per group. The chunk length is chosen on the device from seq_lens: every
 // warp computes the same plan from the lengths on its own (find_work_item), so no separate
 // plan launch or block barrier precedes the first loads and the call is graph-safe with
-// seq_lens changing between replays. The chunk length spreads the total tokens over about
-// one wave of CTAs (SMs x CTAs per SM), so that batch 1 fills the chip and large batches do
-// not split needlessly.
+// seq_lens changing between replays. The chunk length spreads the total tokens over one
+// wave of CTAs (SMs x CTAs per SM), partial last chunks included (plan_chunk), so that
+// batch 1 fills the chip and large batches do not split needlessly. While the lengths load,
+// the grid prefetches the page table into L2.
 //
 // Inside a CTA, 4 warps (two CTAs per SM) attend the chunk through the shared tile loop
-// (kernels/common/attend_tiles.cuh: per-warp cp.async rings, bf16 mma, online softmax).
+// (kernels/common/attend_tiles.cuh: per-warp cp.async rings, bf16 mma, online softmax), then
+// merge their states once per head row (merge_warp_states).
 //
 // A chunk's result is a state (o, lse). A sequence with a single chunk is written straight
 // to o / lse; otherwise the CTA writes its state to the workspace and the merge kernel,
 // launched right behind with programmatic dependent launch, combines the states through
-// merge_states.cuh.
+// merge_states.cuh. It derives the same plan from seq_lens before it waits, so that after
+// the decode grid ends it only loads the states. docs/gpu.md has the measured timeline.
 #include <cuda_bf16.h>
 
 #include <cmath>
