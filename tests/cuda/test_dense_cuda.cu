@@ -199,6 +199,11 @@ std::vector<DenseCase> dense_cases() {
       {"b1_len4097_contig_g4_d128", 1, {4097}, 0, 0, 0, 32, 8, 128},
       {"b1_len4097_p16_g8_d64", 1, {4097}, 0, 0, 16, 64, 8, 64},
       {"b1_len100000_p16_g4_d128", 1, {100000}, 0, 0, 16, 8, 2, 128},
+      // Batch 1: group 8 with page size 1, an empty sequence, 16 and 32 kv heads.
+      {"b1_len8191_p1_g8_d128_hkv8", 1, {8191}, 0, 0, 1, 64, 8, 128},
+      {"b1_empty_p16_g4_d128_hkv8", 1, {0}, 0, 0, 16, 32, 8, 128},
+      {"b1_len70000_p16_g2_d128_hkv16", 1, {70000}, 0, 0, 16, 32, 16, 128},
+      {"b1_len3000_p64_g1_d64_hkv32", 1, {3000}, 0, 0, 64, 32, 32, 64},
       {"b3_short_p1_g1_d64", 3, {1, 15, 17}, 0, 0, 1, 4, 4, 64},
       {"b3_with_empty_p16_g2_d128", 3, {1000, 4097, 0}, 0, 0, 16, 8, 4, 128},
       {"b3_contig_g8_d128", 3, {4097, 17, 1000}, 0, 0, 0, 16, 2, 128},
@@ -221,14 +226,12 @@ INSTANTIATE_TEST_SUITE_P(Grid, DenseCuda, ::testing::ValuesIn(dense_cases()),
 
 // One capture, then new lengths written to device memory between replays: the split plan
 // must follow the new lengths (here the total changes, so the chunk length changes too).
-TEST(DenseCudaGraph, ReplayFollowsNewSeqLens) {
-  KVS_SKIP_WITHOUT_CUDA();
+void expect_replays_follow_new_lens(const std::vector<int>& lens_a,
+                                    const std::vector<int>& lens_b) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  const int hq = 32, hkv = 8, d = 128, batch = 5;
-  const std::vector<int> lens_a = {100, 4097, 1, 3000, 17};
-  const std::vector<int> lens_b = {4097, 0, 2000, 1, 3500};
+  const int hq = 32, hkv = 8, d = 128, batch = int(lens_a.size());
   std::vector<int> capacity(batch);
   for (int b = 0; b < batch; ++b) capacity[b] = std::max(lens_a[b], lens_b[b]);
   HostCache cache = make_cache(capacity, 16, hkv, d, rng);
@@ -266,6 +269,18 @@ TEST(DenseCudaGraph, ReplayFollowsNewSeqLens) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+TEST(DenseCudaGraph, ReplayFollowsNewSeqLens) {
+  KVS_SKIP_WITHOUT_CUDA();
+  expect_replays_follow_new_lens({100, 4097, 1, 3000, 17}, {4097, 0, 2000, 1, 3500});
+}
+
+// Batch 1: the chunk length follows the one sequence's new length.
+TEST(DenseCudaGraph, BatchOneReplayFollowsNewSeqLen) {
+  KVS_SKIP_WITHOUT_CUDA();
+  expect_replays_follow_new_lens({20000}, {1});
+  expect_replays_follow_new_lens({0}, {4097});
 }
 
 // Same inputs twice must give the same bits: a difference means a race or an unwritten
