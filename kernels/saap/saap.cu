@@ -303,64 +303,161 @@ __device__ __forceinline__ float to_f<bf>(bf x) {
   return __bfloat162float(x);
 }
 
-// y[b, head, r] = act(w[head, r, :] . x[b, head, :] + bias[head, r]) for b < batch.
-// x [batch, heads, K]; K % 8 == 0.
-template <class In, bool kRelu>
+// acc[bb] += the 8 weights of one 16-byte piece (columns col .. col + 7) . x row bb, bb < nb.
+template <int NB>
+__device__ __forceinline__ void gemv_piece(const uint4& raw, const float* x_s, int K, int col,
+                                           int nb, float (&acc)[NB]) {
+  const bf* wv = reinterpret_cast<const bf*>(&raw);
+  float wf[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) wf[j] = __bfloat162float(wv[j]);
+#pragma unroll
+  for (int bb = 0; bb < NB; ++bb) {
+    if (bb >= nb) break;
+    const float4* xs = reinterpret_cast<const float4*>(x_s + bb * K + col);
+    const float4 a = xs[0], c = xs[1];
+    acc[bb] = fmaf(wf[0], a.x, acc[bb]);
+    acc[bb] = fmaf(wf[1], a.y, acc[bb]);
+    acc[bb] = fmaf(wf[2], a.z, acc[bb]);
+    acc[bb] = fmaf(wf[3], a.w, acc[bb]);
+    acc[bb] = fmaf(wf[4], c.x, acc[bb]);
+    acc[bb] = fmaf(wf[5], c.y, acc[bb]);
+    acc[bb] = fmaf(wf[6], c.z, acc[bb]);
+    acc[bb] = fmaf(wf[7], c.w, acc[bb]);
+  }
+}
+
+// Sums acc over groups of `width` lanes (a power of two <= 32); the group's first lane writes
+// y[b0 + bb, head, r] = act(sum + bias) when `store`.
+template <bool kRelu, int NB>
+__device__ __forceinline__ void gemv_finish(const float (&acc)[NB], int width, bool store,
+                                            const float* bias, float* y, int b0, int nb, int heads,
+                                            int head, int rows, int r) {
+#pragma unroll
+  for (int bb = 0; bb < NB; ++bb) {
+    if (bb >= nb) break;
+    float a = acc[bb];
+    for (int off = width / 2; off > 0; off /= 2) a += __shfl_xor_sync(0xffffffffu, a, off);
+    if (store && threadIdx.x % width == 0) {
+      a += bias[int64_t(head) * rows + r];
+      y[(int64_t(b0 + bb) * heads + head) * rows + r] = kRelu ? fmaxf(a, 0.f) : a;
+    }
+  }
+}
+
+// y[b, head, r] = act(w[head, r, :] . x[b, head, :] + bias[head, r]) for b < batch, NB
+// batch rows per pass over the weights. x [batch, heads, K]; K % 8 == 0. The weights are
+// nearly all the bytes (75 MB per layer at d 128, hidden 1024, C 1024, 32 heads), so at
+// batch 1 the kernel is a stream of them, and its rate is set by the loads each warp has in
+// flight. A warp owns kGemvRowsPerWarp rows and reads them in 16-byte pieces. At batch 1
+// (NB 1):
+//   K >= 256: lane l loads pieces l, l + 32, l + 64, l + 96 of two rows before using any
+//     (8 loads in flight; K = 1024 is one such round per row pair);
+//   K < 256: each row goes to a group of lanes (16 at K = 128), and all the warp's rows are
+//     loaded before any is used.
+// One row at a time with one load per lane and step (still the path for NB > 1, where each
+// piece feeds NB rows of FMAs) ran the batch-1 GEMVs at 0.8 and 2.1 TB/s: at K = 128 half
+// the lanes idled and the 8 rows were 8 round trips.
+template <class In, bool kRelu, int NB>
 __global__ void __launch_bounds__(kGemvThreads)
     gemv_kernel(const In* x, const bf* w, const float* bias, float* y, int batch, int heads,
                 int rows, int K) {
-  extern __shared__ float x_s[];  // [kGemvMaxBatch][K]
+  extern __shared__ float x_s[];  // [NB][K]
+  constexpr int R = kGemvRowsPerWarp;
   const int head = blockIdx.y;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int rows_per_block = (kGemvThreads / 32) * kGemvRowsPerWarp;
-  for (int b0 = 0; b0 < batch; b0 += kGemvMaxBatch) {
-    const int nb = min(kGemvMaxBatch, batch - b0);
+  const int row0 = (blockIdx.x * (kGemvThreads / 32) + warp) * R;
+  const int P = K / 8;  // 16-byte pieces per row
+  const bf* wh = w + int64_t(head) * rows * K;
+  auto load = [&](int r, int piece) {
+    return r < rows && piece < P ? *reinterpret_cast<const uint4*>(wh + int64_t(r) * K + piece * 8)
+                                 : make_uint4(0u, 0u, 0u, 0u);
+  };
+  // K < 256: lanes per row (the power of two >= P) and rows per step of the warp.
+  int width = 32;
+  while (width / 2 >= P) width /= 2;
+  const int per_step = 32 / width, sub = lane / width, piece_small = lane % width;
+  for (int b0 = 0; b0 < batch; b0 += NB) {
+    const int nb = min(NB, batch - b0);
     __syncthreads();
     for (int i = threadIdx.x; i < nb * K; i += blockDim.x) {
       const int bb = i / K, k = i % K;
       x_s[i] = to_f(x[(int64_t(b0 + bb) * heads + head) * K + k]);
     }
     __syncthreads();
-    for (int rr = 0; rr < kGemvRowsPerWarp; ++rr) {
-      const int r = blockIdx.x * rows_per_block + warp * kGemvRowsPerWarp + rr;
-      if (r >= rows) break;
-      const bf* wr = w + (int64_t(head) * rows + r) * K;
-      float acc[kGemvMaxBatch];
+    if constexpr (NB > 1) {
+      // Several batch rows: a row at a time, one piece per lane and step, as before the
+      // batch-1 paths below (with NB accumulators they measured slower: 171.7 against
+      // 149.1 us at 128K batch 4, the registers halving the resident warps).
+      for (int rr = 0; rr < R; ++rr) {
+        const int r = row0 + rr;
+        if (r >= rows) break;
+        float acc[NB] = {};
+        for (int piece = lane; piece < P; piece += 32)
+          gemv_piece(load(r, piece), x_s, K, piece * 8, nb, acc);
+        gemv_finish<kRelu>(acc, 32, true, bias, y, b0, nb, heads, head, rows, r);
+      }
+    } else if (P >= 32) {
+      constexpr int kRows = 2;   // rows read together: 8 loads in flight per lane
+      constexpr int kRound = 4;  // pieces per lane and row in one round
+      for (int rr = 0; rr < R; rr += kRows) {
+        float acc[kRows][NB] = {};
+        for (int p0 = 0; p0 < P; p0 += 32 * kRound) {
+          uint4 raw[kRows][kRound];
 #pragma unroll
-      for (int bb = 0; bb < kGemvMaxBatch; ++bb) acc[bb] = 0.f;
-      for (int k = lane * 8; k < K; k += 256) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(wr + k);
-        const bf* wv = reinterpret_cast<const bf*>(&raw);
-        float wf[8];
+          for (int q = 0; q < kRows; ++q)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) wf[j] = __bfloat162float(wv[j]);
+            for (int u = 0; u < kRound; ++u) raw[q][u] = load(row0 + rr + q, p0 + u * 32 + lane);
 #pragma unroll
-        for (int bb = 0; bb < kGemvMaxBatch; ++bb) {
-          if (bb >= nb) break;
-          const float4* xs = reinterpret_cast<const float4*>(x_s + bb * K + k);
-          const float4 a = xs[0], c = xs[1];
-          acc[bb] = fmaf(wf[0], a.x, acc[bb]);
-          acc[bb] = fmaf(wf[1], a.y, acc[bb]);
-          acc[bb] = fmaf(wf[2], a.z, acc[bb]);
-          acc[bb] = fmaf(wf[3], a.w, acc[bb]);
-          acc[bb] = fmaf(wf[4], c.x, acc[bb]);
-          acc[bb] = fmaf(wf[5], c.y, acc[bb]);
-          acc[bb] = fmaf(wf[6], c.z, acc[bb]);
-          acc[bb] = fmaf(wf[7], c.w, acc[bb]);
+          for (int q = 0; q < kRows; ++q)
+#pragma unroll
+            for (int u = 0; u < kRound; ++u) {
+              const int piece = p0 + u * 32 + lane;
+              if (piece < P) gemv_piece(raw[q][u], x_s, K, piece * 8, nb, acc[q]);
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < kRows; ++q) {
+          const int r = row0 + rr + q;
+          gemv_finish<kRelu>(acc[q], 32, r < rows, bias, y, b0, nb, heads, head, rows, r);
         }
       }
+    } else {
+      uint4 raw[R];
 #pragma unroll
-      for (int bb = 0; bb < kGemvMaxBatch; ++bb) {
-        if (bb >= nb) break;
-        float a = acc[bb];
-        for (int off = 16; off > 0; off /= 2) a += __shfl_xor_sync(0xffffffffu, a, off);
-        if (lane == 0) {
-          a += bias[int64_t(head) * rows + r];
-          y[(int64_t(b0 + bb) * heads + head) * rows + r] = kRelu ? fmaxf(a, 0.f) : a;
-        }
+      for (int s = 0; s < R; ++s) {
+        const int local = s * per_step + sub;  // the row of this lane's group, 0 .. R - 1
+        raw[s] = local < R ? load(row0 + local, piece_small) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int s = 0; s < R; ++s) {
+        if (s * per_step >= R) break;  // uniform: every row is done
+        const int local = s * per_step + sub, r = row0 + local;
+        float acc[NB] = {};
+        if (piece_small < P) gemv_piece(raw[s], x_s, K, piece_small * 8, nb, acc);
+        gemv_finish<kRelu>(acc, width, local < R && r < rows, bias, y, b0, nb, heads, head, rows,
+                           r);
       }
     }
   }
+}
+
+// One GEMV launch; batch 1 gets the kernel with a single accumulator per row (NB 1), so
+// that its registers leave room for the loads in flight.
+template <class In, bool kRelu>
+cudaError_t launch_gemv(const In* x, const bf* w, const float* bias, float* y, int batch, int heads,
+                        int rows, int K, cudaStream_t stream) {
+  const int rows_per_block = (kGemvThreads / 32) * kGemvRowsPerWarp;
+  const dim3 grid(unsigned((rows + rows_per_block - 1) / rows_per_block), unsigned(heads));
+  const int nb = std::min(batch, kGemvMaxBatch);
+  const size_t smem = size_t(nb) * K * sizeof(float);
+  if (batch == 1)
+    gemv_kernel<In, kRelu, 1>
+        <<<grid, kGemvThreads, smem, stream>>>(x, w, bias, y, batch, heads, rows, K);
+  else
+    gemv_kernel<In, kRelu, kGemvMaxBatch>
+        <<<grid, kGemvThreads, smem, stream>>>(x, w, bias, y, batch, heads, rows, K);
+  return cudaGetLastError();
 }
 
 template <class Op>
@@ -376,10 +473,10 @@ __device__ float block_reduce(float v, float* red, Op op) {
 }
 
 // The bitonic network of route_kernel's shared-memory sort for C <= kRouteThreads, one element
-// per thread (s: thread i's score, -FLT_MAX past C, so padding sorts last): strides below 32 are exchanged by warp shuffles,
-// larger ones through a double-buffered shared array (a buffer is rewritten only two barriers
-// after it was read), so 1024 elements take 15 barriers instead of 55. Returns the id of the
-// element of rank threadIdx.x: the same order as the shared-memory sort.
+// per thread (s: thread i's score, -FLT_MAX past C, so padding sorts last): strides below 32 are
+// exchanged by warp shuffles, larger ones through a double-buffered shared array (a buffer is
+// rewritten only two barriers after it was read), so 1024 elements take 15 barriers instead of 55.
+// Returns the id of the element of rank threadIdx.x: the same order as the shared-memory sort.
 __device__ int route_sort_registers(float s, float* xs, int* xi) {
   const int i = threadIdx.x;
   int id = i;
@@ -513,8 +610,8 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
   __syncthreads();
   if (pow2 <= kRouteThreads) {
-    const int id = route_sort_registers(
-        int(threadIdx.x) < C ? score[threadIdx.x] : -FLT_MAX, exchange, exchange_ids);
+    const int id = route_sort_registers(int(threadIdx.x) < C ? score[threadIdx.x] : -FLT_MAX,
+                                        exchange, exchange_ids);
     if (int(threadIdx.x) < probes) selected[int64_t(blockIdx.x) * probes + threadIdx.x] = id;
     return;
   }
@@ -552,9 +649,9 @@ __global__ void __launch_bounds__(kGatherThreads)
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int chunk_total;
   extern __shared__ int gather_s[];
-  int* prefix = gather_s;                                               // [probes + 1]
-  int* first = prefix + probes + 1;                                     // [probes]
-  unsigned* chosen = reinterpret_cast<unsigned*>(first + probes);       // [ceil(C / 32)]
+  int* prefix = gather_s;                                          // [probes + 1]
+  int* first = prefix + probes + 1;                                // [probes]
+  unsigned* chosen = reinterpret_cast<unsigned*>(first + probes);  // [ceil(C / 32)]
   const int hkv = kv.num_kv_heads, C = st.num_clusters;
   const int b = blockIdx.x / hkv, h = blockIdx.x % hkv;
   const int64_t slot = st.slot(b, h);
@@ -619,8 +716,7 @@ __global__ void __launch_bounds__(kGatherThreads)
     // table loads issued together: the copy is a chain of dependent loads, not bandwidth.
     const int per = (members_total + parts - 1) / parts;
     const int i_end = min(members_total, int(blockIdx.y + 1) * per);
-    for (int i0 = blockIdx.y * per + threadIdx.x; i0 < i_end;
-         i0 += kGatherThreads * kGatherIlp) {
+    for (int i0 = blockIdx.y * per + threadIdx.x; i0 < i_end; i0 += kGatherThreads * kGatherIlp) {
       int t[kGatherIlp];
 #pragma unroll
       for (int u = 0; u < kGatherIlp; ++u) {
@@ -810,15 +906,13 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
                                                   arrived);
 
   if (r.use_mlp) {
-    const int rows_per_block = (kGemvThreads / 32) * kGemvRowsPerWarp;
-    const int nb = std::min(B, kGemvMaxBatch);
-    gemv_kernel<bf, true><<<dim3((H + rows_per_block - 1) / rows_per_block, hq), kGemvThreads,
-                            size_t(nb) * d * sizeof(float), stream>>>(
-        reinterpret_cast<const bf*>(q_pre), reinterpret_cast<const bf*>(r.w1), r.b1, hidden, B, hq,
-        H, d);
-    gemv_kernel<float, false><<<dim3((C + rows_per_block - 1) / rows_per_block, hq), kGemvThreads,
-                                size_t(nb) * H * sizeof(float), stream>>>(
-        hidden, reinterpret_cast<const bf*>(r.w2), r.b2, logits, B, hq, C, H);
+    cudaError_t err =
+        launch_gemv<bf, true>(reinterpret_cast<const bf*>(q_pre), reinterpret_cast<const bf*>(r.w1),
+                              r.b1, hidden, B, hq, H, d, stream);
+    if (err != cudaSuccess) return err;
+    err = launch_gemv<float, false>(hidden, reinterpret_cast<const bf*>(r.w2), r.b2, logits, B, hq,
+                                    C, H, stream);
+    if (err != cudaSuccess) return err;
   }
   const int pow2 = next_pow2(C);
   const size_t route_smem = route_smem_bytes(pow2);
@@ -835,12 +929,16 @@ cudaError_t prepare_cuda(int hidden) {
   // The router's dynamic shared memory: the GEMV's x rows (up to kGemvMaxBatch x hidden fp32)
   // and the route sort (C up to kMaxClustersCuda) may exceed the 48 KiB default.
   const int gemv = kGemvMaxBatch * std::max(hidden, 128) * int(sizeof(float));
-  cudaError_t e = cudaFuncSetAttribute(gemv_kernel<float, false>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
-  if (e != cudaSuccess) return e;
-  e = cudaFuncSetAttribute(gemv_kernel<bf, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           kGemvMaxBatch * 128 * int(sizeof(float)));
-  if (e != cudaSuccess) return e;
+  for (auto fn : {gemv_kernel<float, false, 1>, gemv_kernel<float, false, kGemvMaxBatch>}) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
+    if (e != cudaSuccess) return e;
+  }
+  for (auto fn : {gemv_kernel<bf, true, 1>, gemv_kernel<bf, true, kGemvMaxBatch>}) {
+    const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               kGemvMaxBatch * 128 * int(sizeof(float)));
+    if (e != cudaSuccess) return e;
+  }
   return cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               int(route_smem_bytes(kMaxClustersCuda)));
 }

@@ -36,10 +36,11 @@ struct Pair {
   std::unique_ptr<test::DeviceBuffer<char>> ws;
   int layer = 1;
 
-  Pair(SaapRouter router, const std::vector<int>& lens, int C) {
-    parts = saap_test::random_parts(shape, C, 32, 11);
+  Pair(SaapRouter router, const std::vector<int>& lens, int C, int hidden) {
+    const int batch = int(lens.size());
+    parts = saap_test::random_parts(shape, C, hidden, 11);
     EngineConfig cfg;
-    cfg.max_batch = 2;
+    cfg.max_batch = batch;
     cfg.saap.probes = 6;
     cfg.saap.sink_tokens = 4;
     cfg.saap.recent_tokens = 128;
@@ -58,11 +59,11 @@ struct Pair {
       cc.num_kv_heads = shape.num_kv_heads;
       cc.head_dim = shape.head_dim;
       cc.page_size = 16;
-      cc.max_batch = 2;
+      cc.max_batch = batch;
       cc.max_seq_len = 2048;
       cc.device = dev == 0 ? Device::Cpu : Device::Cuda;
       auto cache = std::make_unique<KVCache>(cc);
-      for (int b = 0; b < 2; ++b) {
+      for (int b = 0; b < batch; ++b) {
         cache->reserve(b, 2048);
         std::vector<bf16> k, v;
         saap_test::clustered_kv(shape, parts, 0, lens[size_t(b)], 100 + b, k, v);
@@ -128,23 +129,25 @@ void expect_same_clusters(const std::vector<int32_t>& gpu, const std::vector<int
       EXPECT_LE(std::abs(score[size_t(x)] - lth), tol * (std::abs(lth) + 1e-12)) << what;
 }
 
-void run_pair(SaapRouter router) {
+// lens: one sequence per entry; hidden: the MLP router's width (the GEMVs take different
+// paths below and above 256 columns and at batch 1).
+void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-  const std::vector<int> lens{900, 1300};
-  Pair p(router, lens, 64);
+  const int batch = int(lens.size());
+  Pair p(router, lens, 64, hidden);
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
   const int g = p.shape.group_size();
   p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
   p.gpu->prefill(p.layer, p.gpu_cache->view(p.layer), nullptr);
   const sk::IndexState& cs = p.cpu->index_state(p.layer);
   const sk::IndexState& gs = p.gpu->index_state(p.layer);
-  const size_t slots = 2 * size_t(hkv);
+  const size_t slots = size_t(batch) * hkv;
   const std::vector<int32_t> g_assign = download(gs.assign, slots * 2048);
   const std::vector<int32_t> g_off = download(gs.offsets, slots * 65);
   const std::vector<int32_t> g_mem = download(gs.members, slots * 2048);
   const std::vector<int32_t> g_idx = download(gs.indexed_len, slots);
   int mismatches = 0, total = 0;
-  for (int b = 0; b < 2; ++b)
+  for (int b = 0; b < batch; ++b)
     for (int h = 0; h < hkv; ++h) {
       const int64_t s = cs.slot(b, h);
       ASSERT_EQ(g_idx[size_t(s)], cs.indexed_len[s]);
@@ -162,17 +165,17 @@ void run_pair(SaapRouter router) {
   cudaStream_t stream;
   KVS_CUDA_CHECK(cudaStreamCreate(&stream));
   for (int step = 0; step < 4; ++step) {
-    const std::vector<bf16> kn = saap_test::random_bf16(2 * size_t(hkv) * d, 500 + step);
-    const std::vector<bf16> vn = saap_test::random_bf16(2 * size_t(hkv) * d, 600 + step);
-    const std::vector<bf16> q = saap_test::random_bf16(2 * size_t(hq) * d, 700 + step);
-    const std::vector<bf16> q_pre = saap_test::random_bf16(2 * size_t(hq) * d, 800 + step);
+    const std::vector<bf16> kn = saap_test::random_bf16(batch * size_t(hkv) * d, 500 + step);
+    const std::vector<bf16> vn = saap_test::random_bf16(batch * size_t(hkv) * d, 600 + step);
+    const std::vector<bf16> q = saap_test::random_bf16(batch * size_t(hq) * d, 700 + step);
+    const std::vector<bf16> q_pre = saap_test::random_bf16(batch * size_t(hq) * d, 800 + step);
     p.cpu_cache->begin_step(nullptr);
     p.cpu_cache->append(p.layer, kn.data(), vn.data(), nullptr);
-    test::DeviceBuffer<bf16> knd(kn), vnd(vn), qd(q), qpd(q_pre), outd(2 * size_t(hq) * d);
+    test::DeviceBuffer<bf16> knd(kn), vnd(vn), qd(q), qpd(q_pre), outd(batch * size_t(hq) * d);
     p.gpu_cache->begin_step(stream);
     p.gpu_cache->append(p.layer, knd.get(), vnd.get(), stream);
     KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
-    std::vector<bf16> out_cpu(2 * size_t(hq) * d);
+    std::vector<bf16> out_cpu(batch * size_t(hq) * d);
     p.cpu->decode(p.layer, q.data(), q_pre.data(), p.cpu_cache->view(p.layer), out_cpu.data(),
                   nullptr, nullptr);
     const PagedKV gview = p.gpu_cache->view(p.layer);
@@ -194,7 +197,7 @@ void run_pair(SaapRouter router) {
     const std::vector<bf16> out_gpu = outd.download();
     const std::vector<int32_t> g_idx2 = download(gs.indexed_len, slots);
     const PagedKV cview = p.cpu_cache->view(p.layer);
-    for (int b = 0; b < 2; ++b) {
+    for (int b = 0; b < batch; ++b) {
       const auto read_gpu = p.gpu->last_read(p.layer, b);
       const auto read_cpu = p.cpu->last_read(p.layer, b);
       for (int h = 0; h < hkv; ++h) {
@@ -226,9 +229,9 @@ void run_pair(SaapRouter router) {
     }
   }
   const EngineStats st = p.gpu->stats();
-  uint64_t context =
-      0;  // rows a dense read of the 4 steps reads: (901 + s) + (1301 + s) per kv head
-  for (int s = 0; s < 4; ++s) context += uint64_t(901 + s + 1301 + s) * hkv;
+  uint64_t context = 0;  // rows a dense read of the 4 steps reads: len + 1 + s per sequence
+  for (int s = 0; s < 4; ++s)
+    for (int len : lens) context += uint64_t(len + 1 + s) * hkv;
   EXPECT_EQ(st.kv_rows_context, context);
   EXPECT_GT(st.kv_rows_read, 0u);
   EXPECT_LT(st.kv_rows_read, st.kv_rows_context);
@@ -236,8 +239,15 @@ void run_pair(SaapRouter router) {
   KVS_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-TEST(SaapCuda, MlpRouterMatchesTheCpuEngine) { run_pair(SaapRouter::Mlp); }
-TEST(SaapCuda, NearestCentroidRouterMatchesTheCpuEngine) { run_pair(SaapRouter::NearestCentroid); }
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngine) { run_pair(SaapRouter::Mlp, {900, 1300}, 32); }
+TEST(SaapCuda, NearestCentroidRouterMatchesTheCpuEngine) {
+  run_pair(SaapRouter::NearestCentroid, {900, 1300}, 32);
+}
+// Batch 1 with a router 320 wide: the GEMVs' batch-1 paths, the second one over 40 pieces a
+// row (not a multiple of the warp).
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAtBatchOneWideHidden) {
+  run_pair(SaapRouter::Mlp, {1300}, 320);
+}
 
 // A dense layer of the SAAP engine (dense_layers) runs the dense kernel in the engine's own
 // workspace, which must hold a full dense decode as well as the sub-request attention of the
@@ -304,4 +314,3 @@ TEST(SaapCuda, DenseLayerDecodesInTheEnginesWorkspace) {
 }
 }  // namespace
 }  // namespace kvs
-
