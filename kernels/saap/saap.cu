@@ -880,7 +880,8 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
                                const IndexState& st, int32_t* selected,
                                const tactic::Selection& lists, unsigned long long* counters,
                                unsigned long long router_bytes, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream) {
+                               size_t workspace_bytes, cudaStream_t stream,
+                               const SideStream* side) {
   const int B = kv.batch, hkv = kv.num_kv_heads, hq = r.num_q_heads, d = kv.head_dim;
   const int C = r.num_clusters, H = r.hidden;
   if (B > st.max_batch || hkv != r.num_kv_heads || d != r.head_dim || d % 8 != 0 || d > 128 ||
@@ -897,27 +898,46 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   auto* best = reinterpret_cast<unsigned long long*>(step + lay.positions);
   auto* arrived = reinterpret_cast<unsigned*>(step + lay.positions + lay.best);
 
-  step_gather_kernel<<<B * hkv, 128, 0, stream>>>(kv, w, st, scratch, positions, best, arrived);
-  cudaError_t e = rope_cuda(scratch, B * hkv, 1, d, d, positions, inv_freq, true, stream);
+  // 1. The index step, on the side stream when there is one.
+  cudaStream_t index_stream = stream;
+  if (side) {
+    cudaError_t e = cudaEventRecord(side->fork, stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(side->stream, side->fork, 0);
+    if (e != cudaSuccess) return e;
+    index_stream = side->stream;
+  }
+  step_gather_kernel<<<B * hkv, 128, 0, index_stream>>>(kv, w, st, scratch, positions, best,
+                                                        arrived);
+  cudaError_t e = rope_cuda(scratch, B * hkv, 1, d, d, positions, inv_freq, true, index_stream);
   if (e != cudaSuccess) return e;
   step_assign_kernel<<<dim3(unsigned(B * hkv), unsigned((C + kStepChunk - 1) / kStepChunk)),
-                       kStepThreads, 0, stream>>>(kv, w, reinterpret_cast<const bf*>(scratch),
-                                                  r.centroids, r.centroid_norms, C, st, best,
-                                                  arrived);
+                       kStepThreads, 0, index_stream>>>(kv, w, reinterpret_cast<const bf*>(scratch),
+                                                        r.centroids, r.centroid_norms, C, st, best,
+                                                        arrived);
+  if (side) {
+    e = cudaEventRecord(side->join, side->stream);
+    if (e != cudaSuccess) return e;
+  }
 
+  // 2. The router, on the caller's stream.
   if (r.use_mlp) {
-    cudaError_t err =
-        launch_gemv<bf, true>(reinterpret_cast<const bf*>(q_pre), reinterpret_cast<const bf*>(r.w1),
+    e = launch_gemv<bf, true>(reinterpret_cast<const bf*>(q_pre), reinterpret_cast<const bf*>(r.w1),
                               r.b1, hidden, B, hq, H, d, stream);
-    if (err != cudaSuccess) return err;
-    err = launch_gemv<float, false>(hidden, reinterpret_cast<const bf*>(r.w2), r.b2, logits, B, hq,
-                                    C, H, stream);
-    if (err != cudaSuccess) return err;
+    if (e != cudaSuccess) return e;
+    e = launch_gemv<float, false>(hidden, reinterpret_cast<const bf*>(r.w2), r.b2, logits, B, hq, C,
+                                  H, stream);
+    if (e != cudaSuccess) return e;
   }
   const int pow2 = next_pow2(C);
   const size_t route_smem = route_smem_bytes(pow2);
   route_kernel<<<B * hkv, kRouteThreads, route_smem, stream>>>(
       logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2, selected);
+
+  // 3. The token lists read the index the step updated: join the side stream first.
+  if (side) {
+    e = cudaStreamWaitEvent(stream, side->join, 0);
+    if (e != cudaSuccess) return e;
+  }
   const size_t gather_smem =
       size_t(2 * probes + 1) * sizeof(int) + size_t((C + 31) / 32) * sizeof(unsigned);
   gather_kernel<<<dim3(unsigned(B * hkv), unsigned(kGatherParts)), kGatherThreads, gather_smem,
