@@ -172,9 +172,7 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
                               host_params_.size() * sizeof(float), cudaMemcpyHostToDevice));
     counters_ = DeviceCounters(kNumCounters);
     if (c.offload) KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-    KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&attn_stream_, cudaStreamNonBlocking));
-    KVS_CUDA_CHECK(cudaEventCreateWithFlags(&attn_fork_, cudaEventDisableTiming));
-    KVS_CUDA_CHECK(cudaEventCreateWithFlags(&attn_join_, cudaEventDisableTiming));
+    if (!c.offload) attn_branch_ = std::make_unique<OwnedStreamFork>();
   }
   layers_.resize(size_t(shape_.num_layers));
 }
@@ -183,7 +181,7 @@ AttnPredEngine::~AttnPredEngine() {
   if (config_.backend != Backend::Cuda) return;
   // A prefetch may still be copying into a layer's block cache on the side stream.
   if (side_stream_) cudaStreamSynchronize(side_stream_);
-  if (attn_stream_) cudaStreamSynchronize(attn_stream_);
+  attn_branch_.reset();  // its stream drains first
   for (LayerState& ls : layers_) {
     if (!ls.allocated) continue;
     cudaFree(ls.hist.rows);
@@ -210,9 +208,6 @@ AttnPredEngine::~AttnPredEngine() {
     }
   }
   if (side_stream_) cudaStreamDestroy(side_stream_);
-  if (attn_fork_) cudaEventDestroy(attn_fork_);
-  if (attn_join_) cudaEventDestroy(attn_join_);
-  if (attn_stream_) cudaStreamDestroy(attn_stream_);
   cudaFree(device_params_);
 }
 
@@ -413,18 +408,17 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
                                             counters_.get() + kRowsRead, stream));
     view = tk::subrequest_view(offload ? ls.cache.as_view(geo_.block) : kv, sel);
     // GPU-resident mode: the attention reads the block list and the cache and writes only
-    // out / lse (and its own workspace), so it runs on attn_stream_ while the history row and
-    // the predictor run here, and is joined before the step ends (-10 us at 128K on an H100).
-    // Offload mode keeps it in order: overlapped, its 32K step measured 417-418 us against
-    // 400-408 (docs/gpu.md).
-    cudaStream_t attn = offload ? stream : attn_stream_;
-    if (!offload) {
-      KVS_CUDA_CHECK(cudaEventRecord(attn_fork_, stream));
-      KVS_CUDA_CHECK(cudaStreamWaitEvent(attn_stream_, attn_fork_, 0));
+    // out / lse (and its own workspace), so it runs on its own branch while the history row
+    // and the predictor run here, and is joined before the step ends (-10 us at 128K on an
+    // H100). Offload mode keeps it in order: overlapped, its 32K step measured 417-418 us
+    // against 400-408 (docs/gpu.md).
+    cudaStream_t attn = stream;
+    if (attn_branch_) {
+      KVS_CUDA_CHECK(kernels::fork_from(attn_branch_->get(), stream));
+      attn = attn_branch_->get().side;
     }
     KVS_CUDA_CHECK(kernels::dense_decode_cuda(q, shape_.group_size(), view, scale, out, lse,
                                               dense_ws, dense_bytes, attn));
-    if (!offload) KVS_CUDA_CHECK(cudaEventRecord(attn_join_, attn_stream_));
   }
   if (full_row) {
     KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, kv, nullptr, 0, kv.seq_lens, kv.batch, hkv, scale,
@@ -441,7 +435,7 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   KVS_CUDA_CHECK(ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, scores, stream));
   KVS_CUDA_CHECK(
       ap::select_blocks_cuda(scores, ls.hist, kv.batch, hkv, geo_, k_blocks_, ls.flags, stream));
-  if (!warm && !offload) KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, attn_join_, 0));
+  if (!warm && attn_branch_) KVS_CUDA_CHECK(kernels::join_into(attn_branch_->get(), stream));
   if (offload) {
     // Cross-token prefetch of the blocks step t+1 needs. The lengths are snapshotted on the
     // main stream: the caller may advance kv.seq_lens for the next step while the copy runs.

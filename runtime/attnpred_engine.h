@@ -40,6 +40,7 @@
 // phase is host state).
 #pragma once
 
+#include <memory>
 #include <vector>
 
 #include "kernels/attnpred/attnpred.h"
@@ -138,10 +139,9 @@ class AttnPredEngine : public Engine {
   EngineStats host_stats_;
   DeviceCounters counters_;             // CUDA (see attnpred_engine.cpp)
   cudaStream_t side_stream_ = nullptr;  // offload prefetch stream
-  // CUDA, GPU-resident mode: the sparse attention's stream, forked after the block list and
+  // CUDA, GPU-resident mode: the sparse attention's branch, forked after the block list and
   // joined at the end of the step, so that it overlaps the history row and the predictor.
-  cudaStream_t attn_stream_ = nullptr;
-  cudaEvent_t attn_fork_ = nullptr, attn_join_ = nullptr;
+  std::unique_ptr<OwnedStreamFork> attn_branch_;
   uint64_t prefetches_ = 0;
 };
 

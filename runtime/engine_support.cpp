@@ -10,6 +10,19 @@ DeviceCounters::DeviceCounters(int count)
   reset();
 }
 
+OwnedStreamFork::OwnedStreamFork() {
+  KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&fork_.side, cudaStreamNonBlocking));
+  KVS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_.forked, cudaEventDisableTiming));
+  KVS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_.joined, cudaEventDisableTiming));
+}
+
+OwnedStreamFork::~OwnedStreamFork() {
+  if (fork_.side) cudaStreamSynchronize(fork_.side);
+  if (fork_.forked) cudaEventDestroy(fork_.forked);
+  if (fork_.joined) cudaEventDestroy(fork_.joined);
+  if (fork_.side) cudaStreamDestroy(fork_.side);
+}
+
 DeviceCounters::~DeviceCounters() {
   if (ptr_) cudaFree(ptr_);
 }

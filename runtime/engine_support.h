@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/common/cuda_check.h"
+#include "kernels/common/stream_fork.h"
 #include "kernels/tactic/tactic.h"
 #include "runtime/engine.h"
 
@@ -24,6 +25,21 @@ T* device_alloc(int64_t count) {
   KVS_CUDA_CHECK(cudaMalloc(&p, size_t(std::max<int64_t>(count, 1)) * sizeof(T)));
   return static_cast<T*>(p);
 }
+
+// The stream and events of a kernels::StreamFork, created at construction (a non-blocking
+// stream, events without timing) and destroyed after the side stream drains.
+class OwnedStreamFork {
+ public:
+  OwnedStreamFork();
+  ~OwnedStreamFork();
+  OwnedStreamFork(const OwnedStreamFork&) = delete;
+  OwnedStreamFork& operator=(const OwnedStreamFork&) = delete;
+
+  const kernels::StreamFork& get() const { return fork_; }
+
+ private:
+  kernels::StreamFork fork_;
+};
 
 // Throws, prefixed by `who` ("tactic engine prefill: "), when a prefill's layer is outside
 // the model, its batch outside [1, max_batch], or the cache's kv heads or head dim are not

@@ -82,9 +82,7 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
     KVS_CUDA_CHECK(sk::prepare_cuda(parts_.hidden_dim));
     d_inv_freq_ = device_upload(inv_freq_.data(), inv_freq_.size());
     if (config_.collect_stats) device_counters_ = DeviceCounters(3);
-    KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_.stream, cudaStreamNonBlocking));
-    KVS_CUDA_CHECK(cudaEventCreateWithFlags(&side_.fork, cudaEventDisableTiming));
-    KVS_CUDA_CHECK(cudaEventCreateWithFlags(&side_.join, cudaEventDisableTiming));
+    index_branch_ = std::make_unique<OwnedStreamFork>();
   }
   const int C = parts_.num_clusters, d = parts_.head_dim;
   for (size_t i = 0; i < parts_.layers.size(); ++i) {
@@ -123,10 +121,7 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
 
 SaapEngine::~SaapEngine() {
   if (config_.backend != Backend::Cuda) return;
-  if (side_.stream) cudaStreamSynchronize(side_.stream);
-  if (side_.fork) cudaEventDestroy(side_.fork);
-  if (side_.join) cudaEventDestroy(side_.join);
-  if (side_.stream) cudaStreamDestroy(side_.stream);
+  index_branch_.reset();  // its stream drains before the index and the weights are freed
   for (LayerRouter& r : routers_) {
     cudaFree(r.d_centroids);
     cudaFree(r.d_norms);
@@ -364,10 +359,11 @@ void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Paged
     const int slot = parts_.layer_slot(layer);
     const kernels::tactic::Selection sel = lists();
     const size_t router_ws = selected_bytes() + lists_bytes();
-    KVS_CUDA_CHECK(sk::decode_select_cuda(
-        q_pre, kv, d_inv_freq_, window(), cuda_router(slot), config_.saap.probes,
-        index_[size_t(layer)].view, selected_ptr(), sel, device_counters_.get(),
-        router_bytes_per_kv_head(), ws + router_ws, select_bytes() - router_ws, stream, &side_));
+    KVS_CUDA_CHECK(
+        sk::decode_select_cuda(q_pre, kv, d_inv_freq_, window(), cuda_router(slot),
+                               config_.saap.probes, index_[size_t(layer)].view, selected_ptr(), sel,
+                               device_counters_.get(), router_bytes_per_kv_head(), ws + router_ws,
+                               select_bytes() - router_ws, stream, &index_branch_->get()));
     KVS_CUDA_CHECK(kernels::dense_decode_cuda(
         q, shape_.group_size(), kernels::tactic::subrequest_view(kv, sel), scale, out, lse,
         ws + select_bytes(), workspace_.bytes - select_bytes(), stream));

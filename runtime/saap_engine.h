@@ -21,6 +21,7 @@
 // read per kv head, the probed CSR offsets and the scanned post-prefill assignments.
 #pragma once
 
+#include <memory>
 #include <vector>
 
 #include "kernels/saap/saap.h"
@@ -101,8 +102,8 @@ class SaapEngine : public Engine {
   // CPU backend: per layer, per (b * Hkv + h): the tokens attended and clusters selected.
   std::vector<std::vector<std::vector<int32_t>>> last_tokens_, last_clusters_;
   DeviceCounters device_counters_;  // CUDA: [rows read, selection bytes, context rows]
-  // CUDA: the stream and events on which decode's index step overlaps the router.
-  kernels::saap::SideStream side_;
+  // CUDA: the branch on which decode's index step overlaps the router.
+  std::unique_ptr<OwnedStreamFork> index_branch_;
 };
 
 }  // namespace kvs

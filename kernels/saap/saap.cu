@@ -881,7 +881,7 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
                                const tactic::Selection& lists, unsigned long long* counters,
                                unsigned long long router_bytes, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream,
-                               const SideStream* side) {
+                               const StreamFork* side) {
   const int B = kv.batch, hkv = kv.num_kv_heads, hq = r.num_q_heads, d = kv.head_dim;
   const int C = r.num_clusters, H = r.hidden;
   if (B > st.max_batch || hkv != r.num_kv_heads || d != r.head_dim || d % 8 != 0 || d > 128 ||
@@ -901,10 +901,9 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   // 1. The index step, on the side stream when there is one.
   cudaStream_t index_stream = stream;
   if (side) {
-    cudaError_t e = cudaEventRecord(side->fork, stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(side->stream, side->fork, 0);
+    const cudaError_t e = fork_from(*side, stream);
     if (e != cudaSuccess) return e;
-    index_stream = side->stream;
+    index_stream = side->side;
   }
   step_gather_kernel<<<B * hkv, 128, 0, index_stream>>>(kv, w, st, scratch, positions, best,
                                                         arrived);
@@ -914,10 +913,6 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
                        kStepThreads, 0, index_stream>>>(kv, w, reinterpret_cast<const bf*>(scratch),
                                                         r.centroids, r.centroid_norms, C, st, best,
                                                         arrived);
-  if (side) {
-    e = cudaEventRecord(side->join, side->stream);
-    if (e != cudaSuccess) return e;
-  }
 
   // 2. The router, on the caller's stream.
   if (r.use_mlp) {
@@ -935,7 +930,7 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
 
   // 3. The token lists read the index the step updated: join the side stream first.
   if (side) {
-    e = cudaStreamWaitEvent(stream, side->join, 0);
+    e = join_into(*side, stream);
     if (e != cudaSuccess) return e;
   }
   const size_t gather_smem =

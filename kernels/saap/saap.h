@@ -39,6 +39,7 @@
 #include "kernels/common/bf16.h"
 #include "kernels/common/host_device.h"
 #include "kernels/common/paged_kv.h"
+#include "kernels/common/stream_fork.h"
 #include "kernels/tactic/tactic.h"
 
 namespace kvs::kernels::saap {
@@ -154,14 +155,9 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
 //    field unused). When counters is non-null: counters[0] += rows attended, counters[1] +=
 //    router_bytes (the router's reads per (b, h), the caller's figure) plus the index reads
 //    (CSR offsets of the probed clusters and the scanned post-prefill assignments).
-// side (optional): the index step (1.) runs on side->stream, forked from `stream` with
-// side->fork and joined back before the gather (3.) with side->join, so that its small,
-// latency-bound kernels overlap the router's weight stream (2.). The caller owns the stream
-// and events (created once; recording and waiting on them is capturable). Null: one stream.
-struct SideStream {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
-};
+// side (optional): the index step (1.) runs on side->side, forked from `stream` and joined
+// back before the gather (3.), so that its small, latency-bound kernels overlap the router's
+// weight stream (2.). Null: everything on `stream`.
 size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
                               int hidden, int num_clusters);
 cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float* inv_freq,
@@ -170,7 +166,7 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
                                const tactic::Selection& lists, unsigned long long* counters,
                                unsigned long long router_bytes, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream,
-                               const SideStream* side = nullptr);
+                               const StreamFork* side = nullptr);
 
 // Sets the router kernels' shared-memory limits for MLP width `hidden`, once per process;
 // engines call it at construction so that a captured decode step does nothing but launches.
