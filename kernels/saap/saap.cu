@@ -508,6 +508,54 @@ __device__ int route_sort_registers(float s, float* xs, int* xi) {
   return id;
 }
 
+// The best 32 of the block's kRouteThreads elements (one per thread: s, id; -FLT_MAX past C),
+// in the order of route_sort_registers (descending score, ascending id): each warp sorts its
+// 32 elements with shuffles, then five rounds halve the lists: warp w keeps the better of
+// its element i and element 31 - i of warp w + 2^(r-1)'s list (a bitonic sequence holding the
+// pair's best 32) and sorts it with five shuffle stages. 5 barriers instead of the full
+// network's 15 and 20 compare-exchange stages instead of 55. Warp 0 ends with the best 32:
+// lane i holds the element of rank i (returned through *id); other warps' results are unused.
+__device__ void route_top32(float s, int id, float* xs, int* xi, int* out_id) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // One compare-exchange stage of a bitonic sort inside the warp: lanes i and i ^ stride,
+  // the lower keeping the better in a descending block (bit `size` of the lane clear).
+  auto stage = [&](int size, int stride) {
+    const float ps = __shfl_xor_sync(0xffffffffu, s, stride);
+    const int pid = __shfl_xor_sync(0xffffffffu, id, stride);
+    const bool keep_better = ((lane & size) == 0) == ((lane & stride) == 0);
+    if (keep_better == better(ps, pid, s, id)) {
+      s = ps;
+      id = pid;
+    }
+  };
+  for (int size = 2; size <= 32; size *= 2)
+    for (int stride = size / 2; stride > 0; stride /= 2) stage(size, stride);
+  // size 64: lane bit 5 is clear for every lane, so every stage of a merge sorts descending.
+  constexpr int kWarps = kRouteThreads / 32;
+  int buf = 0;
+  for (int span = 1; span < kWarps; span *= 2) {
+    const bool active = warp % (2 * span) == 0;
+    const bool source = warp % (2 * span) == span;
+    if (source) {
+      xs[buf * kRouteThreads + warp * 32 + lane] = s;
+      xi[buf * kRouteThreads + warp * 32 + lane] = id;
+    }
+    __syncthreads();  // a buffer is rewritten two rounds after it was read
+    if (active) {
+      const int j = (warp + span) * 32 + (31 - lane);
+      const float ps = xs[buf * kRouteThreads + j];
+      const int pid = xi[buf * kRouteThreads + j];
+      if (better(ps, pid, s, id)) {
+        s = ps;
+        id = pid;
+      }
+      for (int stride = 16; stride > 0; stride /= 2) stage(64, stride);
+    }
+    buf ^= 1;
+  }
+  *out_id = id;
+}
+
 // Softmax of each of the group's g query heads over the C <= kRouteThreads cluster logits,
 // summed over the group, for cluster threadIdx.x: the g maxima and sums reduced together (4
 // barriers instead of 4 per head), each thread's logits loaded once. The same arithmetic, in
@@ -574,7 +622,13 @@ __global__ void __launch_bounds__(kRouteThreads)
   const int row0 = b * r.num_q_heads + h * g;
   if (r.use_mlp && pow2 <= kRouteThreads && g <= kMaxRouteGroup) {
     const float s = route_mlp_score(logits, row0, g, C, red);
-    const int id = route_sort_registers(s, exchange, exchange_ids);
+    int id;
+    if (probes <= 32) {
+      route_top32(s, int(threadIdx.x), exchange, exchange_ids, &id);
+      if (int(threadIdx.x) < probes) selected[int64_t(blockIdx.x) * probes + threadIdx.x] = id;
+      return;
+    }
+    id = route_sort_registers(s, exchange, exchange_ids);
     if (int(threadIdx.x) < probes) selected[int64_t(blockIdx.x) * probes + threadIdx.x] = id;
     return;
   }

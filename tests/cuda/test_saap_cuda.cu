@@ -36,12 +36,12 @@ struct Pair {
   std::unique_ptr<test::DeviceBuffer<char>> ws;
   int layer = 1;
 
-  Pair(SaapRouter router, const std::vector<int>& lens, int C, int hidden) {
+  Pair(SaapRouter router, const std::vector<int>& lens, int C, int hidden, int probes) {
     const int batch = int(lens.size());
     parts = saap_test::random_parts(shape, C, hidden, 11);
     EngineConfig cfg;
     cfg.max_batch = batch;
-    cfg.saap.probes = 6;
+    cfg.saap.probes = probes;
     cfg.saap.sink_tokens = 4;
     cfg.saap.recent_tokens = 128;
     cfg.saap.max_context = 2048;
@@ -130,11 +130,13 @@ void expect_same_clusters(const std::vector<int32_t>& gpu, const std::vector<int
 }
 
 // lens: one sequence per entry; hidden: the MLP router's width (the GEMVs take different
-// paths below and above 256 columns and at batch 1).
-void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden) {
+// paths below and above 256 columns and at batch 1); C clusters, of which probes are taken
+// (the route kernel ranks the best 32 by merging sorted warp lists, more by a full sort).
+void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C = 64,
+              int probes = 6) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const int batch = int(lens.size());
-  Pair p(router, lens, 64, hidden);
+  Pair p(router, lens, C, hidden, probes);
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
   const int g = p.shape.group_size();
   p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
@@ -143,7 +145,7 @@ void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden) {
   const sk::IndexState& gs = p.gpu->index_state(p.layer);
   const size_t slots = size_t(batch) * hkv;
   const std::vector<int32_t> g_assign = download(gs.assign, slots * 2048);
-  const std::vector<int32_t> g_off = download(gs.offsets, slots * 65);
+  const std::vector<int32_t> g_off = download(gs.offsets, slots * (C + 1));
   const std::vector<int32_t> g_mem = download(gs.members, slots * 2048);
   const std::vector<int32_t> g_idx = download(gs.indexed_len, slots);
   int mismatches = 0, total = 0;
@@ -155,7 +157,8 @@ void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden) {
       for (int t = 4; t < cs.indexed_len[s]; ++t, ++total)
         mismatches += g_assign[size_t(s) * 2048 + t] != cs.assign_of(b, h)[t];
       if (mismatches == 0)
-        for (int c = 0; c <= 64; ++c) ASSERT_EQ(g_off[size_t(s) * 65 + c], cs.offsets_of(b, h)[c]);
+        for (int c = 0; c <= C; ++c)
+          ASSERT_EQ(g_off[size_t(s) * (C + 1) + c], cs.offsets_of(b, h)[c]);
       if (mismatches == 0)
         for (int i = 0; i < cs.indexed_len[s] - 4; ++i)
           ASSERT_EQ(g_mem[size_t(s) * 2048 + i], cs.members_of(b, h)[i]) << "member " << i;
@@ -247,6 +250,14 @@ TEST(SaapCuda, NearestCentroidRouterMatchesTheCpuEngine) {
 // row (not a multiple of the warp).
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAtBatchOneWideHidden) {
   run_pair(SaapRouter::Mlp, {1300}, 320);
+}
+// The default shape of the route: the best 32 of 1024 clusters, and more than 32 probes
+// (the full sort).
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngineThirtyTwoOfAThousandClusters) {
+  run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32);
+}
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithFortyProbes) {
+  run_pair(SaapRouter::Mlp, {900, 1300}, 32, 64, 40);
 }
 
 // A dense layer of the SAAP engine (dense_layers) runs the dense kernel in the engine's own
