@@ -472,6 +472,16 @@ __device__ float block_reduce(float v, float* red, Op op) {
   return v;
 }
 
+// One compare-exchange of a bitonic network: (s, id) becomes the better of itself and its
+// partner (ps, pid) when keep_better, else the worse.
+__device__ __forceinline__ void compare_exchange(float& s, int& id, float ps, int pid,
+                                                 bool keep_better) {
+  if (keep_better == better(ps, pid, s, id)) {
+    s = ps;
+    id = pid;
+  }
+}
+
 // The bitonic network of route_kernel's shared-memory sort for C <= kRouteThreads, one element
 // per thread (s: thread i's score, -FLT_MAX past C, so padding sorts last): strides below 32 are
 // exchanged by warp shuffles, larger ones through a double-buffered shared array (a buffer is
@@ -498,11 +508,7 @@ __device__ int route_sort_registers(float s, float* xs, int* xi) {
       }
       // The lower element of a pair keeps the better one in descending blocks (bit `size`
       // clear), the worse one otherwise; the upper element the opposite.
-      const bool keep_better = ((i & size) == 0) == ((i & stride) == 0);
-      if (keep_better == better(ps, pid, s, id)) {
-        s = ps;
-        id = pid;
-      }
+      compare_exchange(s, id, ps, pid, ((i & size) == 0) == ((i & stride) == 0));
     }
   }
   return id;
@@ -522,11 +528,7 @@ __device__ void route_top32(float s, int id, float* xs, int* xi, int* out_id) {
   auto stage = [&](int size, int stride) {
     const float ps = __shfl_xor_sync(0xffffffffu, s, stride);
     const int pid = __shfl_xor_sync(0xffffffffu, id, stride);
-    const bool keep_better = ((lane & size) == 0) == ((lane & stride) == 0);
-    if (keep_better == better(ps, pid, s, id)) {
-      s = ps;
-      id = pid;
-    }
+    compare_exchange(s, id, ps, pid, ((lane & size) == 0) == ((lane & stride) == 0));
   };
   for (int size = 2; size <= 32; size *= 2)
     for (int stride = size / 2; stride > 0; stride /= 2) stage(size, stride);
@@ -544,11 +546,7 @@ __device__ void route_top32(float s, int id, float* xs, int* xi, int* out_id) {
     if (active) {
       const int j = (warp + span) * 32 + (31 - lane);
       const float ps = xs[buf * kRouteThreads + j];
-      const int pid = xi[buf * kRouteThreads + j];
-      if (better(ps, pid, s, id)) {
-        s = ps;
-        id = pid;
-      }
+      compare_exchange(s, id, ps, xi[buf * kRouteThreads + j], true);
       for (int stride = 16; stride > 0; stride /= 2) stage(64, stride);
     }
     buf ^= 1;
