@@ -71,6 +71,17 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "memory");
 }
 
+// The two halves of a thread-block cluster barrier (every thread of every CTA of the cluster
+// calls both, whole warps). Between them a thread may do anything but touch another CTA's
+// shared memory: only after the wait are all CTAs of the cluster known to be running, which
+// distributed shared memory accesses require. relaxed: the arrival orders no memory access.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
 // D = A * B + C with A 16x16 bf16 (row), B 16x8 bf16 (col), C and D 16x8 fp32.
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
                                                const uint32_t (&b)[2], const float (&c)[4]) {

@@ -180,6 +180,9 @@ __global__ void __launch_bounds__(kMatchWarps * 32) match_kernel(const __grid_co
   const int W = p.st.window;
   const int64_t head_row = p.st.head(b, h);
   __shared__ Candidate s_best[kMaxCluster * kMatchWarps];  // CTA 0's copy is the one used
+  // A CTA may write into CTA 0's shared memory only once every CTA of the cluster runs: the
+  // arrival here, the wait before the write (the scan in between hides it).
+  ptx::cluster_arrive_relaxed();
 
   // Independent loads first: the length, the query, and (the deciding warp) the head's
   // running means.
@@ -246,6 +249,7 @@ __global__ void __launch_bounds__(kMatchWarps * 32) match_kernel(const __grid_co
       }
     }
   }
+  ptx::cluster_wait();
   if (lane == 0) cluster.map_shared_rank(s_best, 0)[rank * kMatchWarps + warp] = best;
   cluster.sync();  // CTA 0 holds every warp's best; the others may leave
   if (!decider) return;

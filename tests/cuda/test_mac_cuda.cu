@@ -216,7 +216,8 @@ TEST(MacCuda, MissesMatchTheDenseEngine) {
   c.prompt = {3000, 1200};
   c.steps = 4;
   MacScene sc(c);
-  EngineConfig e = config(Backend::Cuda, 2, 64, 32, 0);
+  // W 512: the match scans the ring with a cluster of 8 CTAs (distributed shared memory).
+  EngineConfig e = config(Backend::Cuda, 2, 512, 32, 0);
   e.mac.tau = 1.0;
   MacEngine mac(sc.shape, e);
   DenseEngine dense(sc.shape, e);
