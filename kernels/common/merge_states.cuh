@@ -83,6 +83,53 @@ struct StateAccumulator {
     lse.add(lse_i);
   }
 
+  // Folds in K states at once: the running sum is rescaled once for the batch's maximum, and
+  // no state's exponential waits for another's (add() chains them). Branch-free, so that
+  // the K exponentials can overlap: an empty state (lse = -inf) gets weight exp(-inf) = 0
+  // and its o is selected away, never multiplied (it may hold NaN).
+  template <int K>
+  __device__ __forceinline__ void add_batch(const float (&lse_k)[K], const float (&o_k)[K][N]) {
+    float mb = lse.m;
+#pragma unroll
+    for (int k = 0; k < K; ++k) mb = fmaxf(mb, lse_k[k]);
+    if (mb == -INFINITY) return;
+    const float s = expf(lse.m - mb);  // 0 while nothing was added (o and sum are 0 then)
+    lse.sum *= s;
+#pragma unroll
+    for (int e = 0; e < N; ++e) o[e] *= s;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const bool empty = lse_k[k] == -INFINITY;
+      const float w = expf(lse_k[k] - mb);
+      lse.sum += w;
+#pragma unroll
+      for (int e = 0; e < N; ++e) o[e] = fmaf(w, empty ? 0.f : o_k[k][e], o[e]);
+    }
+    lse.m = mb;
+  }
+
+  // Folds in K other accumulators at once, as add(other) would one by one, with one rescale
+  // and independent exponentials. An empty accumulator (m = -inf, sum 0, o 0) adds nothing.
+  template <int K>
+  __device__ __forceinline__ void add_batch(const StateAccumulator (&parts)[K]) {
+    float mb = lse.m;
+#pragma unroll
+    for (int k = 0; k < K; ++k) mb = fmaxf(mb, parts[k].lse.m);
+    if (mb == -INFINITY) return;
+    const float s = expf(lse.m - mb);
+    lse.sum *= s;
+#pragma unroll
+    for (int e = 0; e < N; ++e) o[e] *= s;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const float w = expf(parts[k].lse.m - mb);
+      lse.sum = fmaf(w, parts[k].lse.sum, lse.sum);
+#pragma unroll
+      for (int e = 0; e < N; ++e) o[e] = fmaf(w, parts[k].o[e], o[e]);
+    }
+    lse.m = mb;
+  }
+
   // Folds in another accumulator (a partial merge of other states), as if its states had
   // been added here one by one.
   __device__ __forceinline__ void add(const StateAccumulator& other) {

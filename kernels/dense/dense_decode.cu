@@ -230,8 +230,10 @@ struct MergeParams {
 // One CTA per (sequence, query head) row. Before the wait (while the decode grid runs) each
 // warp derives the row's chunks from seq_lens. After it, the warps split the row's chunk
 // states, each loading up to kMergeBatch of its states at once (lse and o together) and
-// merging them in one pass (StateAccumulator); the warps' accumulators then combine through
-// shared memory. So a row costs one memory round trip after the wait, not one per chunk.
+// folding them in one batch (StateAccumulator::add_batch: independent exponentials); the
+// warps' accumulators then combine through shared memory, also as one batch. So a row
+// costs one memory round trip after the wait, not one per chunk, and no chain of dependent
+// exponentials.
 template <int D>
 __global__ void __launch_bounds__(kMergeWarps * 32)
     dense_merge_kernel(const __grid_constant__ MergeParams p) {
@@ -258,21 +260,21 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 
   StateAccumulator<kPer> acc;
   for (int i0 = warp; i0 < num_items; i0 += kMergeWarps * kMergeBatch) {
-    float lse_i[kMergeBatch];
-    Vec o_i[kMergeBatch];
+    float lse_i[kMergeBatch], o_i[kMergeBatch][kPer];
 #pragma unroll
     for (int k = 0; k < kMergeBatch; ++k) {
       const int i = i0 + k * kMergeWarps;
-      lse_i[k] = -INFINITY;
+      lse_i[k] = -INFINITY;  // past the row's states: empty, its o never read
       if (i < num_items) {
         const int64_t prow = int64_t(first_item + i) * p.num_q_heads + h;
         lse_i[k] = p.partial_lse[prow];
-        o_i[k] = *reinterpret_cast<const Vec*>(p.partial_o + prow * D + lane * kPer);
+        const Vec v = *reinterpret_cast<const Vec*>(p.partial_o + prow * D + lane * kPer);
+        const float* vs = reinterpret_cast<const float*>(&v);
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) o_i[k][j] = vs[j];
       }
     }
-#pragma unroll
-    for (int k = 0; k < kMergeBatch; ++k)
-      acc.add(lse_i[k], *reinterpret_cast<const float(*)[kPer]>(&o_i[k]));
+    acc.add_batch(lse_i, o_i);
   }
 #pragma unroll
   for (int j = 0; j < kPer; ++j) red_o[warp][lane * kPer + j] = acc.o[j];
@@ -282,16 +284,15 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   }
   __syncthreads();
   if (warp != 0) return;
-  StateAccumulator<kPer> total;
+  StateAccumulator<kPer> parts[kMergeWarps], total;
 #pragma unroll
   for (int ww = 0; ww < kMergeWarps; ++ww) {
-    StateAccumulator<kPer> part;
-    part.lse.m = red_m[ww];
-    part.lse.sum = red_sum[ww];
+    parts[ww].lse.m = red_m[ww];
+    parts[ww].lse.sum = red_sum[ww];
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) part.o[j] = red_o[ww][lane * kPer + j];
-    total.add(part);
+    for (int j = 0; j < kPer; ++j) parts[ww].o[j] = red_o[ww][lane * kPer + j];
   }
+  total.add_batch(parts);
   float o[kPer];
   total.normalized(o);
   __nv_bfloat16* dst = p.o + int64_t(row) * D + lane * kPer;

@@ -1,13 +1,16 @@
-// merge_states_cuda and merge_state_in_place_cuda against merge_state_cpu on random states,
-// empty (lse = -inf) ones included, whose o is NaN so that weighting them by 0 would show.
+// merge_states_cuda, merge_state_in_place_cuda and the device StateAccumulator's batched
+// folds against merge_state_cpu on random states, empty (lse = -inf) ones included, whose o
+// is NaN so that weighting them by 0 would show.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "kernels/common/merge_states.cuh"
 #include "kernels/common/merge_states.h"
 #include "tests/cuda/cuda_test_util.h"
 
@@ -93,6 +96,95 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MergeStatesCuda,
                                   std::to_string(info.param.rows) + "_d" +
                                   std::to_string(info.param.head_dim);
                          });
+
+// One warp per row, 4 dims per lane (head_dim 128). Fold A: the row's states in batches of
+// 8 (StateAccumulator::add_batch over states, the last batch padded with empty states).
+// Fold B: the even and the odd states into two accumulators, then both (and an empty one)
+// through add_batch over accumulators. Both write the normalized o and the lse.
+constexpr int kAccPer = 4, kAccBatch = 8;
+
+__global__ void batched_fold_kernel(const float* v, const float* s, int num_states, int rows,
+                                    float* v_a, float* s_a, float* v_b, float* s_b) {
+  const int row = blockIdx.x, lane = threadIdx.x;
+  const int head_dim = 32 * kAccPer;
+  auto load = [&](int i, float(&x)[kAccPer]) {
+    for (int k = 0; k < kAccPer; ++k)
+      x[k] = v[(int64_t(i) * rows + row) * head_dim + lane * kAccPer + k];
+  };
+  kernels::StateAccumulator<kAccPer> a;
+  for (int i0 = 0; i0 < num_states; i0 += kAccBatch) {
+    float lse[kAccBatch], o[kAccBatch][kAccPer];
+    for (int k = 0; k < kAccBatch; ++k) {
+      const int i = i0 + k;
+      lse[k] = -INFINITY;
+      for (int e = 0; e < kAccPer; ++e) o[k][e] = NAN;  // a padding state's o: never used
+      if (i < num_states) {
+        lse[k] = s[int64_t(i) * rows + row];
+        load(i, o[k]);
+      }
+    }
+    a.add_batch(lse, o);
+  }
+  kernels::StateAccumulator<kAccPer> parts[3];  // even, odd, and one left empty
+  for (int i = 0; i < num_states; ++i) {
+    float lse[1] = {s[int64_t(i) * rows + row]}, o[1][kAccPer];
+    load(i, o[0]);
+    parts[i % 2].add_batch(lse, o);
+  }
+  kernels::StateAccumulator<kAccPer> b;
+  b.add_batch(parts);
+  float oa[kAccPer], ob[kAccPer];
+  a.normalized(oa);
+  b.normalized(ob);
+  for (int k = 0; k < kAccPer; ++k) {
+    v_a[int64_t(row) * head_dim + lane * kAccPer + k] = oa[k];
+    v_b[int64_t(row) * head_dim + lane * kAccPer + k] = ob[k];
+  }
+  if (lane == 0) {
+    s_a[row] = a.lse.lse();
+    s_b[row] = b.lse.lse();
+  }
+}
+
+TEST(StateAccumulatorCuda, BatchedFoldsMatchCpuMerge) {
+  KVS_SKIP_WITHOUT_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int num_states = 21, rows = 40, head_dim = 32 * kAccPer;
+  std::vector<float> v, s;
+  random_states(num_states, rows, head_dim, rng, &v, &s);
+  DeviceBuffer<float> dv(v), ds(s);
+  DeviceBuffer<float> va(size_t(rows) * head_dim), sa(rows), vb(size_t(rows) * head_dim), sb(rows);
+  for (auto* buf : {&va, &sa, &vb, &sb}) buf->poison();
+  batched_fold_kernel<<<rows, 32>>>(dv.get(), ds.get(), num_states, rows, va.get(), sa.get(),
+                                    vb.get(), sb.get());
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto v_a = va.download(), s_a = sa.download(), v_b = vb.download(), s_b = sb.download();
+  for (int r = 0; r < rows; ++r) {
+    std::vector<double> o(head_dim, 0.0);
+    double lse = -std::numeric_limits<double>::infinity();
+    for (int i = 0; i < num_states; ++i) {
+      const size_t sr = size_t(i) * rows + r;
+      std::vector<double> ob(v.begin() + sr * head_dim, v.begin() + (sr + 1) * head_dim);
+      kernels::merge_state_cpu<double>(o.data(), &lse, ob.data(), s[sr], head_dim);
+    }
+    for (const auto& [name, v_out, s_out] :
+         {std::tuple{"batches of states", &v_a, &s_a}, std::tuple{"accumulators", &v_b, &s_b}}) {
+      SCOPED_TRACE(std::string(name) + ", row " + std::to_string(r));
+      if (std::isinf(lse)) {
+        EXPECT_EQ((*s_out)[r], -kInf);
+        for (int d = 0; d < head_dim; ++d) ASSERT_EQ((*v_out)[size_t(r) * head_dim + d], 0.f);
+        continue;
+      }
+      EXPECT_NEAR((*s_out)[r], lse, 1e-5 * std::max(1.0, std::abs(lse)));
+      for (int d = 0; d < head_dim; ++d)
+        ASSERT_NEAR((*v_out)[size_t(r) * head_dim + d], o[d], 1e-5 * (1.0 + std::abs(o[d])))
+            << "dim " << d;
+    }
+  }
+}
 
 TEST(MergeStatesCuda, NoStatesGiveEmptyRows) {
   KVS_SKIP_WITHOUT_CUDA();
