@@ -61,9 +61,6 @@ MacEngine::MacEngine(const ModelShape& shape, const EngineConfig& config)
       throw std::invalid_argument("mac engine (cuda): group size " +
                                   str(int64_t(shape_.group_size())) + " above 8");
     KVS_CUDA_CHECK(mk::prepare_cuda(shape_.head_dim));
-    const size_t sync = mk::decode_sync_ints(config_.max_batch, shape_.num_q_heads);
-    sync_ = device_alloc<int32_t>(int64_t(sync));
-    KVS_CUDA_CHECK(cudaMemset(sync_, 0, sync * sizeof(int32_t)));
     if (config_.mac.threshold == MacThreshold::PerHead) {
       const auto& t = config_.mac.per_head_threshold;
       head_thresholds_ = device_alloc<float>(int64_t(t.size()));
@@ -89,7 +86,6 @@ MacEngine::~MacEngine() {
     }
   }
   if (head_thresholds_) cudaFree(head_thresholds_);
-  if (sync_) cudaFree(sync_);
 }
 
 size_t MacEngine::workspace_bytes() const {
@@ -281,8 +277,8 @@ void MacEngine::decode(int layer, const bf16* q, const bf16* q_pre, const PagedK
     return;
   }
   KVS_CUDA_CHECK(mk::decode_cuda(st, mp, q, q_pre, shape_.num_q_heads, kv, float(shape_.scale()),
-                                 out, lse, device_counters_.get(), sync_, workspace_.ptr,
-                                 workspace_.bytes, stream));
+                                 out, lse, device_counters_.get(), workspace_.ptr, workspace_.bytes,
+                                 stream));
 }
 
 void MacEngine::read_counters(uint64_t* c) const {

@@ -123,7 +123,6 @@ class MacEngine : public Engine {
   std::vector<LayerState> layers_;
   std::vector<bool> allocated_;
   float* head_thresholds_ = nullptr;  // CUDA, PerHead: [num_layers * Hq]
-  int32_t* sync_ = nullptr;           // CUDA: the decode's arrival counters
   uint64_t host_counters_[kernels::mac::kNumCounters] = {};
   uint64_t decode_calls_ = 0;
   DeviceCounters device_counters_;  // CUDA with collect_stats

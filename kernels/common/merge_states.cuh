@@ -153,35 +153,6 @@ struct StateAccumulator {
   }
 };
 
-// The merge of states j0 <= j < j1 by a whole warp, in two passes: the lanes split the states
-// to find their largest lse, then every lane weighs each state against it. Unlike add(),
-// which rescales behind every new maximum, no state's exponential waits for the previous
-// one, so a long run of states costs a few cycles each instead of a dependent chain each.
-// lse_of(j) gives state j's lse; o_of(j, x) fills x with this lane's N values of its o.
-template <int N, class LseOf, class OOf>
-__device__ __forceinline__ StateAccumulator<N> warp_merge_range(int j0, int j1, int lane,
-                                                                LseOf&& lse_of, OOf&& o_of) {
-  float m = -INFINITY;
-  for (int j = j0 + lane; j < j1; j += 32) m = fmaxf(m, lse_of(j));
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  StateAccumulator<N> acc;
-  if (m == -INFINITY) return acc;  // every state empty
-  acc.lse.m = m;
-#pragma unroll 4
-  for (int j = j0; j < j1; ++j) {
-    const float l = lse_of(j);
-    if (l == -INFINITY) continue;  // an empty state is skipped, never multiplied
-    const float wt = expf(l - m);
-    float x[N];
-    o_of(j, x);
-    acc.lse.sum += wt;
-#pragma unroll
-    for (int k = 0; k < N; ++k) acc.o[k] = fmaf(wt, x[k], acc.o[k]);
-  }
-  return acc;
-}
-
 // Weight of a part with log-sum-exp lse in a merge whose merged log-sum-exp is lse_merged.
 // 0 for an empty part; callers skip parts of weight 0 (see the file comment).
 __device__ __forceinline__ float merge_weight(float lse, float lse_merged) {

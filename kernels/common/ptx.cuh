@@ -43,18 +43,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 
-// atomicAdd with acquire-release semantics at GPU scope: the caller's earlier writes (and,
-// through a preceding barrier, its CTA's) are visible to whoever acquires the new value, and
-// the writes released by earlier adders are visible to the caller. Returns the old value.
-__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* addr, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
-               : "=r"(old)
-               : "l"(addr), "r"(v)
-               : "memory");
-  return old;
-}
-
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"

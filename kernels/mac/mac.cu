@@ -1,20 +1,25 @@
 // CUDA MAC-Attention decode (mac.h): match -> attend (band + tail, or everything on a miss)
-// with complete + rectify-append folded into the last CTA of each (sequence, kv head), two
-// launches with no host sync, so a step is capturable.
+// -> complete + rectify-append, three launches chained by programmatic dependent launch with
+// no host sync, so a step is capturable.
 //
 // The step is short (a 100 % hit step reads ~1 % of a dense step's bytes), so its time is the
 // number of dependent memory round trips, not bandwidth. The layout keeps that number small:
-//   match: one CTA per (sequence, query head) scans the whole ring at once (16 warps x 32
-//     slots: every slot's position and lse, then every valid ring row, all in flight) and
-//     decides hit / start in the same CTA. No tiles, no arrival counters.
+//   match: one thread-block cluster per (sequence, query head) scans the whole ring at once
+//     (every slot's position and lse, then every valid ring row, all in flight), reduces
+//     through distributed shared memory and decides hit / start in its first CTA. No
+//     arrival counters.
 //   attend: launched with programmatic dependent launch behind match. Every warp derives the
 //     same plan from seq_lens and the heads' starts on its own (as dense_decode.cu does):
 //     each (sequence, kv head)'s union span [min_h start_h, t] is cut into chunks whose length
 //     spreads the total tokens over about one wave of CTAs. The chunk that holds E(t) inside
 //     it runs as two segments, so that every state belongs either to `new` (tokens below
-//     E(t)) or to the tail, and a pair needs no more CTAs than dense decode would give it. The
-//     CTA that finishes a pair last (self-resetting arrival counter) merges the pair's states
-//     with the reused entries, writes entry(t) into the ring and the output.
+//     E(t)) or to the tail, and a pair needs no more CTAs than dense decode would give it.
+//     The pair's first CTA publishes where the pair's states lie.
+//   complete: one CTA per (sequence, query head), behind attend. Its warps split the head's
+//     states (a missed pair at 128K has ~35), then one warp merges them with the reused entry,
+//     writes entry(t) into the ring and the output. (Done by a pair's last attend CTA after an
+//     arrival counter, one CTA staged and merged every state of the group: the longest step
+//     of a miss; docs/gpu.md.)
 //
 // The attention is the tile loop dense decode uses (kernels/common/attend_tiles.cuh) with a
 // per-row start: a head row masks tokens below its own start, so a group reads its KV once
@@ -62,8 +67,14 @@ int match_cluster(int window) {
   return tiles < kMaxCluster ? tiles : kMaxCluster;
 }
 
+// Where a (sequence, kv head) pair's states lie, for the completion: n_r states of the part
+// below E(t) from first_state on, then n_t states of the tail.
+struct alignas(16) PairPlan {
+  int32_t first_state, n_r, n_t, unused;
+};
+
 struct Layout {
-  size_t head_start, head_slot, partial_lse, partial_o, total;
+  size_t head_start, head_slot, pair_plan, partial_lse, partial_o, total;
 };
 
 int max_states(int max_batch, int num_kv_heads) { return kMaxChunks + 2 * max_batch * num_kv_heads; }
@@ -81,6 +92,7 @@ Layout layout(int max_batch, int num_q_heads, int num_kv_heads, int head_dim) {
   };
   l.head_start = take(rows * sizeof(int32_t));
   l.head_slot = take(rows * sizeof(int32_t));
+  l.pair_plan = take(size_t(max_batch) * num_kv_heads * sizeof(PairPlan));
   l.partial_lse = take(states * group * sizeof(float));
   l.partial_o = take(states * group * head_dim * sizeof(float));
   l.total = at;
@@ -102,9 +114,9 @@ struct Params {
   __nv_bfloat16* out;
   float* lse;  // may be null
   unsigned long long* counters;  // may be null
-  int32_t* pair_arrivals;  // [batch * Hkv], zero between launches
   int32_t* head_start;     // [batch * Hq] first token of the head's own read (0: miss)
   int32_t* head_slot;      // [batch * Hq] ring slot of the reused entry, -1: miss
+  PairPlan* pair_plan;     // [batch * Hkv], written by each pair's first attend CTA
   float* partial_lse;      // [states, group]
   float* partial_o;        // [states, group, D]
 };
@@ -118,6 +130,17 @@ __device__ __forceinline__ float warp_sum(float x) {
 // (d2, pos) order of the match: smaller distance, then the older position.
 __device__ __forceinline__ bool better(float d2, int pos, float best_d2, int best_pos) {
   return pos >= 0 && (best_pos < 0 || d2 < best_d2 || (d2 == best_d2 && pos < best_pos));
+}
+
+// This lane's D/32 values of a bf16 row, rounded, in one store (8 bytes at D 128).
+template <int D>
+__device__ __forceinline__ void store_bf16(__nv_bfloat16* row, int lane, const float (&x)[D / 32]) {
+  constexpr int kPer = D / 32;
+  __nv_bfloat162 v[kPer / 2];
+#pragma unroll
+  for (int k = 0; k < kPer / 2; ++k) v[k] = __floats2bfloat162_rn(x[2 * k], x[2 * k + 1]);
+  using Vec = typename std::conditional<kPer == 4, uint2, uint32_t>::type;
+  *reinterpret_cast<Vec*>(row + lane * kPer) = *reinterpret_cast<const Vec*>(v);
 }
 
 template <int D>
@@ -144,9 +167,13 @@ __device__ void update_running_means(const RingState& st, const MatchParams& mp,
   for (int k = 0; k < kPer; ++k) sq += x[k] * x[k];
   sq = warp_sum(sq);
   const float w = stats_weight(&count, mp.stats_horizon);
-  float* dst = st.q_mean + st.head(b, h) * D + lane * kPer;
+  float next[kPer];
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) dst[k] = mean[k] + w * (x[k] - mean[k]);
+  for (int k = 0; k < kPer; ++k) next[k] = mean[k] + w * (x[k] - mean[k]);
+  using Vec =
+      typename std::conditional<kPer == 4, float4, float2>::type;  // q_mean: 16-byte aligned
+  *reinterpret_cast<Vec*>(st.q_mean + st.head(b, h) * D + lane * kPer) =
+      *reinterpret_cast<const Vec*>(next);
   if (lane == 0) {
     st.q_count[st.head(b, h)] = count;
     st.q_sq[st.head(b, h)] = q_sq + w * (sq - q_sq);
@@ -419,9 +446,9 @@ __device__ WorkItem find_work_item(const Params& p, int item, int lane) {
   return w;
 }
 
-// What the completion of one query head reads besides the pair's states: the reused entry
-// (slot_j, -1: none), q_pre and the running means; this lane's D/32 dims of each vector. The
-// attend CTAs load it before they count their arrival, so that the last one has it at hand.
+// What the completion of one query head reads besides the pair's states: q_pre and the
+// running means (written only by completions, so loaded before the wait), and the reused
+// entry (slot_j, -1: none); this lane's D/32 dims of each vector.
 template <int D>
 struct HeadInputs {
   float lse_j;
@@ -431,16 +458,8 @@ struct HeadInputs {
 };
 
 template <int D>
-__device__ void load_head_inputs(const Params& p, int b, int h, int slot_j, int lane,
-                                 HeadInputs<D>& in) {
+__device__ void load_head_own(const Params& p, int64_t row, int lane, HeadInputs<D>& in) {
   constexpr int kPer = D / 32;
-  const int64_t row = int64_t(b) * p.num_q_heads + h;
-  in.lse_j = -INFINITY;
-  if (slot_j >= 0) {
-    const int64_t r = p.st.row(b, slot_j, h);
-    in.lse_j = p.st.lse[r];
-    load_bf16<D>(reinterpret_cast<const __nv_bfloat16*>(p.st.o) + r * D, lane, in.o_j);
-  }
   load_bf16<D>(p.q_pre + row * D, lane, in.qp);
   const float* m = p.st.q_mean + row * D + lane * kPer;
 #pragma unroll
@@ -449,118 +468,148 @@ __device__ void load_head_inputs(const Params& p, int b, int h, int slot_j, int 
   in.q_sq = p.st.q_sq[row];
 }
 
-// Completion of one query head (one warp) from its two merged parts (o_r, lse_r: the states
-// below E(t); o_t, lse_t: the tail): new = merge(part r, reused entry j); rectify-append;
-// out = merge(new, tail).
 template <int D>
-__device__ void finish_head(const Params& p, const WorkItem& w, int b, int h,
-                            const HeadInputs<D>& in, const float (&o_r)[D / 32], float lse_r,
-                            const float (&o_t)[D / 32], float lse_t, int lane) {
+__device__ void load_entry(const Params& p, int b, int h, int slot_j, int lane, HeadInputs<D>& in) {
+  in.lse_j = -INFINITY;
+  if (slot_j < 0) return;
+  const int64_t r = p.st.row(b, slot_j, h);
+  in.lse_j = p.st.lse[r];
+  load_bf16<D>(reinterpret_cast<const __nv_bfloat16*>(p.st.o) + r * D, lane, in.o_j);
+}
+
+// Completion of one query head (one warp) from its two parts, as unnormalized merges (part
+// r: the states below E(t); part t: the tail) at step t: new = merge(part r, reused entry j)
+// is written into the ring (rectify-append), and out = merge(part r, entry j, tail). out is
+// merged from the parts directly, not from new, so that the two merges (one warp, each a
+// chain of dependent steps) run side by side.
+template <int D>
+__device__ __forceinline__ void finish_head(const Params& p, int t, int b, int h,
+                                            const HeadInputs<D>& in,
+                                            const StateAccumulator<D / 32>& part_r,
+                                            const StateAccumulator<D / 32>& part_t, int lane) {
   constexpr int kPer = D / 32;
   const int64_t row = int64_t(b) * p.num_q_heads + h;
-  const int t = w.span.len - 1, W = p.st.window;
-  const float lse_j = in.lse_j;
-  LseAccumulator acc;
-  acc.add(lse_r);
-  acc.add(lse_j);
-  const float lse_new = acc.lse();
-  const float w_r = merge_weight(lse_r, lse_new), w_j = merge_weight(lse_j, lse_new);
-  float o_new[kPer];
+  const int W = p.st.window;
+  StateAccumulator<kPer> entry;  // empty on a miss (o_j is not loaded then)
+  if (in.lse_j != -INFINITY) {
+    entry.lse.m = in.lse_j;
+    entry.lse.sum = 1.f;
 #pragma unroll
-  for (int k = 0; k < kPer; ++k)
-    o_new[k] = (w_r > 0.f ? w_r * o_r[k] : 0.f) + (w_j > 0.f ? w_j * in.o_j[k] : 0.f);
+    for (int k = 0; k < kPer; ++k) entry.o[k] = in.o_j[k];
+  }
+  StateAccumulator<kPer> merged_new, merged_out;
+  {
+    const StateAccumulator<kPer> parts[2] = {part_r, entry};
+    merged_new.add_batch(parts);
+  }
+  {
+    const StateAccumulator<kPer> parts[3] = {part_r, entry, part_t};
+    merged_out.add_batch(parts);
+  }
+  float o_new[kPer], o_out[kPer];
+  merged_new.normalized(o_new);
+  merged_out.normalized(o_out);
 
   // Rectify-append: entry(t) = new. Slot t mod W may be the matched slot (j = t - W): every
   // lane has read it above.
   __syncwarp();
   const int slot_t = t % W;
   const int64_t rt = p.st.row(b, slot_t, h);
-  {
-    __nv_bfloat16* ro = reinterpret_cast<__nv_bfloat16*>(p.st.o) + rt * D + lane * kPer;
-    __nv_bfloat16* rq = reinterpret_cast<__nv_bfloat16*>(p.st.q) + rt * D + lane * kPer;
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      ro[k] = __float2bfloat16_rn(o_new[k]);
-      rq[k] = __float2bfloat16_rn(in.qp[k]);  // exact: qp holds bf16 values
-    }
-    if (lane == 0) {
-      p.st.lse[rt] = lse_new;
-      if (h == 0) p.st.pos[int64_t(b) * W + slot_t] = t;
-    }
+  store_bf16<D>(reinterpret_cast<__nv_bfloat16*>(p.st.o) + rt * D, lane, o_new);
+  store_bf16<D>(reinterpret_cast<__nv_bfloat16*>(p.st.q) + rt * D, lane, in.qp);  // exact
+  store_bf16<D>(p.out + row * D, lane, o_out);
+  if (lane == 0) {
+    p.st.lse[rt] = merged_new.lse.lse();
+    if (h == 0) p.st.pos[int64_t(b) * W + slot_t] = t;
+    if (p.lse) p.lse[row] = merged_out.lse.lse();
   }
   update_running_means<D>(p.st, p.mp, b, h, lane, in.qp, in.mean, in.count, in.q_sq);
-
-  LseAccumulator acc2;
-  acc2.add(lse_new);
-  acc2.add(lse_t);
-  const float lse_out = acc2.lse();
-  const float w_n = merge_weight(lse_new, lse_out), w_t = merge_weight(lse_t, lse_out);
-  __nv_bfloat16* out = p.out + row * D + lane * kPer;
-#pragma unroll
-  for (int k = 0; k < kPer; ++k)
-    out[k] = __float2bfloat16_rn((w_n > 0.f ? w_n * o_new[k] : 0.f) + (w_t > 0.f ? w_t * o_t[k] : 0.f));
-  if (lane == 0 && p.lse) p.lse[row] = lse_out;
 }
 
-// Completion of a pair by its last CTA. The pair's states (o and lse of every head of the
-// group, consecutive in the workspace) are staged into shared memory with asynchronous copies,
-// as many as fit at a time, all in flight at once; each warp then merges its heads' states
-// from shared memory (warp_merge_range: the largest lse first, then every state's weight
-// independently; the one-pass merge chained ~250 cycles per state, 6 us for a missed pair's
-// 35 states at 128K). (Merging straight from global memory let the compiler turn the loads
-// into one round trip per state: 9 us for 34 states at 128K.)
+constexpr int kCompleteWarps = 8;
+constexpr int kCompleteBatch = 8;  // states per warp in flight at once
+
+// One CTA per (sequence, query head), behind attend. Warp w takes the head's states w, w + 8,
+// ..., kCompleteBatch at a time (all loads in flight, then one batched fold), into two
+// accumulators, the part below E(t) and the tail; warp 0 folds the warps' accumulators in
+// warp order (the result does not depend on timing) and finishes the head. A missed pair
+// among hits at batch 1 gets most of the wave's chunks (~256 states at 128K), so the fold is
+// batched rather than chained.
 template <int D>
-__device__ void complete_pair(const Params& p, const WorkItem& w, int b, int kvh,
-                              const HeadInputs<D> (&in)[kMaxGroup / kWarps], uint4* smem) {
+__global__ void __launch_bounds__(kCompleteWarps * 32)
+    complete_kernel(const __grid_constant__ Params p) {
   constexpr int kPer = D / 32;
-  constexpr int kHeadsPerWarp = kMaxGroup / kWarps;
   using Vec = typename std::conditional<kPer == 4, float4, float2>::type;
+  // Each warp's two accumulators (below E(t), tail): o by dims, m and sum per warp.
+  __shared__ float red_o[2][kCompleteWarps][D];
+  __shared__ float red_m[2][kCompleteWarps], red_sum[2][kCompleteWarps];
+  const int row = blockIdx.x;
+  const int b = row / p.num_q_heads, h = row % p.num_q_heads;
+  const int kvh = h / p.group, hg = h % p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n = w.n_r + w.n_t;
-  const int state_floats = p.group * D;
-  const int cap = int(AttendConfig<D>::smem_bytes() / sizeof(float)) / (state_floats + p.group);
-  float* so = reinterpret_cast<float*>(smem);  // [cap][group][D]
-  float* sl = so + cap * state_floats;         // [cap][group]
-  const float* go = p.partial_o + int64_t(w.first_state) * state_floats;
-  const float* gl = p.partial_lse + int64_t(w.first_state) * p.group;
-  StateAccumulator<kPer> acc_r[kHeadsPerWarp], acc_t[kHeadsPerWarp];
-  for (int s0 = 0; s0 < n; s0 += cap) {
-    const int ns = n - s0 < cap ? n - s0 : cap;
-    const int pieces = ns * state_floats / 4;  // 16-byte copies
-    for (int i = threadIdx.x; i < pieces; i += kThreads)
-      ptx::cp_async_16(ptx::smem_addr(so + 4 * i), go + int64_t(s0) * state_floats + 4 * i, true);
-    ptx::cp_async_commit();
-    for (int i = threadIdx.x; i < ns * p.group; i += kThreads) sl[i] = __ldcg(gl + s0 * p.group + i);
-    ptx::cp_async_wait<0>();
-    __syncthreads();
-    // States [0, jr) of this round lie below E(t), the rest are the tail's.
-    const int jr = w.n_r - s0 < 0 ? 0 : w.n_r - s0 < ns ? w.n_r - s0 : ns;
+  // Before the wait, everything that attend does not write: the length, this head's query
+  // and running means, and the reused entry (from match's decision: this grid starts only
+  // after every attend CTA passed its own wait on match, see attend_kernel).
+  const int len = p.seq_lens[b];
+  HeadInputs<D> in;
+  if (len > 0 && warp == 0) {
+    load_head_own<D>(p, row, lane, in);
+    load_entry<D>(p, b, h, __ldcg(p.head_slot + row), lane, in);
+  }
+  // Every CTA waits, the ones with nothing to do included, so that this grid never ends
+  // before the attend grid.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (len == 0) return;  // match wrote o = 0, lse = -inf; no state, no entry
+  const int4 plan = __ldcg(reinterpret_cast<const int4*>(p.pair_plan + b * p.num_kv_heads + kvh));
+  const PairPlan ps{plan.x, plan.y, plan.z, plan.w};
+  const int n = ps.n_r + ps.n_t;
+  StateAccumulator<kPer> acc[2];  // below E(t), tail
+  for (int j0 = warp; j0 < n; j0 += kCompleteWarps * kCompleteBatch) {
+    // The batch's states of each part; a state of the other part (or past n) is empty there.
+    float lse[2][kCompleteBatch], o[kCompleteBatch][kPer];
 #pragma unroll
-    for (int k = 0; k < kHeadsPerWarp; ++k) {
-      const int hg = warp + k * kWarps;
-      if (hg >= p.group) continue;
-      auto lse_of = [&](int j) { return sl[j * p.group + hg]; };
-      auto o_of = [&](int j, float(&x)[kPer]) {
-        const Vec v = *reinterpret_cast<const Vec*>(so + (j * p.group + hg) * D + lane * kPer);
+    for (int k = 0; k < kCompleteBatch; ++k) {
+      const int j = j0 + k * kCompleteWarps;
+      float l = -INFINITY;
+      if (j < n) {
+        const int64_t prow = int64_t(ps.first_state + j) * p.group + hg;
+        l = __ldcg(p.partial_lse + prow);
+        const Vec v = __ldcg(reinterpret_cast<const Vec*>(p.partial_o + prow * D + lane * kPer));
         const float* vs = reinterpret_cast<const float*>(&v);
 #pragma unroll
-        for (int e = 0; e < kPer; ++e) x[e] = vs[e];
-      };
-      acc_r[k].add(warp_merge_range<kPer>(0, jr, lane, lse_of, o_of));
-      acc_t[k].add(warp_merge_range<kPer>(jr, ns, lane, lse_of, o_of));
+        for (int e = 0; e < kPer; ++e) o[k][e] = vs[e];
+      }
+      lse[0][k] = j < ps.n_r ? l : -INFINITY;
+      lse[1][k] = j < ps.n_r ? -INFINITY : l;
     }
-    __syncthreads();  // the staging area is free for the next round
+    acc[0].add_batch(lse[0], o);
+    acc[1].add_batch(lse[1], o);
   }
 #pragma unroll
-  for (int k = 0; k < kHeadsPerWarp; ++k) {
-    const int hg = warp + k * kWarps;
-    if (hg >= p.group) continue;
-    float o_r[kPer], o_t[kPer];
-    acc_r[k].normalized(o_r);
-    acc_t[k].normalized(o_t);
-    finish_head<D>(p, w, b, kvh * p.group + hg, in[k], o_r, acc_r[k].lse.lse(), o_t,
-                   acc_t[k].lse.lse(), lane);
+  for (int part = 0; part < 2; ++part) {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) red_o[part][warp][lane * kPer + k] = acc[part].o[k];
+    if (lane == 0) {
+      red_m[part][warp] = acc[part].lse.m;
+      red_sum[part][warp] = acc[part].lse.sum;
+    }
   }
+  __syncthreads();
+  if (warp != 0) return;
+  StateAccumulator<kPer> total[2];
+#pragma unroll
+  for (int part = 0; part < 2; ++part) {
+    StateAccumulator<kPer> parts[kCompleteWarps];
+#pragma unroll
+    for (int w = 0; w < kCompleteWarps; ++w) {
+      parts[w].lse.m = red_m[part][w];
+      parts[w].lse.sum = red_sum[part][w];
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) parts[w].o[k] = red_o[part][w][lane * kPer + k];
+    }
+    total[part].add_batch(parts);
+  }
+  finish_head<D>(p, len - 1, b, h, in, total[0], total[1], lane);
 }
 
 // L2 prefetch of the page-table entries of every sequence's tokens, spread over the grid:
@@ -581,7 +630,7 @@ template <int D>
 __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant__ Params p) {
   extern __shared__ uint4 smem[];  // the tile loop's, and nothing static (attend_tiles.cuh)
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32;
   const int g = lane / 4;
   // While match runs: pull the batch's page tables into L2 (seq_lens and the tables were
   // written before match started, so they may be read before the wait), one 128-byte line
@@ -589,12 +638,21 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant_
   prefetch_page_tables(p);
   // The match grid's decisions (head_start, head_slot) are read only after this.
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  // The completion grid may get resident now. Only now: it reads match's decision (the
+  // reused slot) before its own wait, which orders it after this grid only, and every CTA
+  // of this grid triggers or exits only after match has completed and flushed.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const WorkItem w = find_work_item(p, blockIdx.x, lane);
   if (!w.valid) return;  // the same for every thread of the CTA
   const int b = w.pair / p.num_kv_heads, kvh = w.pair % p.num_kv_heads;
   const int64_t group_row = int64_t(b) * p.num_q_heads + kvh * p.group;
-  // The reused slots of the group's heads (lane g: head g), for the completion.
-  const int group_slot = lane < p.group ? __ldcg(p.head_slot + group_row + lane) : -1;
+  if (threadIdx.x == 0 && w.state == w.first_state) {  // the pair's first chunk
+    p.pair_plan[w.pair] = PairPlan{w.first_state, w.n_r, w.n_t, 0};
+    if (p.counters) {
+      atomicAdd(p.counters + kRowsRead, (unsigned long long)(w.span.len - w.span.start));
+      atomicAdd(p.counters + kRowsContext, (unsigned long long)w.span.len);
+    }
+  }
   // Tokens below the start of this lane's head row are not its to read (a hit head reuses
   // them); the tail holds no such tokens.
   const int head_start = g < p.group ? __ldcg(p.head_start + group_row + g) : 0;
@@ -602,18 +660,6 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant_
   uint32_t qa[D / 16][2];
   tiles::load_query_fragments<D>(p.q + group_row * D, p.group, lane, qa);
 
-  // The completion's inputs of this warp's heads, loaded while the CTA merges its warps and
-  // counts its arrival (only the pair's last CTA uses them).
-  constexpr int kHeadsPerWarp = kMaxGroup / kWarps;
-  HeadInputs<D> in[kHeadsPerWarp];
-  auto load_inputs = [&] {
-#pragma unroll
-    for (int i = 0; i < kHeadsPerWarp; ++i) {
-      const int hg = warp + i * kWarps;
-      const int slot_j = __shfl_sync(kFull, group_slot, hg < p.group ? hg : 0);
-      if (hg < p.group) load_head_inputs<D>(p, b, kvh * p.group + hg, slot_j, lane, in[i]);
-    }
-  };
   // The chunk's segments: below E(t) with the heads' own starts, and the tail unmasked; one
   // call site of the tile loop, so that its code is in the kernel once.
   using Cfg = AttendConfig<D>;
@@ -624,7 +670,6 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant_
     const bool below = end <= w.span.et;
     if (sg > 0) __syncthreads();  // the merge area is read before the ring is refilled
     tiles::attend_tiles<Cfg, true>(p.kv, b, kvh, begin, end, below ? head_start : 0, qa, smem);
-    if (sg == segments - 1) load_inputs();  // in flight during the CTA merge and arrival
     __syncthreads();
     tiles::merge_warp_states<Cfg>(smem, p.group, [&](int hg, int d, float4 o, float lse) {
       const int64_t prow = int64_t(w.state + sg) * p.group + hg;
@@ -632,27 +677,6 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant_
       if (d == 0) p.partial_lse[prow] = lse;
     });
   }
-
-  // The CTA that brings the pair's last chunk completes the pair's heads; the counter goes
-  // back to zero for the next launch. One thread counts the arrival with an acquire-release
-  // atomic after the barrier: release covers the states every thread of this CTA wrote
-  // (ordered before it by the barrier), acquire makes the other CTAs' states visible to
-  // the last CTA (and through the next barrier to all its threads). Cheaper than a full
-  // fence in every thread.
-  __syncthreads();
-  bool last = false;
-  if (threadIdx.x == 0) {
-    last = ptx::atomic_add_acq_rel_gpu(p.pair_arrivals + w.pair, 1) == w.chunks - 1;
-    if (last) {
-      p.pair_arrivals[w.pair] = 0;
-      if (p.counters) {
-        atomicAdd(p.counters + kRowsRead, (unsigned long long)(w.span.len - w.span.start));
-        atomicAdd(p.counters + kRowsContext, (unsigned long long)w.span.len);
-      }
-    }
-  }
-  if (!__syncthreads_or(last)) return;
-  complete_pair<D>(p, w, b, kvh, in, smem);
 }
 
 // Prefill: one warp per query head writes positions p0 .. p0 + n - 1 in order.
@@ -749,8 +773,11 @@ cudaError_t launch_decode(Params& p, cudaStream_t stream) {
   // Programmatic dependent launch: attend CTAs get resident while match runs and wait for it
   // (griddepcontrol.wait) before reading its decisions.
   const unsigned grid = unsigned(p.chunks_target + p.batch * p.num_kv_heads);  // >= chunks
-  return launch_programmatic(attend_kernel<D>, dim3(grid), dim3(kThreads), attend_smem_bytes<D>(),
-                             stream, p);
+  err = launch_programmatic(attend_kernel<D>, dim3(grid), dim3(kThreads), attend_smem_bytes<D>(),
+                            stream, p);
+  if (err != cudaSuccess) return err;
+  return launch_programmatic(complete_kernel<D>, dim3(unsigned(p.batch * p.num_q_heads)),
+                             dim3(kCompleteWarps * 32), 0, stream, p);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -772,10 +799,6 @@ size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, 
   return layout(max_batch, num_q_heads, num_kv_heads, head_dim).total;
 }
 
-size_t decode_sync_ints(int max_batch, int num_q_heads) {
-  return size_t(max_batch) * num_q_heads;  // >= the (sequence, kv head) pairs
-}
-
 cudaError_t prepare_cuda(int head_dim) {
   DeviceInfo info;
   if (head_dim == 64) return device_info<64>(&info);
@@ -790,8 +813,8 @@ cudaError_t prepare_cuda(int head_dim) {
 // PerHead without thresholds; KV rows overflow int32 (as dense_decode_cuda).
 cudaError_t decode_cuda(const RingState& st, const MatchParams& mp, const bf16* q,
                         const bf16* q_pre, int num_q_heads, const PagedKV& kv, float scale,
-                        bf16* out, float* lse, unsigned long long* counters, int32_t* sync,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                        bf16* out, float* lse, unsigned long long* counters, void* workspace,
+                        size_t workspace_bytes, cudaStream_t stream) {
   const int d = kv.head_dim;
   if (d != 64 && d != 128) return cudaErrorInvalidValue;
   if (kv.batch < 0 || kv.num_kv_heads < 1 || num_q_heads < 1) return cudaErrorInvalidValue;
@@ -806,8 +829,7 @@ cudaError_t decode_cuda(const RingState& st, const MatchParams& mp, const bf16* 
     return cudaErrorInvalidValue;
   if (mp.rule == ThresholdRule::PerHead && !mp.head_threshold) return cudaErrorInvalidValue;
   if (kv.batch == 0) return cudaSuccess;
-  if (!q || !q_pre || !kv.k || !kv.v || !kv.page_table || !kv.seq_lens || !out || !sync ||
-      !workspace)
+  if (!q || !q_pre || !kv.k || !kv.v || !kv.page_table || !kv.seq_lens || !out || !workspace)
     return cudaErrorInvalidValue;
   if (!aligned16(q) || !aligned16(q_pre) || !aligned16(kv.k) || !aligned16(kv.v) ||
       !aligned16(out) || !aligned16(workspace))
@@ -834,9 +856,9 @@ cudaError_t decode_cuda(const RingState& st, const MatchParams& mp, const bf16* 
   p.out = reinterpret_cast<__nv_bfloat16*>(out);
   p.lse = lse;
   p.counters = counters;
-  p.pair_arrivals = sync;
   p.head_start = reinterpret_cast<int32_t*>(ws + l.head_start);
   p.head_slot = reinterpret_cast<int32_t*>(ws + l.head_slot);
+  p.pair_plan = reinterpret_cast<PairPlan*>(ws + l.pair_plan);
   p.partial_lse = reinterpret_cast<float*>(ws + l.partial_lse);
   p.partial_o = reinterpret_cast<float*>(ws + l.partial_o);
   return d == 64 ? launch_decode<64>(p, stream) : launch_decode<128>(p, stream);

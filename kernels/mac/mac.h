@@ -143,7 +143,7 @@ void fill_entries_cpu(const RingState& st, const MatchParams& p, int b, const bf
 
 // ---- CUDA ---------------------------------------------------------------------------------
 
-// Decode step on the GPU, graph-capturable (no host sync, allocation or copy), two launches:
+// Decode step on the GPU, graph-capturable (no host sync, allocation or copy), three launches:
 //   1. match: one CTA per (sequence, query head) scans the whole ring (every valid row in
 //      flight at once, bf16 reads, fp32 accumulation, warp-shuffle sums) and decides hit /
 //      start in the same CTA.
@@ -152,20 +152,19 @@ void fill_entries_cpu(const RingState& st, const MatchParams& p, int b, const bf
 //      [min_h start_h, t] cut into chunks of a length chosen from the total work; the chunk
 //      holding E(t) runs as two segments), then attends its chunk: bf16 tensor cores, each KV
 //      tile loaded once for the group, head rows below their own start masked, partial
-//      states (o, lse) out. The CTA that brings a pair's last chunk completes its heads:
-//      merge the [start, E(t)) states with the reused entry into `new`, write entry(t) and
-//      q_pre into the rings, merge `new` with the [E(t), t] states into out.
-// Self-resetting per-pair arrival counters live in `sync` (device memory of
-// decode_sync_ints(), zeroed once by the owner). Supports head_dim 64 and 128, group sizes
-// 1..8.
+//      states (o, lse) out.
+//   3. complete (programmatic dependent launch behind attend): one CTA per (sequence, query
+//      head) merges the head's [start, E(t)) states with the reused entry into `new`, writes
+//      entry(t) and q_pre into the rings, and merges `new` with the [E(t), t] states into out.
+// Everything between the launches lives in `workspace`; it needs no initialisation. Supports
+// head_dim 64 and 128, group sizes 1..8.
 size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
                               int window);
-size_t decode_sync_ints(int max_batch, int num_q_heads);
 cudaError_t prepare_cuda(int head_dim);
-cudaError_t decode_cuda(const RingState& st, const MatchParams& p, const bf16* q,
-                        const bf16* q_pre, int num_q_heads, const PagedKV& kv, float scale,
-                        bf16* out, float* lse, unsigned long long* counters, int32_t* sync,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream);
+cudaError_t decode_cuda(const RingState& st, const MatchParams& p, const bf16* q, const bf16* q_pre,
+                        int num_q_heads, const PagedKV& kv, float scale, bf16* out, float* lse,
+                        unsigned long long* counters, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
 
 cudaError_t reset_cuda(const RingState& st, int batch, cudaStream_t stream);
 

@@ -207,17 +207,17 @@ TEST(MacCuda, DefaultsPastTheMinimumContext) {
 }
 
 // Nothing hits (tau = 1): the output is the dense CUDA engine's.
-TEST(MacCuda, MissesMatchTheDenseEngine) {
-  KVS_SKIP_WITHOUT_CUDA();
+void expect_misses_match_dense(int hq, int hkv, std::vector<int> prompt) {
   MacSceneConfig c;
-  c.hq = 32;
-  c.hkv = 8;
+  c.hq = hq;
+  c.hkv = hkv;
   c.d = 128;
-  c.prompt = {3000, 1200};
+  c.prompt = std::move(prompt);
   c.steps = 4;
   MacScene sc(c);
+  const int batch = int(c.prompt.size());
   // W 512: the match scans the ring with a cluster of 8 CTAs (distributed shared memory).
-  EngineConfig e = config(Backend::Cuda, 2, 512, 32, 0);
+  EngineConfig e = config(Backend::Cuda, batch, 512, 32, 0);
   e.mac.tau = 1.0;
   MacEngine mac(sc.shape, e);
   DenseEngine dense(sc.shape, e);
@@ -228,7 +228,7 @@ TEST(MacCuda, MissesMatchTheDenseEngine) {
   dense.bind_workspace({ws_d.get(), ws_d.size()});
   cache.set_lengths(sc.c.prompt);
   mac.prefill(0, cache.view(0), nullptr);
-  const size_t n = size_t(2) * c.hq * c.d;
+  const size_t n = size_t(batch) * c.hq * c.d;
   DeviceBuffer<bf16> q(n), qp(n), om(n), od(n);
   for (int s = 0; s < c.steps; ++s) {
     cache.set_lengths(sc.lengths(s));
@@ -238,7 +238,7 @@ TEST(MacCuda, MissesMatchTheDenseEngine) {
     mac.decode(0, q.get(), qp.get(), cache.view(0), om.get(), nullptr, nullptr);
     dense.decode(0, q.get(), nullptr, cache.view(0), od.get(), nullptr, nullptr);
     const std::vector<bf16> a = om.download(), b = od.download();
-    for (int r = 0; r < 2 * c.hq; ++r) {
+    for (int r = 0; r < batch * c.hq; ++r) {
       double num = 0, den = 0;
       for (int i = 0; i < c.d; ++i) {
         const double x = bf16_to_float(a[size_t(r) * c.d + i]), y = bf16_to_float(b[size_t(r) * c.d + i]);
@@ -250,6 +250,18 @@ TEST(MacCuda, MissesMatchTheDenseEngine) {
   }
   EXPECT_EQ(mac.mac_stats().head_hits, 0u);
   EXPECT_EQ(mac.stats().kv_rows_read, mac.stats().kv_rows_context);
+}
+
+TEST(MacCuda, MissesMatchTheDenseEngine) {
+  KVS_SKIP_WITHOUT_CUDA();
+  expect_misses_match_dense(32, 8, {3000, 1200});
+}
+
+// One kv head: the long sequence's pair gets most of the wave's chunks (~150 states per
+// head), so the completion's warps take several rounds of states.
+TEST(MacCuda, MissesOfOneLongPairMatchTheDenseEngine) {
+  KVS_SKIP_WITHOUT_CUDA();
+  expect_misses_match_dense(8, 1, {20000, 300});
 }
 
 // The whole decode step (length += 1 on the device, match, attend, complete) captured once

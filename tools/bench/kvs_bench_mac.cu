@@ -121,8 +121,6 @@ void bench_one(const Args& a, int context, int batch, cudaStream_t stream,
   const size_t mac_ws = mk::decode_workspace_bytes(batch, a.hq, a.hkv, a.d, a.window);
   const size_t dense_ws = kernels::dense_decode_workspace_bytes(batch, a.hq, a.d);
   Dev<char> ws(mac_ws), wsd(dense_ws);
-  Dev<int32_t> sync(mk::decode_sync_ints(batch, a.hq));
-  KVS_CUDA_CHECK(cudaMemset(sync.p, 0, sync.n * 4));
   Dev<unsigned long long> counters(mk::kNumCounters);
 
   std::vector<LayerSet> sets(size_t(a.layers));
@@ -223,15 +221,15 @@ void bench_one(const Args& a, int context, int batch, cudaStream_t stream,
     KVS_CUDA_CHECK(cudaMemset(counters.p, 0, counters.n * 8));
     for (int l = 0; l < a.layers; ++l)
       KVS_CUDA_CHECK(mk::decode_cuda(sets[size_t(l)].st, mp, q.p, qp.p + size_t(l) * qn, a.hq,
-                                     sets[size_t(l)].kv, scale, out.p, nullptr, counters.p,
-                                     sync.p, ws.p, mac_ws, stream));
+                                     sets[size_t(l)].kv, scale, out.p, nullptr, counters.p, ws.p,
+                                     mac_ws, stream));
     unsigned long long c[mk::kNumCounters];
     KVS_CUDA_CHECK(cudaMemcpy(c, counters.p, sizeof c, cudaMemcpyDeviceToHost));
     const float mac_ms = time_graph(stream, a.iters, [&] {
       for (int l = 0; l < a.layers; ++l)
         KVS_CUDA_CHECK(mk::decode_cuda(sets[size_t(l)].st, mp, q.p, qp.p + size_t(l) * qn, a.hq,
-                                       sets[size_t(l)].kv, scale, out.p, nullptr, nullptr,
-                                       sync.p, ws.p, mac_ws, stream));
+                                       sets[size_t(l)].kv, scale, out.p, nullptr, nullptr, ws.p,
+                                       mac_ws, stream));
     });
     const double mac_us = 1e3 * mac_ms / a.layers;
     const double head_hit_pct =
