@@ -144,9 +144,9 @@ void fill_entries_cpu(const RingState& st, const MatchParams& p, int b, const bf
 // ---- CUDA ---------------------------------------------------------------------------------
 
 // Decode step on the GPU, graph-capturable (no host sync, allocation or copy), three launches:
-//   1. match: one CTA per (sequence, query head) scans the whole ring (every valid row in
-//      flight at once, bf16 reads, fp32 accumulation, warp-shuffle sums) and decides hit /
-//      start in the same CTA.
+//   1. match: one thread-block cluster per (sequence, query head) scans the whole ring
+//      (every valid row in flight at once, bf16 reads, fp32 accumulation, warp-shuffle sums)
+//      and decides hit / start in its first CTA.
 //   2. attend (programmatic dependent launch behind match): every CTA derives the plan from
 //      the lengths and the heads' starts (per (sequence, kv head) the union span
 //      [min_h start_h, t] cut into chunks of a length chosen from the total work; the chunk
