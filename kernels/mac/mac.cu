@@ -28,6 +28,7 @@
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -324,10 +325,19 @@ __global__ void __launch_bounds__(kMatchWarps * 32) match_kernel(const __grid_co
   }
 }
 
-__device__ __forceinline__ int64_t plan_chunk(int64_t total, int target) {
-  const int64_t c = (total + target - 1) / target;
+// The plan below runs on every CTA's critical path right after the wait on match, one
+// dependent chain per warp (ncu: ~490 instructions per warp before the first mma), so it
+// keeps to 32-bit divisions and one scan where it can.
+//
+// Tokens per chunk: total / target rounded up to whole rounds of tiles, at most 2^30 (spans
+// are int32; the cap binds only if sequences share pages).
+__device__ __forceinline__ int plan_chunk(int64_t total, int target) {
+  const int64_t c = total < INT32_MAX - target
+                        ? int64_t((uint32_t(total) + uint32_t(target) - 1) / uint32_t(target))
+                        : (total + target - 1) / target;
   const int64_t aligned = (c + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-  return aligned > kChunkAlign ? aligned : kChunkAlign;
+  const int64_t kCap = int64_t(1) << 30;
+  return int(aligned < kChunkAlign ? kChunkAlign : aligned > kCap ? kCap : aligned);
 }
 
 // A (sequence, kv head) pair's span [start, len): its length, E(t), and the union start,
@@ -337,14 +347,19 @@ struct PairSpan {
   int len, et, start;
 };
 
+// The group's starts are loaded unrolled and predicated (up to kMaxGroup), no loop.
 __device__ __forceinline__ PairSpan pair_span(const Params& p, int pr) {
-  const int b = pr / p.num_kv_heads, kvh = pr % p.num_kv_heads;
+  const int b = pr / p.num_kv_heads, kvh = pr - b * p.num_kv_heads;
+  const int32_t* starts = p.head_start + int64_t(b) * p.num_q_heads + kvh * p.group;
+  int start[kMaxGroup];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) start[g] = g < p.group ? __ldcg(starts + g) : INT32_MAX;
   PairSpan s;
   s.len = p.seq_lens[b];
   s.et = s.len > 0 ? cache_end(s.len - 1, p.mp.band) : 0;
   s.start = s.et;
-  const int32_t* starts = p.head_start + int64_t(b) * p.num_q_heads + kvh * p.group;
-  for (int g = 0; g < p.group; ++g) s.start = min(s.start, __ldcg(starts + g));
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) s.start = min(s.start, start[g]);
   return s;
 }
 
@@ -370,12 +385,13 @@ struct PairCuts {
   bool straddle;
 };
 
-__device__ __forceinline__ PairCuts pair_cuts(const PairSpan& s, int64_t chunk) {
+__device__ __forceinline__ PairCuts pair_cuts(const PairSpan& s, int chunk) {
   PairCuts c{0, 0, false};
   if (s.len == 0) return c;
-  c.n = int((s.len - s.start + chunk - 1) / chunk);
-  c.k = int((s.et - s.start) / chunk);
-  c.straddle = (s.et - s.start) % chunk != 0;
+  const uint32_t below = uint32_t(s.et - s.start), span = uint32_t(s.len - s.start);
+  c.n = int((span + uint32_t(chunk) - 1) / uint32_t(chunk));
+  c.k = int(below / uint32_t(chunk));
+  c.straddle = below != uint32_t(c.k) * uint32_t(chunk);
   return c;
 }
 
@@ -404,7 +420,7 @@ __device__ WorkItem find_work_item(const Params& p, int item, int lane) {
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(kFull, total, off);
-  const int64_t chunk = plan_chunk(total, p.chunks_target);
+  const int chunk = plan_chunk(total, p.chunks_target);
 
   WorkItem w{};
   w.valid = false;
@@ -415,8 +431,10 @@ __device__ WorkItem find_work_item(const Params& p, int item, int lane) {
     if (pr < pairs) s = pr0 == 0 ? first_round : pair_span(p, pr);
     const PairCuts c = pair_cuts(s, chunk);
     const int states = c.n + (c.straddle ? 1 : 0);
-    const int items_incl = warp_inclusive_scan(c.n, lane);
-    const int states_incl = warp_inclusive_scan(states, lane);
+    // One scan for both counts: a round's chunks and states stay below 2^16 (chunks <=
+    // chunks_target + pairs <= kMaxChunks + 32 per round of 32 pairs).
+    const int both_incl = warp_inclusive_scan(c.n | states << 16, lane);
+    const int items_incl = both_incl & 0xffff, states_incl = both_incl >> 16;
     const int first = item_base + items_incl - c.n;
     const unsigned hit = __ballot_sync(kFull, c.n > 0 && item >= first && item < first + c.n);
     if (hit) {
