@@ -61,32 +61,19 @@ __device__ __forceinline__ LseAccumulator warp_merge_lse(LseAccumulator acc) {
   return acc;
 }
 
-// A merge of states (o_i, lse_i) taken one at a time, N values of o each (a lane's dims):
-// the running sum of exp(lse_i - m) o_i against the running max m of the lse values, so a
-// single pass over the states suffices (no lse pass first). Empty states are skipped.
+// A merge of states (o_i, lse_i), N values of o each (a lane's dims), folded a batch at a
+// time: the running sum of exp(lse_i - m) o_i against the running max m of the lse values,
+// so a single pass over the states suffices (no lse pass first). Empty states add nothing.
 template <int N>
 struct StateAccumulator {
   LseAccumulator lse;
   float o[N] = {};
 
-  __device__ __forceinline__ void add(float lse_i, const float (&o_i)[N]) {
-    if (lse_i == -INFINITY) return;
-    if (lse_i > lse.m) {
-      const float s = expf(lse.m - lse_i);  // 0 for the first state
-#pragma unroll
-      for (int k = 0; k < N; ++k) o[k] = fmaf(o[k], s, o_i[k]);
-    } else {
-      const float w = expf(lse_i - lse.m);
-#pragma unroll
-      for (int k = 0; k < N; ++k) o[k] = fmaf(w, o_i[k], o[k]);
-    }
-    lse.add(lse_i);
-  }
-
   // Folds in K states at once: the running sum is rescaled once for the batch's maximum, and
-  // no state's exponential waits for another's (add() chains them). Branch-free, so that
-  // the K exponentials can overlap: an empty state (lse = -inf) gets weight exp(-inf) = 0
-  // and its o is selected away, never multiplied (it may hold NaN).
+  // no state's exponential waits for another's (folding one state at a time chained them,
+  // ~1 us for a dozen in one warp). Branch-free, so that the K exponentials can overlap: an empty
+  // state (lse = -inf) gets weight exp(-inf) = 0 and its o is selected away, never multiplied (it
+  // may hold NaN).
   template <int K>
   __device__ __forceinline__ void add_batch(const float (&lse_k)[K], const float (&o_k)[K][N]) {
     float mb = lse.m;
@@ -108,8 +95,9 @@ struct StateAccumulator {
     lse.m = mb;
   }
 
-  // Folds in K other accumulators at once, as add(other) would one by one, with one rescale
-  // and independent exponentials. An empty accumulator (m = -inf, sum 0, o 0) adds nothing.
+  // Folds in K other accumulators (partial merges of other states) at once, as if their
+  // states had been folded here, with one rescale and independent exponentials. An empty
+  // accumulator (m = -inf, sum 0, o 0) adds nothing.
   template <int K>
   __device__ __forceinline__ void add_batch(const StateAccumulator (&parts)[K]) {
     float mb = lse.m;
@@ -128,21 +116,6 @@ struct StateAccumulator {
       for (int e = 0; e < N; ++e) o[e] = fmaf(w, parts[k].o[e], o[e]);
     }
     lse.m = mb;
-  }
-
-  // Folds in another accumulator (a partial merge of other states), as if its states had
-  // been added here one by one.
-  __device__ __forceinline__ void add(const StateAccumulator& other) {
-    if (other.lse.m == -INFINITY) return;
-    if (lse.m == -INFINITY) {
-      *this = other;
-      return;
-    }
-    const float mm = fmaxf(lse.m, other.lse.m);
-    const float a = expf(lse.m - mm), b = expf(other.lse.m - mm);
-#pragma unroll
-    for (int k = 0; k < N; ++k) o[k] = fmaf(o[k], a, other.o[k] * b);
-    lse.add(other.lse);
   }
 
   // The merged normalized o (0 when every state was empty) into out.
