@@ -126,6 +126,39 @@ struct StateAccumulator {
   }
 };
 
+// A CTA's per-warp accumulators (D dims, D / 32 per lane) staged in shared memory, so that
+// one warp can fold them: every warp put()s its own, the CTA syncs, then one warp fold()s
+// them in warp order, so the result does not depend on which warp finished first.
+template <int Warps, int D>
+struct WarpAccumulators {
+  static constexpr int kPer = D / 32;
+  float o[Warps][D];
+  float m[Warps], sum[Warps];
+
+  __device__ __forceinline__ void put(const StateAccumulator<kPer>& acc, int warp, int lane) {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) o[warp][lane * kPer + k] = acc.o[k];
+    if (lane == 0) {
+      m[warp] = acc.lse.m;
+      sum[warp] = acc.lse.sum;
+    }
+  }
+
+  // All Warps accumulators folded in one batch; all 32 lanes of the folding warp call it.
+  __device__ __forceinline__ StateAccumulator<kPer> fold(int lane) const {
+    StateAccumulator<kPer> parts[Warps], total;
+#pragma unroll
+    for (int w = 0; w < Warps; ++w) {
+      parts[w].lse.m = m[w];
+      parts[w].lse.sum = sum[w];
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) parts[w].o[k] = o[w][lane * kPer + k];
+    }
+    total.add_batch(parts);
+    return total;
+  }
+};
+
 // Weight of a part with log-sum-exp lse in a merge whose merged log-sum-exp is lse_merged.
 // 0 for an empty part; callers skip parts of weight 0 (see the file comment).
 __device__ __forceinline__ float merge_weight(float lse, float lse_merged) {

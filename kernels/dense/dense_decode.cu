@@ -231,17 +231,16 @@ struct MergeParams {
 // warp derives the row's chunks from seq_lens. After it, the warps split the row's chunk
 // states, each loading up to kMergeBatch of its states at once (lse and o together) and
 // folding them in one batch (StateAccumulator::add_batch: independent exponentials); the
-// warps' accumulators then combine through shared memory, also as one batch. So a row
-// costs one memory round trip after the wait, not one per chunk, and no chain of dependent
-// exponentials.
+// warps' accumulators then combine through shared memory (WarpAccumulators), also as one
+// batch. So a row costs one memory round trip after the wait, not one per chunk, and no
+// chain of dependent exponentials.
 template <int D>
 __global__ void __launch_bounds__(kMergeWarps * 32)
     dense_merge_kernel(const __grid_constant__ MergeParams p) {
   constexpr int kPer = D / 32;  // dims per lane: one 16-byte (D 128) or 8-byte load
   constexpr int kMergeBatch = 8;
   using Vec = typename std::conditional<kPer == 4, float4, float2>::type;
-  __shared__ float red_o[kMergeWarps][D];
-  __shared__ float red_m[kMergeWarps], red_sum[kMergeWarps];
+  __shared__ WarpAccumulators<kMergeWarps, D> warp_acc;
   const int row = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int b = row / p.num_q_heads, h = row % p.num_q_heads;
@@ -276,23 +275,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
     }
     acc.add_batch(lse_i, o_i);
   }
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) red_o[warp][lane * kPer + j] = acc.o[j];
-  if (lane == 0) {
-    red_m[warp] = acc.lse.m;
-    red_sum[warp] = acc.lse.sum;
-  }
+  warp_acc.put(acc, warp, lane);
   __syncthreads();
   if (warp != 0) return;
-  StateAccumulator<kPer> parts[kMergeWarps], total;
-#pragma unroll
-  for (int ww = 0; ww < kMergeWarps; ++ww) {
-    parts[ww].lse.m = red_m[ww];
-    parts[ww].lse.sum = red_sum[ww];
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) parts[ww].o[j] = red_o[ww][lane * kPer + j];
-  }
-  total.add_batch(parts);
+  const StateAccumulator<kPer> total = warp_acc.fold(lane);
   float o[kPer];
   total.normalized(o);
   __nv_bfloat16* dst = p.o + int64_t(row) * D + lane * kPer;

@@ -558,9 +558,8 @@ __global__ void __launch_bounds__(kCompleteWarps * 32)
     complete_kernel(const __grid_constant__ Params p) {
   constexpr int kPer = D / 32;
   using Vec = typename std::conditional<kPer == 4, float4, float2>::type;
-  // Each warp's two accumulators (below E(t), tail): o by dims, m and sum per warp.
-  __shared__ float red_o[2][kCompleteWarps][D];
-  __shared__ float red_m[2][kCompleteWarps], red_sum[2][kCompleteWarps];
+  // Each warp's two accumulators: below E(t), and the tail.
+  __shared__ WarpAccumulators<kCompleteWarps, D> warp_acc[2];
   const int row = blockIdx.x;
   const int b = row / p.num_q_heads, h = row % p.num_q_heads;
   const int kvh = h / p.group, hg = h % p.group;
@@ -603,31 +602,11 @@ __global__ void __launch_bounds__(kCompleteWarps * 32)
     acc[0].add_batch(lse[0], o);
     acc[1].add_batch(lse[1], o);
   }
-#pragma unroll
-  for (int part = 0; part < 2; ++part) {
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) red_o[part][warp][lane * kPer + k] = acc[part].o[k];
-    if (lane == 0) {
-      red_m[part][warp] = acc[part].lse.m;
-      red_sum[part][warp] = acc[part].lse.sum;
-    }
-  }
+  warp_acc[0].put(acc[0], warp, lane);
+  warp_acc[1].put(acc[1], warp, lane);
   __syncthreads();
   if (warp != 0) return;
-  StateAccumulator<kPer> total[2];
-#pragma unroll
-  for (int part = 0; part < 2; ++part) {
-    StateAccumulator<kPer> parts[kCompleteWarps];
-#pragma unroll
-    for (int w = 0; w < kCompleteWarps; ++w) {
-      parts[w].lse.m = red_m[part][w];
-      parts[w].lse.sum = red_sum[part][w];
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) parts[w].o[k] = red_o[part][w][lane * kPer + k];
-    }
-    total[part].add_batch(parts);
-  }
-  finish_head<D>(p, len - 1, b, h, in, total[0], total[1], lane);
+  finish_head<D>(p, len - 1, b, h, in, warp_acc[0].fold(lane), warp_acc[1].fold(lane), lane);
 }
 
 // L2 prefetch of the page-table entries of every sequence's tokens, spread over the grid:
