@@ -25,12 +25,6 @@ T* device_upload(const T* src, size_t count) {
   return static_cast<T*>(p);
 }
 
-std::vector<bf16> to_bf16(const std::vector<float>& x) {
-  std::vector<bf16> out(x.size());
-  for (size_t i = 0; i < x.size(); ++i) out[i] = float_to_bf16(x[i]);
-  return out;
-}
-
 void validate(const SaapConfig& c, const SaapParts& p, const ModelShape& s) {
   auto need = [](bool ok, const std::string& what) {
     if (!ok) throw std::invalid_argument("SaapConfig: " + what);
@@ -99,7 +93,11 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
     if (cuda) {
       r.d_centroids = device_upload(r.centroids.data(), r.centroids.size());
       r.d_norms = device_upload(r.norms.data(), r.norms.size());
-      const std::vector<bf16> w1 = to_bf16(mlp.w1), w2 = to_bf16(mlp.w2);
+      // The GEMVs' fragment order (sk::pack_mma_rows).
+      const int hq = parts_.num_q_heads, H = parts_.hidden_dim;
+      std::vector<bf16> w1(sk::mma_rows_elems(hq, H, d)), w2(sk::mma_rows_elems(hq, C, H));
+      sk::pack_mma_rows(mlp.w1.data(), hq, H, d, w1.data());
+      sk::pack_mma_rows(mlp.w2.data(), hq, C, H, w2.data());
       r.d_w1 = device_upload(w1.data(), w1.size());
       r.d_w2 = device_upload(w2.data(), w2.size());
       r.d_b1 = device_upload(mlp.b1.data(), mlp.b1.size());

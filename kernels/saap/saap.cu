@@ -9,9 +9,10 @@
 // Decode (fixed grids, lengths read on the device, no host sync: capturable):
 //   index   per (b, h): the token that just left the window is de-RoPE'd (rope_cuda on a
 //           [B*Hkv, d] scratch) and assigned, a CTA per 128 centroids, a packed atomicMax
-//   mlp     two bf16-weight GEMV launches over all query heads of the batch (a warp per
-//           output row, 16-byte loads, every batch row of x reused from shared memory): the
-//           router's cost is one read of its weights per step whatever the batch
+//   mlp     two bf16-weight GEMV launches over all query heads of the batch, on the tensor
+//           cores (a warp per 16 output rows, one 16-byte fragment load per lane and 256
+//           weights, 8 batch rows of x from shared memory per pass): the router's cost is
+//           one read of its weights per step up to batch 8
 //   route   one CTA per (b, h): softmax per query head, group sum (or mean-query centroid
 //           scores), bitonic sort of the C scores in shared memory, top-l ids
 //   gather  per (b, h): sink, the selected clusters' CSR members, the scanned post-prefill
@@ -39,9 +40,6 @@ constexpr int kAssignCents = 32;     // centroids per shared-memory tile
 constexpr int kAssignThreads = 256;  // 8 warps x 4 centroids of a tile
 constexpr int kStepThreads = 64;     // decode-time assignment CTA
 constexpr int kStepChunk = 64;       // centroids per decode-time assignment CTA (staged rows)
-constexpr int kGemvThreads = 256;
-constexpr int kGemvRowsPerWarp = 8;
-constexpr int kGemvMaxBatch = 8;  // batch rows per pass over the weights
 constexpr int kRouteThreads = 1024;
 constexpr int kMaxRouteGroup = 8;  // query heads per kv head in route_mlp_score
 constexpr int kGatherThreads = 256;
@@ -303,160 +301,81 @@ __device__ __forceinline__ float to_f<bf>(bf x) {
   return __bfloat162float(x);
 }
 
-// acc[bb] += the 8 weights of one 16-byte piece (columns col .. col + 7) . x row bb, bb < nb.
-template <int NB>
-__device__ __forceinline__ void gemv_piece(const uint4& raw, const float* x_s, int K, int col,
-                                           int nb, float (&acc)[NB]) {
-  const bf* wv = reinterpret_cast<const bf*>(&raw);
-  float wf[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) wf[j] = __bfloat162float(wv[j]);
-#pragma unroll
-  for (int bb = 0; bb < NB; ++bb) {
-    if (bb >= nb) break;
-    const float4* xs = reinterpret_cast<const float4*>(x_s + bb * K + col);
-    const float4 a = xs[0], c = xs[1];
-    acc[bb] = fmaf(wf[0], a.x, acc[bb]);
-    acc[bb] = fmaf(wf[1], a.y, acc[bb]);
-    acc[bb] = fmaf(wf[2], a.z, acc[bb]);
-    acc[bb] = fmaf(wf[3], a.w, acc[bb]);
-    acc[bb] = fmaf(wf[4], c.x, acc[bb]);
-    acc[bb] = fmaf(wf[5], c.y, acc[bb]);
-    acc[bb] = fmaf(wf[6], c.z, acc[bb]);
-    acc[bb] = fmaf(wf[7], c.w, acc[bb]);
-  }
-}
+// y[b, head, r] = act(w[head, r, :] . x[b, head, :] + bias[head, r]) for b < batch, on the
+// tensor cores: a warp owns 16 rows (one mma's M), walks their K in steps of 16 columns (one
+// 16-byte load of its A fragment per lane and step, kMmaInFlight steps loaded before any is
+// used), and takes 8 batch rows at a time as the mma's N (x converted to bf16 in shared
+// memory; B rows past the batch are zero, not loaded). w is in pack_mma_rows' order. The
+// weights are nearly all the bytes (75 MB per layer at d 128, hidden 1024, C 1024, 32
+// heads), read once per 8 batch rows. A SIMT form (per-lane FMAs on 16-byte pieces, a warp
+// per 8 rows) took as long at batch 1 (~29 us for the 1024-wide GEMV, about 2.3 TB/s; a
+// split of K over 4 warps did not move that either) and 1.6x longer at batch 8, where
+// every piece fed 8 rows of FMAs.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaInFlight = 8;
+constexpr int kMmaN = 8;  // batch rows per pass over the weights
 
-// Sums acc over groups of `width` lanes (a power of two <= 32); the group's first lane writes
-// y[b0 + bb, head, r] = act(sum + bias) when `store`.
-template <bool kRelu, int NB>
-__device__ __forceinline__ void gemv_finish(const float (&acc)[NB], int width, bool store,
-                                            const float* bias, float* y, int b0, int nb, int heads,
-                                            int head, int rows, int r) {
-#pragma unroll
-  for (int bb = 0; bb < NB; ++bb) {
-    if (bb >= nb) break;
-    float a = acc[bb];
-    for (int off = width / 2; off > 0; off /= 2) a += __shfl_xor_sync(0xffffffffu, a, off);
-    if (store && threadIdx.x % width == 0) {
-      a += bias[int64_t(head) * rows + r];
-      y[(int64_t(b0 + bb) * heads + head) * rows + r] = kRelu ? fmaxf(a, 0.f) : a;
-    }
-  }
-}
-
-// y[b, head, r] = act(w[head, r, :] . x[b, head, :] + bias[head, r]) for b < batch, NB
-// batch rows per pass over the weights. x [batch, heads, K]; K % 8 == 0. The weights are
-// nearly all the bytes (75 MB per layer at d 128, hidden 1024, C 1024, 32 heads), so at
-// batch 1 the kernel is a stream of them, and its rate is set by the loads each warp has in
-// flight. A warp owns kGemvRowsPerWarp rows and reads them in 16-byte pieces. At batch 1
-// (NB 1):
-//   K >= 256: lane l loads pieces l, l + 32, l + 64, l + 96 of two rows before using any
-//     (8 loads in flight; K = 1024 is one such round per row pair);
-//   K < 256: each row goes to a group of lanes (16 at K = 128), and all the warp's rows are
-//     loaded before any is used.
-// One row at a time with one load per lane and step (still the path for NB > 1, where each
-// piece feeds NB rows of FMAs) ran the batch-1 GEMVs at 0.8 and 2.1 TB/s: at K = 128 half
-// the lanes idled and the 8 rows were 8 round trips.
-template <class In, bool kRelu, int NB>
-__global__ void __launch_bounds__(kGemvThreads)
-    gemv_kernel(const In* x, const bf* w, const float* bias, float* y, int batch, int heads,
-                int rows, int K) {
-  extern __shared__ float x_s[];  // [NB][K]
-  constexpr int R = kGemvRowsPerWarp;
-  const int head = blockIdx.y;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int row0 = (blockIdx.x * (kGemvThreads / 32) + warp) * R;
-  const int P = K / 8;  // 16-byte pieces per row
-  const bf* wh = w + int64_t(head) * rows * K;
-  auto load = [&](int r, int piece) {
-    return r < rows && piece < P ? *reinterpret_cast<const uint4*>(wh + int64_t(r) * K + piece * 8)
-                                 : make_uint4(0u, 0u, 0u, 0u);
-  };
-  // K < 256: lanes per row (the power of two >= P) and rows per step of the warp.
-  int width = 32;
-  while (width / 2 >= P) width /= 2;
-  const int per_step = 32 / width, sub = lane / width, piece_small = lane % width;
-  for (int b0 = 0; b0 < batch; b0 += NB) {
-    const int nb = min(NB, batch - b0);
-    __syncthreads();
-    for (int i = threadIdx.x; i < nb * K; i += blockDim.x) {
-      const int bb = i / K, k = i % K;
-      x_s[i] = to_f(x[(int64_t(b0 + bb) * heads + head) * K + k]);
-    }
-    __syncthreads();
-    if constexpr (NB > 1) {
-      // Several batch rows: a row at a time, one piece per lane and step, as before the
-      // batch-1 paths below (with NB accumulators they measured slower: 171.7 against
-      // 149.1 us at 128K batch 4, the registers halving the resident warps).
-      for (int rr = 0; rr < R; ++rr) {
-        const int r = row0 + rr;
-        if (r >= rows) break;
-        float acc[NB] = {};
-        for (int piece = lane; piece < P; piece += 32)
-          gemv_piece(load(r, piece), x_s, K, piece * 8, nb, acc);
-        gemv_finish<kRelu>(acc, 32, true, bias, y, b0, nb, heads, head, rows, r);
-      }
-    } else if (P >= 32) {
-      constexpr int kRows = 2;   // rows read together: 8 loads in flight per lane
-      constexpr int kRound = 4;  // pieces per lane and row in one round
-      for (int rr = 0; rr < R; rr += kRows) {
-        float acc[kRows][NB] = {};
-        for (int p0 = 0; p0 < P; p0 += 32 * kRound) {
-          uint4 raw[kRows][kRound];
-#pragma unroll
-          for (int q = 0; q < kRows; ++q)
-#pragma unroll
-            for (int u = 0; u < kRound; ++u) raw[q][u] = load(row0 + rr + q, p0 + u * 32 + lane);
-#pragma unroll
-          for (int q = 0; q < kRows; ++q)
-#pragma unroll
-            for (int u = 0; u < kRound; ++u) {
-              const int piece = p0 + u * 32 + lane;
-              if (piece < P) gemv_piece(raw[q][u], x_s, K, piece * 8, nb, acc[q]);
-            }
-        }
-#pragma unroll
-        for (int q = 0; q < kRows; ++q) {
-          const int r = row0 + rr + q;
-          gemv_finish<kRelu>(acc[q], 32, r < rows, bias, y, b0, nb, heads, head, rows, r);
-        }
-      }
-    } else {
-      uint4 raw[R];
-#pragma unroll
-      for (int s = 0; s < R; ++s) {
-        const int local = s * per_step + sub;  // the row of this lane's group, 0 .. R - 1
-        raw[s] = local < R ? load(row0 + local, piece_small) : make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int s = 0; s < R; ++s) {
-        if (s * per_step >= R) break;  // uniform: every row is done
-        const int local = s * per_step + sub, r = row0 + local;
-        float acc[NB] = {};
-        if (piece_small < P) gemv_piece(raw[s], x_s, K, piece_small * 8, nb, acc);
-        gemv_finish<kRelu>(acc, width, local < R && r < rows, bias, y, b0, nb, heads, head, rows,
-                           r);
-      }
-    }
-  }
-}
-
-// One GEMV launch; batch 1 gets the kernel with a single accumulator per row (NB 1), so
-// that its registers leave room for the loads in flight.
 template <class In, bool kRelu>
-cudaError_t launch_gemv(const In* x, const bf* w, const float* bias, float* y, int batch, int heads,
-                        int rows, int K, cudaStream_t stream) {
-  const int rows_per_block = (kGemvThreads / 32) * kGemvRowsPerWarp;
-  const dim3 grid(unsigned((rows + rows_per_block - 1) / rows_per_block), unsigned(heads));
-  const int nb = std::min(batch, kGemvMaxBatch);
-  const size_t smem = size_t(nb) * K * sizeof(float);
-  if (batch == 1)
-    gemv_kernel<In, kRelu, 1>
-        <<<grid, kGemvThreads, smem, stream>>>(x, w, bias, y, batch, heads, rows, K);
-  else
-    gemv_kernel<In, kRelu, kGemvMaxBatch>
-        <<<grid, kGemvThreads, smem, stream>>>(x, w, bias, y, batch, heads, rows, K);
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    gemv_kernel(const In* x, const uint4* w, const float* bias, float* y, int batch, int heads,
+                int rows, int K) {
+  extern __shared__ uint32_t x_s[];  // [kMmaN][stride] bf16 pairs
+  const int steps = (K + 15) / 16, blocks = (rows + 15) / 16;
+  // Words per batch row: K / 2 padded by 4, so that the 8 rows of a B fragment load (g) fall
+  // on different banks.
+  const int half_k = steps * 8, stride = half_k + 4;
+  const int head = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, c = lane % 4;
+  const int rb = blockIdx.x * kMmaWarps + warp;
+  const bool active = rb < blocks;  // the grid's last CTA may hold warps past the rows
+  const uint4* wl = w + (int64_t(head) * blocks + (active ? rb : 0)) * steps * 32 + lane;
+  for (int b0 = 0; b0 < batch; b0 += kMmaN) {
+    const int nb = min(kMmaN, batch - b0);
+    __syncthreads();  // the previous pass's x_s is read
+    for (int i = threadIdx.x; i < nb * half_k; i += blockDim.x) {
+      const int n = i / half_k, k = (i % half_k) * 2;
+      const In* xr = x + (int64_t(b0 + n) * heads + head) * K;
+      const float lo = k < K ? to_f(xr[k]) : 0.f, hi = k + 1 < K ? to_f(xr[k + 1]) : 0.f;
+      x_s[n * stride + k / 2] = ptx::pack_bf16x2(lo, hi);
+    }
+    __syncthreads();
+    if (!active) continue;
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    const uint32_t* xb = x_s + g * stride + c;
+    for (int s0 = 0; s0 < steps; s0 += kMmaInFlight) {
+      uint4 a[kMmaInFlight];
+#pragma unroll
+      for (int u = 0; u < kMmaInFlight; ++u)
+        a[u] = s0 + u < steps ? wl[(s0 + u) * 32] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int u = 0; u < kMmaInFlight; ++u) {
+        if (s0 + u >= steps) break;
+        const uint32_t af[4] = {a[u].x, a[u].y, a[u].z, a[u].w};
+        const uint32_t bf[2] = {g < nb ? xb[(s0 + u) * 8] : 0u, g < nb ? xb[(s0 + u) * 8 + 4] : 0u};
+        ptx::mma_bf16_16816(d, af, bf, d);
+      }
+    }
+    // d[q]: row g + 8 (q / 2), batch column 2c + q % 2.
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = rb * 16 + g + 8 * (q / 2), n = 2 * c + q % 2;
+      if (r < rows && n < nb) {
+        const float v = d[q] + bias[int64_t(head) * rows + r];
+        y[(int64_t(b0 + n) * heads + head) * rows + r] = kRelu ? fmaxf(v, 0.f) : v;
+      }
+    }
+  }
+}
+
+size_t gemv_smem_bytes(int K) { return size_t(kMmaN) * ((K + 15) / 16 * 8 + 4) * 4; }
+
+template <class In, bool kRelu>
+cudaError_t launch_gemv(const In* x, const bf16* w, const float* bias, float* y, int batch,
+                        int heads, int rows, int K, cudaStream_t stream) {
+  const int blocks = (rows + 15) / 16;
+  const dim3 grid(unsigned((blocks + kMmaWarps - 1) / kMmaWarps), unsigned(heads));
+  gemv_kernel<In, kRelu><<<grid, kMmaWarps * 32, gemv_smem_bytes(K), stream>>>(
+      x, reinterpret_cast<const uint4*>(w), bias, y, batch, heads, rows, K);
   return cudaGetLastError();
 }
 
@@ -968,11 +887,10 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
 
   // 2. The router, on the caller's stream.
   if (r.use_mlp) {
-    e = launch_gemv<bf, true>(reinterpret_cast<const bf*>(q_pre), reinterpret_cast<const bf*>(r.w1),
-                              r.b1, hidden, B, hq, H, d, stream);
+    e = launch_gemv<bf, true>(reinterpret_cast<const bf*>(q_pre), r.w1, r.b1, hidden, B, hq, H, d,
+                              stream);
     if (e != cudaSuccess) return e;
-    e = launch_gemv<float, false>(hidden, reinterpret_cast<const bf*>(r.w2), r.b2, logits, B, hq, C,
-                                  H, stream);
+    e = launch_gemv<float, false>(hidden, r.w2, r.b2, logits, B, hq, C, H, stream);
     if (e != cudaSuccess) return e;
   }
   const int pow2 = next_pow2(C);
@@ -993,19 +911,15 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
 }
 
 cudaError_t prepare_cuda(int hidden) {
-  // The router's dynamic shared memory: the GEMV's x rows (up to kGemvMaxBatch x hidden fp32)
-  // and the route sort (C up to kMaxClustersCuda) may exceed the 48 KiB default.
-  const int gemv = kGemvMaxBatch * std::max(hidden, 128) * int(sizeof(float));
-  for (auto fn : {gemv_kernel<float, false, 1>, gemv_kernel<float, false, kGemvMaxBatch>}) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
-    if (e != cudaSuccess) return e;
-  }
-  for (auto fn : {gemv_kernel<bf, true, 1>, gemv_kernel<bf, true, kGemvMaxBatch>}) {
-    const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               kGemvMaxBatch * 128 * int(sizeof(float)));
-    if (e != cudaSuccess) return e;
-  }
+  // The router's dynamic shared memory: the GEMV's x rows (kMmaN rows of bf16, up to
+  // hidden wide) and the route sort (C up to kMaxClustersCuda) may exceed the 48 KiB default.
+  const int gemv = int(gemv_smem_bytes(std::max(hidden, 256)));
+  cudaError_t e = cudaFuncSetAttribute(gemv_kernel<float, false>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
+  if (e != cudaSuccess) return e;
+  e = cudaFuncSetAttribute(gemv_kernel<bf, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           gemv);
+  if (e != cudaSuccess) return e;
   return cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               int(route_smem_bytes(kMaxClustersCuda)));
 }

@@ -78,8 +78,9 @@ struct IndexState {
 };
 
 // One layer's router: centroids and the query MLP with batch norm folded into the first
-// linear layer: p = softmax(w2 relu(w1 q + b1) + b2). W is float (CPU reference) or bf16
-// (CUDA: half the weight traffic of a memory-bound batch-1 GEMV).
+// linear layer: p = softmax(w2 relu(w1 q + b1) + b2). W is float (CPU reference, [heads,
+// rows, K] as the shapes below say) or bf16 (CUDA, in the tensor-core GEMV's fragment order:
+// pack_mma_rows).
 template <class W>
 struct Router {
   const float* centroids = nullptr;       ///< [Hkv, C, d]
@@ -97,6 +98,15 @@ struct Router {
 
   int group_size() const { return num_q_heads / num_kv_heads; }
 };
+
+// The CUDA router's weight layout. Its GEMVs run on the tensor cores (mma m16n8k16: 16
+// weight rows x 16 columns by 16 columns x 8 batch rows), and each lane loads its A fragment
+// of a 16 x 16 tile as one 16-byte word. So a matrix [heads, rows, K] is stored as [heads,
+// rows / 16, K / 16, 32 lanes, 8 bf16] (rows and K rounded up to 16, the padding zero), lane
+// g * 4 + c holding rows g and g + 8 at columns 2c, 2c + 1 and 2c + 8, 2c + 9 of its tile
+// (ptx.cuh has the fragment layout). pack_mma_rows writes mma_rows_elems(...) bf16 values.
+size_t mma_rows_elems(int heads, int rows, int K);
+void pack_mma_rows(const float* w, int heads, int rows, int K, bf16* out);
 
 // ---- CPU reference ------------------------------------------------------------------------
 

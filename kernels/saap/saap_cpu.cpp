@@ -35,6 +35,28 @@ void check_slot(const PagedKV& kv, int b, int h, const IndexState& st, const cha
 
 }  // namespace
 
+size_t mma_rows_elems(int heads, int rows, int K) {
+  return size_t(heads) * size_t((rows + 15) / 16 * 16) * size_t((K + 15) / 16 * 16);
+}
+
+void pack_mma_rows(const float* w, int heads, int rows, int K, bf16* out) {
+  const int blocks = (rows + 15) / 16, steps = (K + 15) / 16;
+  size_t o = 0;
+  for (int h = 0; h < heads; ++h)
+    for (int rb = 0; rb < blocks; ++rb)
+      for (int s = 0; s < steps; ++s)
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g = lane / 4, c = lane % 4;
+          for (int j = 0; j < 8; ++j) {  // word j / 2 of the A fragment, half j % 2
+            const int word = j / 2;
+            const int r = rb * 16 + g + 8 * (word & 1);
+            const int k = s * 16 + 2 * c + j % 2 + 8 * (word >> 1);
+            const float v = r < rows && k < K ? w[(int64_t(h) * rows + r) * K + k] : 0.f;
+            out[o++] = float_to_bf16(v);
+          }
+        }
+}
+
 int nearest_centroid_cpu(const float* x, const float* centroids, const float* norms, int C, int d) {
   int best = 0;
   double best_score = -std::numeric_limits<double>::infinity();

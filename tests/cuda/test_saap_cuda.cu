@@ -129,8 +129,8 @@ void expect_same_clusters(const std::vector<int32_t>& gpu, const std::vector<int
       EXPECT_LE(std::abs(score[size_t(x)] - lth), tol * (std::abs(lth) + 1e-12)) << what;
 }
 
-// lens: one sequence per entry; hidden: the MLP router's width (the GEMVs take different
-// paths below and above 256 columns and at batch 1); C clusters, of which probes are taken
+// lens: one sequence per entry; hidden: the MLP router's width (the GEMVs' K and rows); C
+// clusters, of which probes are taken
 // (the route kernel ranks the best 32 by merging sorted warp lists, more by a full sort).
 void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C = 64,
               int probes = 6) {
@@ -246,8 +246,8 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngine) { run_pair(SaapRouter::Mlp, {900, 1
 TEST(SaapCuda, NearestCentroidRouterMatchesTheCpuEngine) {
   run_pair(SaapRouter::NearestCentroid, {900, 1300}, 32);
 }
-// Batch 1 with a router 320 wide: the GEMVs' batch-1 paths, the second one over 40 pieces a
-// row (not a multiple of the warp).
+// Batch 1 with a router 320 wide: 20 steps of 16 columns in the second GEMV (not a multiple
+// of the 8 steps loaded at once).
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAtBatchOneWideHidden) {
   run_pair(SaapRouter::Mlp, {1300}, 320);
 }
@@ -258,6 +258,13 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineThirtyTwoOfAThousandClusters) {
 }
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithFortyProbes) {
   run_pair(SaapRouter::Mlp, {900, 1300}, 32, 64, 40);
+}
+
+// Shapes the router's tensor-core GEMVs pad: 40 hidden units and 72 clusters (neither a
+// multiple of the 16-row tile nor of its 16 columns), and 9 sequences (a second pass of 8
+// batch columns).
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAtPaddedShapesAndNineSequences) {
+  run_pair(SaapRouter::Mlp, {900, 1300, 700, 1000, 1100, 800, 1200, 950, 1050}, 40, 72, 6);
 }
 
 // A dense layer of the SAAP engine (dense_layers) runs the dense kernel in the engine's own
