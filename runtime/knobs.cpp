@@ -84,6 +84,7 @@ const Table& knob_table(Method m) {
       {"recent_tokens", [](EngineConfig& c, auto& k, auto& v) { c.saap.recent_tokens = to_int(k, v); }},
       {"dense_layers", [](EngineConfig& c, auto& k, auto& v) { c.saap.dense_layers = to_ints(k, v); }},
       {"router", [](EngineConfig& c, auto&, auto& v) { c.saap.query_router = saap_router_from_string(v); }},
+      {"router_weights", [](EngineConfig& c, auto&, auto& v) { c.saap.router_weights = saap_weights_from_string(v); }},
       {"max_context", [](EngineConfig& c, auto& k, auto& v) { c.saap.max_context = to_int(k, v); }},
   };
   static const Table magicpig = {

@@ -25,6 +25,22 @@ T* device_upload(const T* src, size_t count) {
   return static_cast<T*>(p);
 }
 
+// A weight matrix [rows, K] in e4m3 (sk::quantize_rows_e4m3).
+struct RowsE4m3 {
+  std::vector<uint8_t> q;
+  std::vector<float> scale, dequantized;
+};
+
+RowsE4m3 quantize(const std::vector<float>& w, int K) {
+  RowsE4m3 r;
+  const int64_t rows = int64_t(w.size()) / K;
+  r.q.resize(w.size());
+  r.scale.resize(size_t(rows));
+  r.dequantized.resize(w.size());
+  sk::quantize_rows_e4m3(w.data(), rows, K, r.q.data(), r.scale.data(), r.dequantized.data());
+  return r;
+}
+
 void validate(const SaapConfig& c, const SaapParts& p, const ModelShape& s) {
   auto need = [](bool ok, const std::string& what) {
     if (!ok) throw std::invalid_argument("SaapConfig: " + what);
@@ -50,6 +66,15 @@ SaapRouter saap_router_from_string(const std::string& name) {
   if (name == "nearest_centroid") return SaapRouter::NearestCentroid;
   throw std::invalid_argument("unknown SAAP query router '" + name +
                               "' (known: mlp, nearest_centroid)");
+}
+
+const char* to_string(SaapWeights w) { return w == SaapWeights::Bf16 ? "bf16" : "fp8"; }
+
+SaapWeights saap_weights_from_string(const std::string& name) {
+  if (name == "bf16") return SaapWeights::Bf16;
+  if (name == "fp8") return SaapWeights::Fp8;
+  throw std::invalid_argument("unknown SAAP router weight format '" + name +
+                              "' (known: bf16, fp8)");
 }
 
 SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, SaapParts parts)
@@ -79,6 +104,7 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
     index_branch_ = std::make_unique<OwnedStreamFork>();
   }
   const int C = parts_.num_clusters, d = parts_.head_dim;
+  const bool fp8 = c.router_weights == SaapWeights::Fp8;
   for (size_t i = 0; i < parts_.layers.size(); ++i) {
     const SaapLayerParts& lp = parts_.per_layer[i];
     FoldedMlp mlp = fold_batch_norm(parts_, int(i));
@@ -90,16 +116,35 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
       for (int k = 0; k < d; ++k) s += double(r.centroids[c * d + k]) * r.centroids[c * d + k];
       r.norms[c] = float(s);
     }
+    // fp8: both backends multiply with the dequantized e4m3 weights.
+    RowsE4m3 q1, q2;
+    if (fp8) {
+      q1 = quantize(mlp.w1, parts_.head_dim);
+      q2 = quantize(mlp.w2, parts_.hidden_dim);
+      mlp.w1 = std::move(q1.dequantized);
+      mlp.w2 = std::move(q2.dequantized);
+    }
     if (cuda) {
       r.d_centroids = device_upload(r.centroids.data(), r.centroids.size());
       r.d_norms = device_upload(r.norms.data(), r.norms.size());
-      // The GEMVs' fragment order (sk::pack_mma_rows).
       const int hq = parts_.num_q_heads, H = parts_.hidden_dim;
-      std::vector<bf16> w1(sk::mma_rows_elems(hq, H, d)), w2(sk::mma_rows_elems(hq, C, H));
-      sk::pack_mma_rows(mlp.w1.data(), hq, H, d, w1.data());
-      sk::pack_mma_rows(mlp.w2.data(), hq, C, H, w2.data());
-      r.d_w1 = device_upload(w1.data(), w1.size());
-      r.d_w2 = device_upload(w2.data(), w2.size());
+      if (fp8) {  // e4m3 rows in the GEMVs' fragment order (sk::pack_mma_rows_e4m3)
+        std::vector<uint8_t> w1(sk::mma_rows_bytes(hq, H, d, true)),
+            w2(sk::mma_rows_bytes(hq, C, H, true));
+        sk::pack_mma_rows_e4m3(q1.q.data(), hq, H, d, w1.data());
+        sk::pack_mma_rows_e4m3(q2.q.data(), hq, C, H, w2.data());
+        r.d_w1_e4m3 = device_upload(w1.data(), w1.size());
+        r.d_w1_scale = device_upload(q1.scale.data(), q1.scale.size());
+        r.d_w2_e4m3 = device_upload(w2.data(), w2.size());
+        r.d_w2_scale = device_upload(q2.scale.data(), q2.scale.size());
+      } else {  // bf16 in the GEMVs' fragment order (sk::pack_mma_rows)
+        std::vector<bf16> w1(sk::mma_rows_bytes(hq, H, d, false) / 2),
+            w2(sk::mma_rows_bytes(hq, C, H, false) / 2);
+        sk::pack_mma_rows(mlp.w1.data(), hq, H, d, w1.data());
+        sk::pack_mma_rows(mlp.w2.data(), hq, C, H, w2.data());
+        r.d_w1 = device_upload(w1.data(), w1.size());
+        r.d_w2 = device_upload(w2.data(), w2.size());
+      }
       r.d_b1 = device_upload(mlp.b1.data(), mlp.b1.size());
       r.d_b2 = device_upload(mlp.b2.data(), mlp.b2.size());
       r.centroids.clear();
@@ -127,6 +172,10 @@ SaapEngine::~SaapEngine() {
     cudaFree(r.d_b1);
     cudaFree(r.d_w2);
     cudaFree(r.d_b2);
+    cudaFree(r.d_w1_e4m3);
+    cudaFree(r.d_w1_scale);
+    cudaFree(r.d_w2_e4m3);
+    cudaFree(r.d_w2_scale);
   }
   for (LayerIndex& li : index_) {
     if (!li.allocated) continue;
@@ -178,6 +227,10 @@ sk::Router<bf16> SaapEngine::cuda_router(int slot) const {
   r.b1 = lr.d_b1;
   r.w2 = lr.d_w2;
   r.b2 = lr.d_b2;
+  r.w1_e4m3 = lr.d_w1_e4m3;
+  r.w1_scale = lr.d_w1_scale;
+  r.w2_e4m3 = lr.d_w2_e4m3;
+  r.w2_scale = lr.d_w2_scale;
   r.num_q_heads = parts_.num_q_heads;
   r.num_kv_heads = parts_.num_kv_heads;
   r.head_dim = parts_.head_dim;
@@ -204,8 +257,11 @@ uint64_t SaapEngine::router_bytes_per_kv_head() const {
   const uint64_t C = uint64_t(parts_.num_clusters), H = uint64_t(parts_.hidden_dim);
   const uint64_t d = uint64_t(parts_.head_dim), g = uint64_t(shape_.group_size());
   if (config_.saap.query_router == SaapRouter::NearestCentroid) return C * d * sizeof(float);
-  const uint64_t wbytes = config_.backend == Backend::Cuda ? sizeof(bf16) : sizeof(float);
-  return g * ((H * d + C * H) * wbytes + (H + C) * sizeof(float));
+  const bool fp8 = config_.saap.router_weights == SaapWeights::Fp8;
+  const uint64_t wbytes = fp8 ? 1 : config_.backend == Backend::Cuda ? sizeof(bf16) : sizeof(float);
+  // bias (and with fp8 the scale) per output row
+  const uint64_t per_row = (fp8 ? 2 : 1) * sizeof(float);
+  return g * ((H * d + C * H) * wbytes + (H + C) * per_row);
 }
 
 size_t SaapEngine::selected_bytes() const {

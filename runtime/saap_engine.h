@@ -62,7 +62,8 @@ class SaapEngine : public Engine {
 
  private:
   struct LayerRouter {
-    // CPU: host arrays; CUDA: device buffers (w1, w2 bf16).
+    // CPU: host arrays (with fp8, w1 and w2 dequantized); CUDA: device buffers (w1, w2 bf16
+    // in the GEMVs' fragment order).
     std::vector<float> centroids, norms, w1, b1, w2, b2;
     float* d_centroids = nullptr;
     float* d_norms = nullptr;
@@ -70,6 +71,11 @@ class SaapEngine : public Engine {
     float* d_b1 = nullptr;
     bf16* d_w2 = nullptr;
     float* d_b2 = nullptr;
+    // CUDA, SaapWeights::Fp8 (d_w1, d_w2 null): e4m3 rows and their scales.
+    uint8_t* d_w1_e4m3 = nullptr;
+    float* d_w1_scale = nullptr;
+    uint8_t* d_w2_e4m3 = nullptr;
+    float* d_w2_scale = nullptr;
   };
   struct LayerIndex {
     kernels::saap::IndexState view;

@@ -301,34 +301,78 @@ __device__ __forceinline__ float to_f<bf>(bf x) {
   return __bfloat162float(x);
 }
 
-// y[b, head, r] = act(w[head, r, :] . x[b, head, :] + bias[head, r]) for b < batch, on the
-// tensor cores: a warp owns 16 rows (one mma's M), walks their K in steps of 16 columns (one
-// 16-byte load of its A fragment per lane and step, kMmaInFlight steps loaded before any is
-// used), and takes 8 batch rows at a time as the mma's N (x converted to bf16 in shared
-// memory; B rows past the batch are zero, not loaded). w is in pack_mma_rows' order. The
-// weights are nearly all the bytes (75 MB per layer at d 128, hidden 1024, C 1024, 32
-// heads), read once per 8 batch rows. A SIMT form (per-lane FMAs on 16-byte pieces, a warp
-// per 8 rows) took as long at batch 1 (~29 us for the 1024-wide GEMV, about 2.3 TB/s; a
-// split of K over 4 warps did not move that either) and 1.6x longer at batch 8, where
-// every piece fed 8 rows of FMAs.
+// The router's weight formats as the tensor-core GEMV reads them (pack_mma_rows, saap.h):
+// bf16 (one 16-column tile per 16-byte lane load, bf16 mma, x in bf16) or e4m3 with a scale
+// per row (two tiles per load, converted to fp16 in registers, fp16 mma, x in fp16).
+struct Bf16Mma {
+  static constexpr int kTiles = 1;  // 16-column tiles per lane load
+  static constexpr bool kScaled = false;
+  __device__ __forceinline__ static uint32_t pack_x(float lo, float hi) {
+    return ptx::pack_bf16x2(lo, hi);
+  }
+  __device__ __forceinline__ static void mma(float (&d)[4], const uint4& a, int tile,
+                                             const uint32_t (&b)[2]) {
+    const uint32_t af[4] = {a.x, a.y, a.z, a.w};
+    ptx::mma_bf16_16816(d, af, b, d);
+  }
+};
+struct E4m3Mma {
+  static constexpr int kTiles = 2;
+  static constexpr bool kScaled = true;
+  // x in fp16, saturated: a hidden unit beyond fp16's range would otherwise become inf.
+  __device__ __forceinline__ static uint32_t pack_x(float lo, float hi) {
+    const __half2 v =
+        __floats2half2_rn(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  // Tile `tile` is bytes 8 tile .. 8 tile + 7 of the load: the fragment's four words as e4m3
+  // pairs, the lower byte the lower column.
+  __device__ __forceinline__ static void mma(float (&d)[4], const uint4& a, int tile,
+                                             const uint32_t (&b)[2]) {
+    const uint32_t lo = tile == 0 ? a.x : a.z, hi = tile == 0 ? a.y : a.w;
+    uint32_t af[4];
+    const __nv_fp8x2_storage_t pairs[4] = {
+        __nv_fp8x2_storage_t(lo & 0xffffu), __nv_fp8x2_storage_t(lo >> 16),
+        __nv_fp8x2_storage_t(hi & 0xffffu), __nv_fp8x2_storage_t(hi >> 16)};
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pairs[p], __NV_E4M3);
+      af[p] = uint32_t(h.x) | (uint32_t(h.y) << 16);
+    }
+    ptx::mma_f16_16816(d, af, b, d);
+  }
+};
+
+// y[b, head, r] = act(w[head, r, :] . x[b, head, :] (x the row's scale) + bias[head, r]) for
+// b < batch, on the tensor cores: a warp owns 16 rows (one mma's M), walks their K one
+// 16-byte lane load at a time (Fmt::kTiles tiles of 16 columns each, kMmaInFlight loads in
+// flight before any is used), and takes 8 batch rows at a time as the mma's N (x converted
+// in shared memory; B rows past the batch are zero, not loaded). w is in pack_mma_rows'
+// order. The weights are nearly all the bytes (75 MB per layer at d 128, hidden 1024, C
+// 1024, 32 heads in bf16, half that in e4m3), read once per 8 batch rows. A SIMT form
+// (per-lane FMAs on 16-byte pieces, a warp per 8 rows) took as long in bf16 at batch 1 (~29
+// us for the 1024-wide GEMV, about 2.3 TB/s; a split of K over 4 warps did not move that
+// either), 1.6x longer at batch 8, where every piece fed 8 rows of FMAs, and in e4m3 it was
+// bound by instruction issue (2.5 per weight in bf16, twice that per byte in e4m3).
 constexpr int kMmaWarps = 4;
 constexpr int kMmaInFlight = 8;
 constexpr int kMmaN = 8;  // batch rows per pass over the weights
 
-template <class In, bool kRelu>
+template <class In, class Fmt, bool kRelu>
 __global__ void __launch_bounds__(kMmaWarps * 32)
-    gemv_kernel(const In* x, const uint4* w, const float* bias, float* y, int batch, int heads,
-                int rows, int K) {
-  extern __shared__ uint32_t x_s[];  // [kMmaN][stride] bf16 pairs
-  const int steps = (K + 15) / 16, blocks = (rows + 15) / 16;
+    gemv_kernel(const In* x, const uint4* w, const float* scale, const float* bias, float* y,
+                int batch, int heads, int rows, int K) {
+  extern __shared__ uint32_t x_s[];     // [kMmaN][stride] pairs of x
+  constexpr int kc = 16 * Fmt::kTiles;  // columns per lane load
+  const int loads = (K + kc - 1) / kc, blocks = (rows + 15) / 16;
   // Words per batch row: K / 2 padded by 4, so that the 8 rows of a B fragment load (g) fall
   // on different banks.
-  const int half_k = steps * 8, stride = half_k + 4;
+  const int half_k = loads * kc / 2, stride = half_k + 4;
   const int head = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
   const int rb = blockIdx.x * kMmaWarps + warp;
   const bool active = rb < blocks;  // the grid's last CTA may hold warps past the rows
-  const uint4* wl = w + (int64_t(head) * blocks + (active ? rb : 0)) * steps * 32 + lane;
+  const uint4* wl = w + (int64_t(head) * blocks + (active ? rb : 0)) * loads * 32 + lane;
   for (int b0 = 0; b0 < batch; b0 += kMmaN) {
     const int nb = min(kMmaN, batch - b0);
     __syncthreads();  // the previous pass's x_s is read
@@ -336,23 +380,26 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       const int n = i / half_k, k = (i % half_k) * 2;
       const In* xr = x + (int64_t(b0 + n) * heads + head) * K;
       const float lo = k < K ? to_f(xr[k]) : 0.f, hi = k + 1 < K ? to_f(xr[k + 1]) : 0.f;
-      x_s[n * stride + k / 2] = ptx::pack_bf16x2(lo, hi);
+      x_s[n * stride + k / 2] = Fmt::pack_x(lo, hi);
     }
     __syncthreads();
     if (!active) continue;
     float d[4] = {0.f, 0.f, 0.f, 0.f};
     const uint32_t* xb = x_s + g * stride + c;
-    for (int s0 = 0; s0 < steps; s0 += kMmaInFlight) {
+    for (int l0 = 0; l0 < loads; l0 += kMmaInFlight) {
       uint4 a[kMmaInFlight];
 #pragma unroll
       for (int u = 0; u < kMmaInFlight; ++u)
-        a[u] = s0 + u < steps ? wl[(s0 + u) * 32] : make_uint4(0u, 0u, 0u, 0u);
+        a[u] = l0 + u < loads ? wl[(l0 + u) * 32] : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
       for (int u = 0; u < kMmaInFlight; ++u) {
-        if (s0 + u >= steps) break;
-        const uint32_t af[4] = {a[u].x, a[u].y, a[u].z, a[u].w};
-        const uint32_t bf[2] = {g < nb ? xb[(s0 + u) * 8] : 0u, g < nb ? xb[(s0 + u) * 8 + 4] : 0u};
-        ptx::mma_bf16_16816(d, af, bf, d);
+        if (l0 + u >= loads) break;
+#pragma unroll
+        for (int t = 0; t < Fmt::kTiles; ++t) {
+          const int s = (l0 + u) * Fmt::kTiles + t;  // the tile: columns 16 s ..
+          const uint32_t b[2] = {g < nb ? xb[s * 8] : 0u, g < nb ? xb[s * 8 + 4] : 0u};
+          Fmt::mma(d, a[u], t, b);
+        }
       }
     }
     // d[q]: row g + 8 (q / 2), batch column 2c + q % 2.
@@ -360,23 +407,38 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     for (int q = 0; q < 4; ++q) {
       const int r = rb * 16 + g + 8 * (q / 2), n = 2 * c + q % 2;
       if (r < rows && n < nb) {
-        const float v = d[q] + bias[int64_t(head) * rows + r];
+        const int64_t hr = int64_t(head) * rows + r;
+        const float v = (Fmt::kScaled ? scale[hr] * d[q] : d[q]) + bias[hr];
         y[(int64_t(b0 + n) * heads + head) * rows + r] = kRelu ? fmaxf(v, 0.f) : v;
       }
     }
   }
 }
 
-size_t gemv_smem_bytes(int K) { return size_t(kMmaN) * ((K + 15) / 16 * 8 + 4) * 4; }
+// x_s of gemv_kernel: kMmaN rows of K (rounded up to 32) / 2 + 4 words.
+size_t gemv_smem_bytes(int K) { return size_t(kMmaN) * ((K + 31) / 32 * 16 + 4) * 4; }
 
-template <class In, bool kRelu>
-cudaError_t launch_gemv(const In* x, const bf16* w, const float* bias, float* y, int batch,
-                        int heads, int rows, int K, cudaStream_t stream) {
+template <class In, class Fmt, bool kRelu>
+cudaError_t launch_gemv(const In* x, const void* w, const float* scale, const float* bias, float* y,
+                        int batch, int heads, int rows, int K, cudaStream_t stream) {
   const int blocks = (rows + 15) / 16;
   const dim3 grid(unsigned((blocks + kMmaWarps - 1) / kMmaWarps), unsigned(heads));
-  gemv_kernel<In, kRelu><<<grid, kMmaWarps * 32, gemv_smem_bytes(K), stream>>>(
-      x, reinterpret_cast<const uint4*>(w), bias, y, batch, heads, rows, K);
+  gemv_kernel<In, Fmt, kRelu><<<grid, kMmaWarps * 32, gemv_smem_bytes(K), stream>>>(
+      x, static_cast<const uint4*>(w), scale, bias, y, batch, heads, rows, K);
   return cudaGetLastError();
+}
+
+// The MLP's two GEMVs, hidden = relu(w1 q_pre + b1) and logits = w2 hidden + b2, in the
+// router's weight format.
+template <class Fmt>
+cudaError_t launch_mlp(const bf* q_pre, const void* w1, const float* s1, const void* w2,
+                       const float* s2, const Router<bf16>& r, float* hidden, float* logits,
+                       int batch, cudaStream_t stream) {
+  const cudaError_t e = launch_gemv<bf, Fmt, true>(q_pre, w1, s1, r.b1, hidden, batch,
+                                                   r.num_q_heads, r.hidden, r.head_dim, stream);
+  if (e != cudaSuccess) return e;
+  return launch_gemv<float, Fmt, false>(hidden, w2, s2, r.b2, logits, batch, r.num_q_heads,
+                                        r.num_clusters, r.hidden, stream);
 }
 
 template <class Op>
@@ -887,10 +949,11 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
 
   // 2. The router, on the caller's stream.
   if (r.use_mlp) {
-    e = launch_gemv<bf, true>(reinterpret_cast<const bf*>(q_pre), r.w1, r.b1, hidden, B, hq, H, d,
-                              stream);
-    if (e != cudaSuccess) return e;
-    e = launch_gemv<float, false>(hidden, r.w2, r.b2, logits, B, hq, C, H, stream);
+    const bf* q = reinterpret_cast<const bf*>(q_pre);
+    e = r.w1_e4m3
+            ? launch_mlp<E4m3Mma>(q, r.w1_e4m3, r.w1_scale, r.w2_e4m3, r.w2_scale, r, hidden,
+                                  logits, B, stream)
+            : launch_mlp<Bf16Mma>(q, r.w1, nullptr, r.w2, nullptr, r, hidden, logits, B, stream);
     if (e != cudaSuccess) return e;
   }
   const int pow2 = next_pow2(C);
@@ -914,12 +977,20 @@ cudaError_t prepare_cuda(int hidden) {
   // The router's dynamic shared memory: the GEMV's x rows (kMmaN rows of bf16, up to
   // hidden wide) and the route sort (C up to kMaxClustersCuda) may exceed the 48 KiB default.
   const int gemv = int(gemv_smem_bytes(std::max(hidden, 256)));
-  cudaError_t e = cudaFuncSetAttribute(gemv_kernel<float, false>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
-  if (e != cudaSuccess) return e;
-  e = cudaFuncSetAttribute(gemv_kernel<bf, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           gemv);
-  if (e != cudaSuccess) return e;
+  using GemvKernel =
+      void (*)(const float*, const uint4*, const float*, const float*, float*, int, int, int, int);
+  using GemvKernelBf =
+      void (*)(const bf*, const uint4*, const float*, const float*, float*, int, int, int, int);
+  for (GemvKernel fn : {gemv_kernel<float, Bf16Mma, false>, gemv_kernel<float, E4m3Mma, false>}) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
+    if (e != cudaSuccess) return e;
+  }
+  for (GemvKernelBf fn : {gemv_kernel<bf, Bf16Mma, true>, gemv_kernel<bf, E4m3Mma, true>}) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
+    if (e != cudaSuccess) return e;
+  }
   return cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               int(route_smem_bytes(kMaxClustersCuda)));
 }

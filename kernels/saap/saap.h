@@ -95,18 +95,37 @@ struct Router {
   int hidden = 0;
   int num_clusters = 0;
   bool use_mlp = true;  ///< false: nearest centroids of the group's mean pre-RoPE query
+  /// CUDA with fp8 weights (SaapConfig::router_weights): w1 and w2 are null, and the MLP's
+  /// weights are these e4m3 rows (quantize_rows_e4m3, in pack_mma_rows_e4m3's order) with
+  /// their scales.
+  const uint8_t* w1_e4m3 = nullptr;  ///< [Hq, hidden, d]
+  const float* w1_scale = nullptr;   ///< [Hq, hidden]
+  const uint8_t* w2_e4m3 = nullptr;  ///< [Hq, C, hidden]
+  const float* w2_scale = nullptr;   ///< [Hq, C]
 
   int group_size() const { return num_q_heads / num_kv_heads; }
 };
 
 // The CUDA router's weight layout. Its GEMVs run on the tensor cores (mma m16n8k16: 16
-// weight rows x 16 columns by 16 columns x 8 batch rows), and each lane loads its A fragment
-// of a 16 x 16 tile as one 16-byte word. So a matrix [heads, rows, K] is stored as [heads,
-// rows / 16, K / 16, 32 lanes, 8 bf16] (rows and K rounded up to 16, the padding zero), lane
-// g * 4 + c holding rows g and g + 8 at columns 2c, 2c + 1 and 2c + 8, 2c + 9 of its tile
-// (ptx.cuh has the fragment layout). pack_mma_rows writes mma_rows_elems(...) bf16 values.
-size_t mma_rows_elems(int heads, int rows, int K);
+// weight rows x 16 columns by 16 columns x 8 batch rows), and each lane loads its A
+// fragments as one 16-byte word: one 16 x 16 tile in bf16, two consecutive ones in e4m3. So
+// a matrix [heads, rows, K] is stored as [heads, rows / 16, K / kc, 32 lanes, 16 bytes]
+// (kc = 16 for bf16, 32 for e4m3; rows and K rounded up, the padding zero), lane g * 4 + c
+// holding rows g and g + 8 at columns 2c, 2c + 1 and 2c + 8, 2c + 9 of each of its tiles
+// (ptx.cuh has the fragment layout). mma_rows_bytes gives the size.
+size_t mma_rows_bytes(int heads, int rows, int K, bool e4m3);
 void pack_mma_rows(const float* w, int heads, int rows, int K, bf16* out);
+void pack_mma_rows_e4m3(const uint8_t* q, int heads, int rows, int K, uint8_t* out);
+
+// fp8 router weights: each row of K weights (one output of one head) becomes K e4m3 values
+// q and a float scale, w = scale * e4m3(q), with scale = max |w| / 448 so that the row's
+// largest weight maps to e4m3's largest finite value (a zero row gets scale 1). Rounding is
+// to nearest even (CUDA's own conversion). dequantized gets the weights the CUDA kernel
+// multiplies with, so that the CPU reference routes with the same weights. Halves the bytes
+// of the batch-1 router, which streams its weights. Throws std::invalid_argument naming
+// the row when a weight is not finite.
+void quantize_rows_e4m3(const float* w, int64_t rows, int K, uint8_t* q, float* scale,
+                        float* dequantized);
 
 // ---- CPU reference ------------------------------------------------------------------------
 

@@ -1,11 +1,15 @@
 // CPU reference of SAAP: exact and simple (fp64 scores and MLP accumulation). The oracle of
 // the CUDA kernels and the CPU backend of SaapEngine.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/common/rope.h"
 #include "kernels/saap/saap.h"
@@ -35,26 +39,66 @@ void check_slot(const PagedKV& kv, int b, int h, const IndexState& st, const cha
 
 }  // namespace
 
-size_t mma_rows_elems(int heads, int rows, int K) {
-  return size_t(heads) * size_t((rows + 15) / 16 * 16) * size_t((K + 15) / 16 * 16);
+size_t mma_rows_bytes(int heads, int rows, int K, bool e4m3) {
+  const int kc = e4m3 ? 32 : 16;  // columns per 16-byte load
+  return size_t(heads) * size_t((rows + 15) / 16 * 16) * size_t((K + kc - 1) / kc * kc) *
+         (e4m3 ? 1 : 2);
 }
 
-void pack_mma_rows(const float* w, int heads, int rows, int K, bf16* out) {
-  const int blocks = (rows + 15) / 16, steps = (K + 15) / 16;
+namespace {
+// See mma_rows_bytes: T is bf16 (one 16-column tile per lane load) or uint8_t (e4m3, two).
+template <class T>
+void pack_fragments(const T* w, int heads, int rows, int K, T zero, T* out) {
+  constexpr int kPerLane = 16 / int(sizeof(T));  // values per lane load: 8 per 16 columns
+  constexpr int kc = 2 * kPerLane;               // columns per load
+  const int blocks = (rows + 15) / 16, loads = (K + kc - 1) / kc;
   size_t o = 0;
   for (int h = 0; h < heads; ++h)
     for (int rb = 0; rb < blocks; ++rb)
-      for (int s = 0; s < steps; ++s)
+      for (int l = 0; l < loads; ++l)
         for (int lane = 0; lane < 32; ++lane) {
           const int g = lane / 4, c = lane % 4;
-          for (int j = 0; j < 8; ++j) {  // word j / 2 of the A fragment, half j % 2
-            const int word = j / 2;
+          for (int j = 0; j < kPerLane; ++j) {  // tile j / 8 of the load, its word (j % 8) / 2
+            const int word = (j % 8) / 2;
             const int r = rb * 16 + g + 8 * (word & 1);
-            const int k = s * 16 + 2 * c + j % 2 + 8 * (word >> 1);
-            const float v = r < rows && k < K ? w[(int64_t(h) * rows + r) * K + k] : 0.f;
-            out[o++] = float_to_bf16(v);
+            const int k = l * kc + (j / 8) * 16 + 2 * c + j % 2 + 8 * (word >> 1);
+            out[o++] = r < rows && k < K ? w[(int64_t(h) * rows + r) * K + k] : zero;
           }
         }
+}
+}  // namespace
+
+void pack_mma_rows(const float* w, int heads, int rows, int K, bf16* out) {
+  std::vector<bf16> b(size_t(heads) * rows * K);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = float_to_bf16(w[i]);
+  pack_fragments<bf16>(b.data(), heads, rows, K, float_to_bf16(0.f), out);
+}
+
+void pack_mma_rows_e4m3(const uint8_t* q, int heads, int rows, int K, uint8_t* out) {
+  pack_fragments<uint8_t>(q, heads, rows, K, 0, out);
+}
+
+void quantize_rows_e4m3(const float* w, int64_t rows, int K, uint8_t* q, float* scale,
+                        float* dequantized) {
+  constexpr float kE4m3Max = 448.f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = w + r * K;
+    float amax = 0.f;
+    for (int k = 0; k < K; ++k) {
+      if (!std::isfinite(row[k]))
+        throw std::invalid_argument("quantize_rows_e4m3: weight " + std::to_string(k) + " of row " +
+                                    std::to_string(r) + " is not finite");
+      amax = std::max(amax, std::fabs(row[k]));
+    }
+    const float s = amax > 0.f ? amax / kE4m3Max : 1.f;
+    scale[r] = s;
+    for (int k = 0; k < K; ++k) {
+      // Satfinite: row[k] / s may round just above 448 in float; it saturates to 448.
+      const __nv_fp8_storage_t v = __nv_cvt_float_to_fp8(row[k] / s, __NV_SATFINITE, __NV_E4M3);
+      q[r * K + k] = v;
+      dequantized[r * K + k] = s * __half2float(__half(__nv_cvt_fp8_to_halfraw(v, __NV_E4M3)));
+    }
+  }
 }
 
 int nearest_centroid_cpu(const float* x, const float* centroids, const float* norms, int C, int d) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <random>
 #include <set>
 
 #include "artifacts/bundle.h"
@@ -13,6 +14,7 @@
 #include "kernels/dense/dense_decode.h"
 #include "kernels/saap/saap.h"
 #include "runtime/eval/replay.h"
+#include "runtime/knobs.h"
 #include "runtime/saap_engine.h"
 #include "tests/cpu/h5_test_support.h"
 #include "tests/cpu/saap_scene.h"
@@ -163,6 +165,7 @@ EngineConfig cpu_config(int probes, int sink, int recent) {
   cfg.saap.sink_tokens = sink;
   cfg.saap.recent_tokens = recent;
   cfg.saap.max_context = 2048;
+  cfg.saap.router_weights = SaapWeights::Bf16;  // the trained floats (fp8: its own test)
   return cfg;
 }
 
@@ -263,16 +266,21 @@ TEST(SaapEngineCpu, AttendsSinkWindowAndExactlyTheTopClustersThenIndexesLeavingT
   EXPECT_LT(stats.kv_rows_read, stats.kv_rows_context);
 }
 
+// Prefills layer 2 with the whole scene, then decodes one step with query q (q_pre = q).
+void decode_whole_scene(SaapEngine& e, Scene& s, const std::vector<bf16>& q) {
+  s.len[0] = s.T;
+  e.prefill(2, s.kv, nullptr);
+  std::vector<bf16> out(q.size());
+  e.decode(2, q.data(), q.data(), s.kv, out.data(), nullptr, nullptr);
+}
+
 TEST(SaapEngineCpu, NearestCentroidRouterProbesTheCentroidsNearestTheMeanQuery) {
   Scene s(400, 16, 20);
   EngineConfig cfg = cpu_config(4, 1, 50);
   cfg.saap.query_router = SaapRouter::NearestCentroid;
   SaapEngine e(s.shape, cfg, s.parts);
-  s.len[0] = 400;
-  e.prefill(2, s.kv, nullptr);
   const std::vector<bf16> q = saap_test::random_bf16(8 * 128, 7);
-  std::vector<bf16> out(8 * 128);
-  e.decode(2, q.data(), q.data(), s.kv, out.data(), nullptr, nullptr);
+  decode_whole_scene(e, s, q);
   const SaapLayerParts& lp = s.parts.per_layer[1];
   for (int h = 0; h < 2; ++h) {
     std::vector<double> dist(16);
@@ -294,6 +302,111 @@ TEST(SaapEngineCpu, NearestCentroidRouterProbesTheCentroidsNearestTheMeanQuery) 
     EXPECT_EQ(std::set<int>(got.begin(), got.end()),
               std::set<int>(order.begin(), order.begin() + 4));
   }
+}
+
+// fp8 router weights: every weight within e4m3's rounding (half a unit in the last of its 3
+// mantissa bits, or half the smallest subnormal step) of the original, each row's largest
+// magnitude kept, a zero row exact, a value on the e4m3 grid exact, and a non-finite weight
+// refused naming its row.
+TEST(SaapRouterWeights, E4m3RowsRoundWithinHalfAStepAndKeepEachRowsMaximum) {
+  constexpr int kRows = 5, K = 48;
+  std::vector<float> w(size_t(kRows) * K);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> n(0.f, 1.f);
+  for (int r = 0; r < kRows; ++r)
+    for (int k = 0; k < K; ++k) w[size_t(r) * K + k] = n(rng) * std::pow(10.f, float(r - 2));
+  for (int k = 0; k < K; ++k) w[size_t(3) * K + k] = 0.f;  // a zero row
+  w[size_t(4) * K] = 448.f;  // row 4: scale 1, so on-grid values stay exact
+  w[size_t(4) * K + 1] = -0.875f;
+  w[size_t(4) * K + 2] = 0.001953125f;  // 2^-9, e4m3's smallest subnormal
+  std::vector<uint8_t> q(w.size());
+  std::vector<float> scale(kRows), deq(w.size());
+  sk::quantize_rows_e4m3(w.data(), kRows, K, q.data(), scale.data(), deq.data());
+  for (int r = 0; r < kRows; ++r) {
+    float amax = 0.f;
+    for (int k = 0; k < K; ++k) amax = std::max(amax, std::fabs(w[size_t(r) * K + k]));
+    EXPECT_FLOAT_EQ(scale[size_t(r)], amax > 0.f ? amax / 448.f : 1.f) << "row " << r;
+    for (int k = 0; k < K; ++k) {
+      const float x = w[size_t(r) * K + k], y = deq[size_t(r) * K + k];
+      const float bound = std::max(std::fabs(x) / 16.f, scale[size_t(r)] / 1024.f) * 1.0001f;
+      EXPECT_LE(std::fabs(y - x), bound) << "row " << r << " weight " << k;
+      if (std::fabs(x) == amax) {
+        EXPECT_NEAR(y, x, 1e-6f * amax) << "row " << r << ": its maximum";
+      }
+    }
+  }
+  EXPECT_EQ(deq[size_t(4) * K], 448.f);
+  EXPECT_EQ(deq[size_t(4) * K + 1], -0.875f);
+  EXPECT_EQ(deq[size_t(4) * K + 2], 0.001953125f);
+  for (int k = 0; k < K; ++k) EXPECT_EQ(deq[size_t(3) * K + k], 0.f);
+  w[size_t(2) * K + 7] = std::nanf("");
+  const std::string msg = message_of(
+      [&] { sk::quantize_rows_e4m3(w.data(), kRows, K, q.data(), scale.data(), deq.data()); });
+  EXPECT_NE(msg.find("weight 7 of row 2 is not finite"), std::string::npos) << msg;
+}
+
+// The engine with fp8 weights routes with the dequantized rows: on the CPU it picks the
+// clusters that an independent fp64 scoring with those rows picks, and the knob parses.
+TEST(SaapEngineCpu, Fp8RouterWeightsRouteWithTheDequantizedRows) {
+  Scene s(400, 16, 20);
+  EngineConfig cfg = cpu_config(4, 1, 50);
+  set_knob(cfg, Method::Saap, "router_weights", "fp8");
+  ASSERT_EQ(cfg.saap.router_weights, SaapWeights::Fp8);
+  SaapEngine e(s.shape, cfg, s.parts);
+  const std::vector<bf16> q = saap_test::random_bf16(8 * 128, 7);
+  decode_whole_scene(e, s, q);
+  FoldedMlp f = fold_batch_norm(s.parts, 1);
+  const int hidden = s.parts.hidden_dim, C = 16;
+  for (auto [wp, K] : {std::pair{&f.w1, 128}, std::pair{&f.w2, hidden}}) {
+    std::vector<uint8_t> qb(wp->size());
+    std::vector<float> sc(wp->size() / size_t(K));
+    sk::quantize_rows_e4m3(wp->data(), int64_t(sc.size()), K, qb.data(), sc.data(), wp->data());
+  }
+  for (int h = 0; h < 2; ++h) {
+    std::vector<double> score(C, 0.0);
+    for (int j = 0; j < 4; ++j) {
+      const int head = h * 4 + j;
+      std::vector<double> hid(static_cast<size_t>(hidden)), logit(static_cast<size_t>(C));
+      for (int u = 0; u < hidden; ++u) {
+        double a = f.b1[size_t(head) * hidden + u];
+        for (int i = 0; i < 128; ++i)
+          a += double(f.w1[(size_t(head) * hidden + u) * 128 + i]) *
+               bf16_to_float(q[size_t(head) * 128 + i]);
+        hid[size_t(u)] = std::max(a, 0.0);
+      }
+      double m = -INFINITY;
+      for (int c = 0; c < C; ++c) {
+        double a = f.b2[size_t(head) * C + c];
+        for (int u = 0; u < hidden; ++u)
+          a += double(f.w2[(size_t(head) * C + c) * hidden + u]) * hid[size_t(u)];
+        logit[size_t(c)] = a;
+        m = std::max(m, a);
+      }
+      double z = 0;
+      for (int c = 0; c < C; ++c) z += std::exp(logit[size_t(c)] - m);
+      for (int c = 0; c < C; ++c) score[size_t(c)] += std::exp(logit[size_t(c)] - m) / z;
+    }
+    std::vector<int> order(C);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return score[size_t(a)] > score[size_t(b)]; });
+    const std::vector<int32_t> got = e.last_clusters(2, 0, h);
+    EXPECT_EQ(std::set<int>(got.begin(), got.end()),
+              std::set<int>(order.begin(), order.begin() + 4))
+        << "kv head " << h;
+  }
+  // The router's reads count one byte per weight (and a scale per row): fewer than with the
+  // trained floats.
+  EngineConfig plain = cpu_config(4, 1, 50);
+  plain.collect_stats = cfg.collect_stats = true;
+  SaapEngine ef(s.shape, cfg, s.parts), e32(s.shape, plain, s.parts);
+  for (SaapEngine* x : {&ef, &e32}) decode_whole_scene(*x, s, q);
+  EXPECT_LT(ef.stats().selection_bytes_read, e32.stats().selection_bytes_read);
+  EXPECT_EQ(ef.last_clusters(2, 0, 0), e.last_clusters(2, 0, 0));
+  EngineConfig bad = cpu_config(4, 1, 50);
+  const std::string msg =
+      message_of([&] { set_knob(bad, Method::Saap, "router_weights", "int4"); });
+  EXPECT_NE(msg.find("'int4' (known: bf16, fp8)"), std::string::npos) << msg;
 }
 
 TEST(SaapEngineCpu, DenseLayersShortSequencesAndErrors) {

@@ -36,7 +36,11 @@ struct Pair {
   std::unique_ptr<test::DeviceBuffer<char>> ws;
   int layer = 1;
 
-  Pair(SaapRouter router, const std::vector<int>& lens, int C, int hidden, int probes) {
+  SaapWeights weights;
+
+  Pair(SaapRouter router, const std::vector<int>& lens, int C, int hidden, int probes,
+       SaapWeights weights_)
+      : weights(weights_) {
     const int batch = int(lens.size());
     parts = saap_test::random_parts(shape, C, hidden, 11);
     EngineConfig cfg;
@@ -46,6 +50,7 @@ struct Pair {
     cfg.saap.recent_tokens = 128;
     cfg.saap.max_context = 2048;
     cfg.saap.query_router = router;
+    cfg.saap.router_weights = weights;
     cfg.collect_stats = true;
     cfg.backend = Backend::Cpu;
     cpu = std::make_unique<SaapEngine>(shape, cfg, parts);
@@ -79,9 +84,17 @@ struct Pair {
     }
   }
 
-  // CPU fp64 route scores of (b, h) for q_pre (host, [B, Hq, d]).
+  // CPU fp64 route scores of (b, h) for q_pre (host, [B, Hq, d]), with the weights the
+  // engines use (fp8: the dequantized e4m3 rows).
   std::vector<double> scores(const std::vector<bf16>& q_pre, int b, int h, bool mlp) const {
-    const FoldedMlp f = fold_batch_norm(parts, 0);
+    FoldedMlp f = fold_batch_norm(parts, 0);
+    if (weights == SaapWeights::Fp8)
+      for (auto [w, K] : {std::pair{&f.w1, shape.head_dim}, std::pair{&f.w2, parts.hidden_dim}}) {
+        std::vector<uint8_t> q(w->size());
+        std::vector<float> scale(w->size() / size_t(K));
+        sk::quantize_rows_e4m3(w->data(), int64_t(scale.size()), K, q.data(), scale.data(),
+                               w->data());
+      }
     const SaapLayerParts& lp = parts.per_layer[0];
     const int C = parts.num_clusters, d = shape.head_dim, g = shape.group_size();
     std::vector<float> norms(size_t(shape.num_kv_heads) * C);
@@ -133,10 +146,10 @@ void expect_same_clusters(const std::vector<int32_t>& gpu, const std::vector<int
 // clusters, of which probes are taken
 // (the route kernel ranks the best 32 by merging sorted warp lists, more by a full sort).
 void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C = 64,
-              int probes = 6) {
+              int probes = 6, SaapWeights weights = SaapWeights::Bf16) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const int batch = int(lens.size());
-  Pair p(router, lens, C, hidden, probes);
+  Pair p(router, lens, C, hidden, probes, weights);
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
   const int g = p.shape.group_size();
   p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
@@ -258,6 +271,18 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineThirtyTwoOfAThousandClusters) {
 }
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithFortyProbes) {
   run_pair(SaapRouter::Mlp, {900, 1300}, 32, 64, 40);
+}
+// fp8 router weights (both engines route with the dequantized e4m3 rows): the default shape
+// of the route at batch 1 with a 320-wide router (10 loads of 32 columns a row in the second
+// GEMV), a 1024-wide one, and batch 2 with 40 hidden units (padded to 48 rows and 64 columns).
+TEST(SaapCuda, Fp8RouterMatchesTheCpuEngineAtBatchOne) {
+  run_pair(SaapRouter::Mlp, {1300}, 320, 1024, 32, SaapWeights::Fp8);
+}
+TEST(SaapCuda, Fp8RouterMatchesTheCpuEngineAtBatchOneWideHidden) {
+  run_pair(SaapRouter::Mlp, {1300}, 1024, 64, 6, SaapWeights::Fp8);
+}
+TEST(SaapCuda, Fp8RouterMatchesTheCpuEngineAtBatchTwo) {
+  run_pair(SaapRouter::Mlp, {900, 1300}, 40, 64, 6, SaapWeights::Fp8);
 }
 
 // Shapes the router's tensor-core GEMVs pad: 40 hidden units and 72 clusters (neither a

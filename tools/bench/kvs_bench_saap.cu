@@ -74,6 +74,7 @@ struct Args {
   int batch = 1, hq = 32, hkv = 8, d = 128, clusters = 1024, probes = 32, hidden = 1024;
   int sink = 1, recent = 2047, layers = 4, iters = 100;
   std::string router = "mlp";
+  std::string router_weights = "fp8";
   uint32_t seed = 7;
 };
 
@@ -135,6 +136,7 @@ void run(const Args& a, bench::BenchReport& report) {
   cfg.saap.sink_tokens = a.sink;
   cfg.saap.recent_tokens = a.recent;
   cfg.saap.query_router = saap_router_from_string(a.router);
+  cfg.saap.router_weights = saap_weights_from_string(a.router_weights);
   cfg.saap.max_context = max_ctx;
   SaapEngine engine(shape, cfg, parts);
   parts = SaapParts{};  // the host copies are no longer needed
@@ -189,12 +191,13 @@ void run(const Args& a, bench::BenchReport& report) {
   KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const float scale = float(shape.scale());
 
-  std::printf("kvs-bench-saap: Hq %d Hkv %d d %d, batch %d, C %d, l %d, hidden %d, router %s, "
-              "dense part %d + %d, %d layers per graph, median of %d replays\n",
-              a.hq, a.hkv, a.d, a.batch, a.clusters, a.probes, a.hidden, a.router.c_str(), a.sink,
-              a.recent, a.layers, a.iters);
+  std::printf("kvs-bench-saap: Hq %d Hkv %d d %d, batch %d, C %d, l %d, hidden %d, router %s "
+              "(%s weights), dense part %d + %d, %d layers per graph, median of %d replays\n",
+              a.hq, a.hkv, a.d, a.batch, a.clusters, a.probes, a.hidden, a.router.c_str(),
+              a.router_weights.c_str(), a.sink, a.recent, a.layers, a.iters);
+  const double weight_bytes = cfg.saap.router_weights == SaapWeights::Fp8 ? 1 : 2;
   const double mlp_mb = a.router == "mlp"
-                            ? double(a.hq) * (double(a.hidden) * a.d + double(a.clusters) * a.hidden) * 2 / 1e6
+                            ? double(a.hq) * (double(a.hidden) * a.d + double(a.clusters) * a.hidden) * weight_bytes / 1e6
                             : double(a.hkv) * a.clusters * a.d * 4 / 1e6;
   std::printf("%9s %12s %10s %10s %10s %10s %9s %12s\n", "context", "prefill_ms", "tokens/kvh",
               "KV_MB", "router_MB", "saap_us", "dense_us", "speedup");
@@ -280,6 +283,7 @@ int main(int argc, char** argv) try {
       ("sink", po::value(&a.sink)->default_value(a.sink), "sink tokens")
       ("recent", po::value(&a.recent)->default_value(a.recent), "recent window")
       ("router", po::value(&a.router)->default_value(a.router), "mlp or nearest_centroid")
+      ("router-weights", po::value(&a.router_weights)->default_value(a.router_weights), "the MLP's weights: bf16 or fp8")
       ("layers", po::value(&a.layers)->default_value(a.layers), "layers decoded per graph (L2 rotation)")
       ("iters", po::value(&a.iters)->default_value(a.iters), "timed replays (median)")
       ("seed", po::value(&a.seed)->default_value(a.seed), "data seed")
@@ -301,6 +305,7 @@ int main(int argc, char** argv) try {
                      {"sink", a.sink},
                      {"recent", a.recent},
                      {"router", a.router},
+                     {"router_weights", a.router_weights},
                      {"layers", a.layers},
                      {"iters", a.iters},
                      {"seed", a.seed}});
