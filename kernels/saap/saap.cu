@@ -9,10 +9,10 @@
 // Decode (fixed grids, lengths read on the device, no host sync: capturable):
 //   index   per (b, h): the token that just left the window is de-RoPE'd (rope_cuda on a
 //           [B*Hkv, d] scratch) and assigned, a CTA per 128 centroids, a packed atomicMax
-//   mlp     two bf16-weight GEMV launches over all query heads of the batch, on the tensor
-//           cores (a warp per 16 output rows, one 16-byte fragment load per lane and 256
-//           weights, 8 batch rows of x from shared memory per pass): the router's cost is
-//           one read of its weights per step up to batch 8
+//   mlp     two GEMV launches over all query heads of the batch, on the tensor cores, with
+//           e4m3 (default) or bf16 weights (a warp per 16 output rows, one 16-byte fragment
+//           load per lane and 256 or 512 weights, 8 batch rows of x from shared memory per
+//           pass): the router's cost is one read of its weights per step up to batch 8
 //   route   one CTA per (b, h): softmax per query head, group sum (or mean-query centroid
 //           scores), bitonic sort of the C scores in shared memory, top-l ids
 //   gather  per (b, h): sink, the selected clusters' CSR members, the scanned post-prefill
@@ -343,10 +343,10 @@ struct E4m3Mma {
   }
 };
 
-// y[b, head, r] = act(w[head, r, :] . x[b, head, :] (x the row's scale) + bias[head, r]) for
-// b < batch, on the tensor cores: a warp owns 16 rows (one mma's M), walks their K one
-// 16-byte lane load at a time (Fmt::kTiles tiles of 16 columns each, kMmaInFlight loads in
-// flight before any is used), and takes 8 batch rows at a time as the mma's N (x converted
+// y[b, head, r] = act(scale[head, r] * (w[head, r, :] . x[b, head, :]) + bias[head, r]) for
+// b < batch (scale 1 for bf16 weights), on the tensor cores: a warp owns 16 rows (one mma's M),
+// walks their K one 16-byte lane load at a time (Fmt::kTiles tiles of 16 columns each, kMmaInFlight
+// loads in flight before any is used), and takes 8 batch rows at a time as the mma's N (x converted
 // in shared memory; B rows past the batch are zero, not loaded). w is in pack_mma_rows'
 // order. The weights are nearly all the bytes (75 MB per layer at d 128, hidden 1024, C
 // 1024, 32 heads in bf16, half that in e4m3), read once per 8 batch rows. A SIMT form
@@ -974,8 +974,8 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
 }
 
 cudaError_t prepare_cuda(int hidden) {
-  // The router's dynamic shared memory: the GEMV's x rows (kMmaN rows of bf16, up to
-  // hidden wide) and the route sort (C up to kMaxClustersCuda) may exceed the 48 KiB default.
+  // The router's dynamic shared memory: the GEMV's x rows (kMmaN rows of 16-bit values, up
+  // to hidden wide) and the route sort (C up to kMaxClustersCuda) may exceed the 48 KiB default.
   const int gemv = int(gemv_smem_bytes(std::max(hidden, 256)));
   using GemvKernel =
       void (*)(const float*, const uint4*, const float*, const float*, float*, int, int, int, int);
