@@ -73,6 +73,7 @@ struct Args {
   std::vector<int> contexts{131072, 524288};
   int batch = 1, hq = 32, hkv = 8, d = 128, clusters = 1024, probes = 32, hidden = 1024;
   int sink = 1, recent = 2047, layers = 4, iters = 100;
+  int generated = 0;  ///< decode steps between the prefill and the timed step
   std::string router = "mlp";
   std::string router_weights = "fp8";
   uint32_t seed = 7;
@@ -192,9 +193,10 @@ void run(const Args& a, bench::BenchReport& report) {
   const float scale = float(shape.scale());
 
   std::printf("kvs-bench-saap: Hq %d Hkv %d d %d, batch %d, C %d, l %d, hidden %d, router %s "
-              "(%s weights), dense part %d + %d, %d layers per graph, median of %d replays\n",
+              "(%s weights), dense part %d + %d, %d tokens generated since the prefill, %d layers per "
+              "graph, median of %d replays\n",
               a.hq, a.hkv, a.d, a.batch, a.clusters, a.probes, a.hidden, a.router.c_str(),
-              a.router_weights.c_str(), a.sink, a.recent, a.layers, a.iters);
+              a.router_weights.c_str(), a.sink, a.recent, a.generated, a.layers, a.iters);
   const double weight_bytes = cfg.saap.router_weights == SaapWeights::Fp8 ? 1 : 2;
   const double mlp_mb = a.router == "mlp"
                             ? double(a.hq) * (double(a.hidden) * a.d + double(a.clusters) * a.hidden) * weight_bytes / 1e6
@@ -202,10 +204,16 @@ void run(const Args& a, bench::BenchReport& report) {
   std::printf("%9s %12s %10s %10s %10s %10s %9s %12s\n", "context", "prefill_ms", "tokens/kvh",
               "KV_MB", "router_MB", "saap_us", "dense_us", "speedup");
   for (int ctx : a.contexts) {
-    // Prefill ctx - 1 tokens and decode at ctx, as a real step does: one token per (sequence,
-    // kv head) leaves the recent window and is assigned to a cluster. Every replay restores
-    // the index lengths first (a copy inside the graph), so it repeats that step.
-    cache.set_lengths(std::vector<int>(size_t(a.batch), ctx - 1));
+    // Prefill ctx - 1 - generated tokens, decode `generated` steps eagerly, then time the
+    // step at ctx, as a real step does: one token per (sequence, kv head) leaves the recent
+    // window and is assigned to a cluster, and the decode scans the `generated` assignments
+    // made since the prefill. Every replay restores the index lengths first (a copy inside
+    // the graph), so it repeats that step.
+    if (a.generated < 0 || a.generated > ctx - 1 - a.sink - a.recent)
+      throw std::invalid_argument("--generated " + std::to_string(a.generated) + " must lie in [0, " +
+                                  std::to_string(ctx - 1 - a.sink - a.recent) + "] at context " +
+                                  std::to_string(ctx) + " (the prefill must fill the window)");
+    cache.set_lengths(std::vector<int>(size_t(a.batch), ctx - 1 - a.generated));
     cudaEvent_t e0, e1;
     KVS_CUDA_CHECK(cudaEventCreate(&e0));
     KVS_CUDA_CHECK(cudaEventCreate(&e1));
@@ -217,6 +225,12 @@ void run(const Args& a, bench::BenchReport& report) {
     KVS_CUDA_CHECK(cudaEventElapsedTime(&prefill_ms, e0, e1));
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
+    for (int s = 0; s < a.generated; ++s) {
+      cache.set_lengths(std::vector<int>(size_t(a.batch), ctx - a.generated + s));
+      for (int l = 1; l <= a.layers; ++l)
+        engine.decode(l, q.p, q_pre.p, cache.view(l), out.p, lse.p, stream);
+    }
+    KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
     cache.set_lengths(std::vector<int>(size_t(a.batch), ctx));
     const size_t len_bytes = size_t(a.batch) * a.hkv * sizeof(int32_t);
     std::vector<std::unique_ptr<Dev<int32_t>>> indexed_after_prefill;
@@ -282,6 +296,7 @@ int main(int argc, char** argv) try {
       ("hidden", po::value(&a.hidden)->default_value(a.hidden), "MLP hidden width")
       ("sink", po::value(&a.sink)->default_value(a.sink), "sink tokens")
       ("recent", po::value(&a.recent)->default_value(a.recent), "recent window")
+      ("generated", po::value(&a.generated)->default_value(a.generated), "decode steps after the prefill, before the timed step (assignments it scans)")
       ("router", po::value(&a.router)->default_value(a.router), "mlp or nearest_centroid")
       ("router-weights", po::value(&a.router_weights)->default_value(a.router_weights), "the MLP's weights: bf16 or fp8")
       ("layers", po::value(&a.layers)->default_value(a.layers), "layers decoded per graph (L2 rotation)")
@@ -304,6 +319,7 @@ int main(int argc, char** argv) try {
                      {"hidden", a.hidden},
                      {"sink", a.sink},
                      {"recent", a.recent},
+                     {"generated", a.generated},
                      {"router", a.router},
                      {"router_weights", a.router_weights},
                      {"layers", a.layers},
