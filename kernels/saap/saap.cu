@@ -44,6 +44,7 @@ constexpr int kRouteThreads = 1024;
 constexpr int kMaxRouteGroup = 8;  // query heads per kv head in route_mlp_score
 constexpr int kGatherThreads = 256;
 constexpr int kGatherIlp = 8;
+constexpr int kScanIlp = 8;      // post-prefill assignments per thread and round of the scan
 constexpr int kGatherParts = 3;  // CTAs per (b, h): 2 copy the members, 1 the rest
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
@@ -712,7 +713,6 @@ __global__ void __launch_bounds__(kGatherThreads)
                   unsigned long long router_bytes) {
   using Scan = cub::BlockScan<int, kGatherThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ int chunk_total;
   extern __shared__ int gather_s[];
   int* prefix = gather_s;                                          // [probes + 1]
   int* first = prefix + probes + 1;                                // [probes]
@@ -735,7 +735,6 @@ __global__ void __launch_bounds__(kGatherThreads)
     tokens[i] = t;
     rows[i] = int32_t((page * kv.page_size + t % kv.page_size) * hkv + h);
   };
-  auto put = [&](int i, int t) { put_paged(i, t, page_of(t)); };
   // Tokens [t0, t1) at positions from `at`, kGatherIlp page-table loads in flight per thread.
   auto put_run = [&](int at, int t0, int t1) {
     for (int tb = t0 + int(threadIdx.x); tb < t1; tb += kGatherThreads * kGatherIlp) {
@@ -812,21 +811,30 @@ __global__ void __launch_bounds__(kGatherThreads)
   }
   put_run(0, 0, sink);
   int pos = sink + members_total;
-  // Post-prefill assignments: stream compaction of the chosen ones, in token order.
-  for (int t0 = csr; t0 < indexed; t0 += kGatherThreads) {
-    const int t = t0 + threadIdx.x;
-    int flag = 0;
-    if (t < indexed) {
-      const int c = assign[t];
-      flag = (chosen[c / 32] >> (c % 32)) & 1u;
-    }
+  // Post-prefill assignments (one per decode step since the prefill): stream compaction of
+  // the chosen ones, in token order. Each thread takes kScanIlp consecutive tokens a round,
+  // their assignments and then their pages loaded together: with one token per thread, a
+  // round of 256 tokens cost two dependent memory round trips and two barriers, and a long
+  // generation made the step grow by that every 256 tokens (docs/gpu.md).
+  for (int t0 = csr; t0 < indexed; t0 += kGatherThreads * kScanIlp) {
+    const int tb = t0 + int(threadIdx.x) * kScanIlp;
+    int c[kScanIlp];
+#pragma unroll
+    for (int u = 0; u < kScanIlp; ++u) c[u] = tb + u < indexed ? assign[tb + u] : -1;
+    unsigned flags = 0u;
+#pragma unroll
+    for (int u = 0; u < kScanIlp; ++u)
+      if (c[u] >= 0 && ((chosen[c[u] / 32] >> (c[u] % 32)) & 1u)) flags |= 1u << u;
     int excl, total;
-    Scan(scan_tmp).ExclusiveSum(flag, excl, total);
-    if (flag) put(pos + excl, t);
-    if (threadIdx.x == 0) chunk_total = total;
-    __syncthreads();
-    pos += chunk_total;
-    __syncthreads();
+    Scan(scan_tmp).ExclusiveSum(__popc(flags), excl, total);  // total: in every thread
+    int64_t page[kScanIlp];
+#pragma unroll
+    for (int u = 0; u < kScanIlp; ++u) page[u] = (flags >> u) & 1u ? page_of(tb + u) : 0;
+#pragma unroll
+    for (int u = 0; u < kScanIlp; ++u)
+      if ((flags >> u) & 1u) put_paged(pos + excl++, tb + u, page[u]);
+    pos += total;
+    __syncthreads();  // scan_tmp is reused
   }
   const int tail0 = max(indexed, sink);
   put_run(pos, tail0, n);

@@ -39,7 +39,7 @@ struct Pair {
   SaapWeights weights;
 
   Pair(SaapRouter router, const std::vector<int>& lens, int C, int hidden, int probes,
-       SaapWeights weights_)
+       SaapWeights weights_, int max_context = 2048)
       : weights(weights_) {
     const int batch = int(lens.size());
     parts = saap_test::random_parts(shape, C, hidden, 11);
@@ -48,7 +48,7 @@ struct Pair {
     cfg.saap.probes = probes;
     cfg.saap.sink_tokens = 4;
     cfg.saap.recent_tokens = 128;
-    cfg.saap.max_context = 2048;
+    cfg.saap.max_context = max_context;
     cfg.saap.query_router = router;
     cfg.saap.router_weights = weights;
     cfg.collect_stats = true;
@@ -65,11 +65,11 @@ struct Pair {
       cc.head_dim = shape.head_dim;
       cc.page_size = 16;
       cc.max_batch = batch;
-      cc.max_seq_len = 2048;
+      cc.max_seq_len = max_context;
       cc.device = dev == 0 ? Device::Cpu : Device::Cuda;
       auto cache = std::make_unique<KVCache>(cc);
       for (int b = 0; b < batch; ++b) {
-        cache->reserve(b, 2048);
+        cache->reserve(b, max_context);
         std::vector<bf16> k, v;
         saap_test::clustered_kv(shape, parts, 0, lens[size_t(b)], 100 + b, k, v);
         if (dev == 0) {
@@ -142,6 +142,49 @@ void expect_same_clusters(const std::vector<int32_t>& gpu, const std::vector<int
       EXPECT_LE(std::abs(score[size_t(x)] - lth), tol * (std::abs(lth) + 1e-12)) << what;
 }
 
+// One decode step of both engines (just run; q, q_pre and the GPU's output on the host):
+// the same index lengths, the same clusters up to near-ties of the CPU's scores, the same
+// token lists where the clusters and the index agree, and the GPU's output equal to an
+// fp64 attention over the GPU's own token list.
+void expect_decode_matches(Pair& p, SaapRouter router, const std::vector<bf16>& q,
+                           const std::vector<bf16>& q_pre, const std::vector<bf16>& out_gpu,
+                           bool same_index, const std::string& label) {
+  const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
+  const int g = p.shape.group_size(), batch = p.cpu_cache->config().max_batch;
+  const sk::IndexState& cs = p.cpu->index_state(p.layer);
+  const sk::IndexState& gs = p.gpu->index_state(p.layer);
+  const std::vector<int32_t> g_idx2 = download(gs.indexed_len, size_t(batch) * hkv);
+  const PagedKV cview = p.cpu_cache->view(p.layer);
+  for (int b = 0; b < batch; ++b) {
+    const auto read_gpu = p.gpu->last_read(p.layer, b);
+    const auto read_cpu = p.cpu->last_read(p.layer, b);
+    for (int h = 0; h < hkv; ++h) {
+      const std::string what = label + " b " + std::to_string(b) + " h " + std::to_string(h);
+      EXPECT_EQ(g_idx2[size_t(cs.slot(b, h))], cs.indexed_len[cs.slot(b, h)]) << what;
+      const auto gc = p.gpu->last_clusters(p.layer, b, h);
+      const auto cc = p.cpu->last_clusters(p.layer, b, h);
+      expect_same_clusters(gc, cc, p.scores(q_pre, b, h, router == SaapRouter::Mlp),
+                           router == SaapRouter::Mlp ? 3e-2 : 1e-4, what);
+      if (same_index && std::set<int>(gc.begin(), gc.end()) == std::set<int>(cc.begin(), cc.end()))
+        EXPECT_EQ(read_gpu[size_t(h) * g], read_cpu[size_t(h) * g]) << what;
+      const std::vector<int32_t>& tokens = read_gpu[size_t(h) * g];
+      for (int j = 0; j < g; ++j) {
+        const size_t row = size_t(b) * hq + h * g + j;
+        std::vector<float> qf(static_cast<size_t>(d));
+        for (int i = 0; i < d; ++i) qf[size_t(i)] = bf16_to_float(q[row * d + i]);
+        std::vector<double> o(static_cast<size_t>(d));
+        double lse;
+        kernels::attend_cpu(qf.data(), cview, b, h, tokens.data(), int(tokens.size()),
+                            p.shape.scale(), o.data(), &lse);
+        for (int i = 0; i < d; ++i)
+          ASSERT_NEAR(bf16_to_float(out_gpu[row * d + i]), o[size_t(i)],
+                      2e-2 * (1 + std::abs(o[size_t(i)])))
+              << what << " head " << j << " dim " << i;
+      }
+    }
+  }
+}
+
 // lens: one sequence per entry; hidden: the MLP router's width (the GEMVs' K and rows); C
 // clusters, of which probes are taken
 // (the route kernel ranks the best 32 by merging sorted warp lists, more by a full sort).
@@ -151,7 +194,6 @@ void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C
   const int batch = int(lens.size());
   Pair p(router, lens, C, hidden, probes, weights);
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
-  const int g = p.shape.group_size();
   p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
   p.gpu->prefill(p.layer, p.gpu_cache->view(p.layer), nullptr);
   const sk::IndexState& cs = p.cpu->index_state(p.layer);
@@ -210,39 +252,8 @@ void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C
       cudaGraphDestroy(graph);
     }
     KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const std::vector<bf16> out_gpu = outd.download();
-    const std::vector<int32_t> g_idx2 = download(gs.indexed_len, slots);
-    const PagedKV cview = p.cpu_cache->view(p.layer);
-    for (int b = 0; b < batch; ++b) {
-      const auto read_gpu = p.gpu->last_read(p.layer, b);
-      const auto read_cpu = p.cpu->last_read(p.layer, b);
-      for (int h = 0; h < hkv; ++h) {
-        const std::string what =
-            "step " + std::to_string(step) + " b " + std::to_string(b) + " h " + std::to_string(h);
-        EXPECT_EQ(g_idx2[size_t(cs.slot(b, h))], cs.indexed_len[cs.slot(b, h)]) << what;
-        const auto gc = p.gpu->last_clusters(p.layer, b, h);
-        const auto cc = p.cpu->last_clusters(p.layer, b, h);
-        expect_same_clusters(gc, cc, p.scores(q_pre, b, h, router == SaapRouter::Mlp),
-                             router == SaapRouter::Mlp ? 3e-2 : 1e-4, what);
-        if (mismatches == 0 &&
-            std::set<int>(gc.begin(), gc.end()) == std::set<int>(cc.begin(), cc.end()))
-          EXPECT_EQ(read_gpu[size_t(h) * g], read_cpu[size_t(h) * g]) << what;
-        const std::vector<int32_t>& tokens = read_gpu[size_t(h) * g];
-        for (int j = 0; j < g; ++j) {
-          const size_t row = size_t(b) * hq + h * g + j;
-          std::vector<float> qf(static_cast<size_t>(d));
-          for (int i = 0; i < d; ++i) qf[size_t(i)] = bf16_to_float(q[row * d + i]);
-          std::vector<double> o(static_cast<size_t>(d));
-          double lse;
-          kernels::attend_cpu(qf.data(), cview, b, h, tokens.data(), int(tokens.size()),
-                              p.shape.scale(), o.data(), &lse);
-          for (int i = 0; i < d; ++i)
-            ASSERT_NEAR(bf16_to_float(out_gpu[row * d + i]), o[size_t(i)],
-                        2e-2 * (1 + std::abs(o[size_t(i)])))
-                << what << " head " << j << " dim " << i;
-        }
-      }
-    }
+    expect_decode_matches(p, router, q, q_pre, outd.download(), mismatches == 0,
+                          "step " + std::to_string(step));
   }
   const EngineStats st = p.gpu->stats();
   uint64_t context = 0;  // rows a dense read of the 4 steps reads: len + 1 + s per sequence
@@ -283,6 +294,56 @@ TEST(SaapCuda, Fp8RouterMatchesTheCpuEngineAtBatchOneWideHidden) {
 }
 TEST(SaapCuda, Fp8RouterMatchesTheCpuEngineAtBatchTwo) {
   run_pair(SaapRouter::Mlp, {900, 1300}, 40, 64, 6, SaapWeights::Fp8);
+}
+
+// A long generation: 2300 decode steps after a 200-token prefill (sink 4, recent 128), so
+// that the last steps scan about 2300 assignments made since the prefill, more than one
+// round of the token lists' scan (256 threads x 8). Checked every 512 steps and at the end.
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAfterALongGeneration) {
+  KVS_SKIP_WITHOUT_CUDA();
+  constexpr int kPrefill = 200, kSteps = 2300;
+  Pair p(SaapRouter::Mlp, {kPrefill}, 64, 32, 6, SaapWeights::Fp8, kPrefill + kSteps);
+  const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
+  p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
+  p.gpu->prefill(p.layer, p.gpu_cache->view(p.layer), nullptr);
+  const sk::IndexState& cs = p.cpu->index_state(p.layer);
+  const sk::IndexState& gs = p.gpu->index_state(p.layer);
+  cudaStream_t stream;
+  KVS_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (int step = 0; step < kSteps; ++step) {
+    const std::vector<bf16> kn = saap_test::random_bf16(size_t(hkv) * d, 10000 + step);
+    const std::vector<bf16> vn = saap_test::random_bf16(size_t(hkv) * d, 20000 + step);
+    const std::vector<bf16> q = saap_test::random_bf16(size_t(hq) * d, 30000 + step);
+    const std::vector<bf16> q_pre = saap_test::random_bf16(size_t(hq) * d, 40000 + step);
+    p.cpu_cache->begin_step(nullptr);
+    p.cpu_cache->append(p.layer, kn.data(), vn.data(), nullptr);
+    test::DeviceBuffer<bf16> knd(kn), vnd(vn), qd(q), qpd(q_pre), outd(size_t(hq) * d);
+    p.gpu_cache->begin_step(stream);
+    p.gpu_cache->append(p.layer, knd.get(), vnd.get(), stream);
+    std::vector<bf16> out_cpu(size_t(hq) * d);
+    p.cpu->decode(p.layer, q.data(), q_pre.data(), p.cpu_cache->view(p.layer), out_cpu.data(),
+                  nullptr, nullptr);
+    p.gpu->decode(p.layer, qd.get(), qpd.get(), p.gpu_cache->view(p.layer), outd.get(), nullptr,
+                  stream);
+    KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (step % 512 != 511 && step != kSteps - 1) continue;
+    // The index of both engines: the same lengths; assignments may differ only on near-ties
+    // of the GPU's fp32 and the CPU's fp64 scores (rarely), and the token lists must then
+    // be equal only where they agree everywhere.
+    int mismatches = 0;
+    for (int h = 0; h < hkv; ++h) {
+      const int64_t s = cs.slot(0, h);
+      const int indexed = cs.indexed_len[s];
+      ASSERT_EQ(indexed, kPrefill + step + 1 - 128) << "step " << step;
+      ASSERT_EQ(cs.csr_len[s], kPrefill - 128);
+      const std::vector<int32_t> ga = download(gs.assign_of(0, h), size_t(indexed));
+      for (int t = 4; t < indexed; ++t) mismatches += ga[size_t(t)] != cs.assign_of(0, h)[t];
+    }
+    EXPECT_LE(mismatches, (kPrefill + step) * hkv / 100) << "step " << step;
+    expect_decode_matches(p, SaapRouter::Mlp, q, q_pre, outd.download(), mismatches == 0,
+                          "step " + std::to_string(step));
+  }
+  KVS_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 // Shapes the router's tensor-core GEMVs pad: 40 hidden units and 72 clusters (neither a
