@@ -233,17 +233,17 @@ void run(const Args& a, bench::BenchReport& report) {
     KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
     cache.set_lengths(std::vector<int>(size_t(a.batch), ctx));
     const size_t len_bytes = size_t(a.batch) * a.hkv * sizeof(int32_t);
-    std::vector<std::unique_ptr<Dev<int32_t>>> indexed_after_prefill;
+    std::vector<std::unique_ptr<Dev<int32_t>>> indexed_before_step;
     for (int l = 1; l <= a.layers; ++l) {
-      indexed_after_prefill.push_back(std::make_unique<Dev<int32_t>>(size_t(a.batch) * a.hkv));
-      KVS_CUDA_CHECK(cudaMemcpyAsync(indexed_after_prefill.back()->p,
+      indexed_before_step.push_back(std::make_unique<Dev<int32_t>>(size_t(a.batch) * a.hkv));
+      KVS_CUDA_CHECK(cudaMemcpyAsync(indexed_before_step.back()->p,
                                      engine.index_state(l).indexed_len, len_bytes,
                                      cudaMemcpyDeviceToDevice, stream));
     }
     const float saap_ms = time_graph(stream, a.iters, [&] {
       for (int l = 1; l <= a.layers; ++l) {
         KVS_CUDA_CHECK(cudaMemcpyAsync(engine.index_state(l).indexed_len,
-                                       indexed_after_prefill[size_t(l - 1)]->p, len_bytes,
+                                       indexed_before_step[size_t(l - 1)]->p, len_bytes,
                                        cudaMemcpyDeviceToDevice, stream));
         engine.decode(l, q.p, q_pre.p, cache.view(l), out.p, lse.p, stream);
       }
