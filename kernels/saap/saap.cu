@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cub/cub.cuh>
 
+#include "kernels/common/launch.cuh"
 #include "kernels/common/ptx.cuh"
 #include "kernels/common/rope.h"
 #include "kernels/saap/saap.h"
@@ -364,7 +365,10 @@ template <class In, class Fmt, bool kRelu>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     gemv_kernel(const In* x, const uint4* w, const float* scale, const float* bias, float* y,
                 int batch, int heads, int rows, int K) {
-  extern __shared__ uint32_t x_s[];     // [kMmaN][stride] pairs of x
+  extern __shared__ uint32_t x_s[];  // [kMmaN][stride] pairs of x
+  // The second GEMV is launched behind the first with programmatic dependent launch (see
+  // launch_gemv): let it get resident now.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   constexpr int kc = 16 * Fmt::kTiles;  // columns per lane load
   const int loads = (K + kc - 1) / kc, blocks = (rows + 15) / 16;
   // Words per batch row: K / 2 padded by 4, so that the 8 rows of a B fragment load (g) fall
@@ -397,6 +401,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     }
     load_round(0);
   }
+  // x is the previous grid's output when this is the second GEMV: wait for that grid here,
+  // after the loads above are in flight (a no-op for a launch without the attribute).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   for (int b0 = 0; b0 < batch; b0 += kMmaN) {
     const int nb = min(kMmaN, batch - b0);
     __syncthreads();  // the previous pass's x_s is read
@@ -453,25 +460,32 @@ size_t gemv_smem_bytes(int K) { return size_t(kMmaN) * ((K + 31) / 32 * 16 + 4) 
 
 template <class In, class Fmt, bool kRelu>
 cudaError_t launch_gemv(const In* x, const void* w, const float* scale, const float* bias, float* y,
-                        int batch, int heads, int rows, int K, cudaStream_t stream) {
+                        int batch, int heads, int rows, int K, bool programmatic,
+                        cudaStream_t stream) {
   const int blocks = (rows + 15) / 16;
   const dim3 grid(unsigned((blocks + kMmaWarps - 1) / kMmaWarps), unsigned(heads));
+  if (programmatic)
+    return launch_programmatic(gemv_kernel<In, Fmt, kRelu>, grid, dim3(kMmaWarps * 32),
+                               gemv_smem_bytes(K), stream, x, static_cast<const uint4*>(w), scale,
+                               bias, y, batch, heads, rows, K);
   gemv_kernel<In, Fmt, kRelu><<<grid, kMmaWarps * 32, gemv_smem_bytes(K), stream>>>(
       x, static_cast<const uint4*>(w), scale, bias, y, batch, heads, rows, K);
   return cudaGetLastError();
 }
 
 // The MLP's two GEMVs, hidden = relu(w1 q_pre + b1) and logits = w2 hidden + b2, in the
-// router's weight format.
+// router's weight format. The second is a programmatic dependent launch: its CTAs get
+// resident while the first runs and put their first round of weights in flight before they
+// wait for the hidden layer (128K batch 1: 0.4-1 us off 57.4; docs/gpu.md).
 template <class Fmt>
 cudaError_t launch_mlp(const bf* q_pre, const void* w1, const float* s1, const void* w2,
                        const float* s2, const Router<bf16>& r, float* hidden, float* logits,
                        int batch, cudaStream_t stream) {
-  const cudaError_t e = launch_gemv<bf, Fmt, true>(q_pre, w1, s1, r.b1, hidden, batch,
-                                                   r.num_q_heads, r.hidden, r.head_dim, stream);
+  const cudaError_t e = launch_gemv<bf, Fmt, true>(
+      q_pre, w1, s1, r.b1, hidden, batch, r.num_q_heads, r.hidden, r.head_dim, false, stream);
   if (e != cudaSuccess) return e;
   return launch_gemv<float, Fmt, false>(hidden, w2, s2, r.b2, logits, batch, r.num_q_heads,
-                                        r.num_clusters, r.hidden, stream);
+                                        r.num_clusters, r.hidden, true, stream);
 }
 
 template <class Op>
