@@ -86,6 +86,7 @@ const Table& knob_table(Method m) {
       {"router", [](EngineConfig& c, auto&, auto& v) { c.saap.query_router = saap_router_from_string(v); }},
       {"router_weights", [](EngineConfig& c, auto&, auto& v) { c.saap.router_weights = saap_weights_from_string(v); }},
       {"max_context", [](EngineConfig& c, auto& k, auto& v) { c.saap.max_context = to_int(k, v); }},
+      {"fold_every", [](EngineConfig& c, auto& k, auto& v) { c.saap.fold_every = to_int(k, v); }},
   };
   static const Table magicpig = {
       {"bits", [](EngineConfig& c, auto& k, auto& v) { c.magicpig.bits = to_int(k, v); }},

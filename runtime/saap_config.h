@@ -36,6 +36,11 @@ struct SaapConfig {
   /// to 3.05x dense's speed at 128K on an H100, with mass recall and output error unchanged
   /// on kvs-tiny-a (docs/analysis.md). bf16 keeps the trained weights to bf16 rounding.
   SaapWeights router_weights = SaapWeights::Fp8;
+  /// Post-prefill assignments (one per decode step and kv head, the token that leaves the
+  /// recent window) are merged into the cluster index once this many have piled up, so that a
+  /// decode step's scan of them stays short however long the generation (kernels/saap/saap.h,
+  /// "the fold"; docs/gpu.md). 0 never merges; at most 4096.
+  int fold_every = 2048;
   /// Longest sequence (tokens) the engine must serve; sizes the index and the workspace.
   /// 0: the model's max_position.
   int max_context = 0;

@@ -52,6 +52,8 @@ void validate(const SaapConfig& c, const SaapParts& p, const ModelShape& s) {
   need(c.recent_tokens >= 1,
        "recent_tokens must be >= 1 (the new token), got " + str(c.recent_tokens));
   need(c.max_context >= 0, "max_context must be >= 0, got " + str(c.max_context));
+  need(c.fold_every >= 0 && c.fold_every <= sk::kMaxFold,
+       "fold_every must be in [0, " + str(sk::kMaxFold) + "] (0: never), got " + str(c.fold_every));
   for (int l : c.dense_layers)
     need(l >= 0 && l < s.num_layers,
          "dense_layers entry " + str(l) + " outside [0, " + str(s.num_layers) + ")");
@@ -277,9 +279,9 @@ size_t SaapEngine::lists_bytes() const {
 
 size_t SaapEngine::select_bytes() const {
   return selected_bytes() + lists_bytes() +
-         align_up(sk::decode_workspace_bytes(config_.max_batch, shape_.num_q_heads,
-                                             shape_.num_kv_heads, shape_.head_dim,
-                                             parts_.hidden_dim, parts_.num_clusters));
+         align_up(sk::decode_workspace_bytes(
+             config_.max_batch, shape_.num_q_heads, shape_.num_kv_heads, shape_.head_dim,
+             parts_.hidden_dim, parts_.num_clusters, config_.saap.fold_every));
 }
 
 size_t SaapEngine::workspace_bytes() const {
@@ -322,6 +324,7 @@ SaapEngine::LayerIndex& SaapEngine::allocate_index(int layer) {
   v.num_kv_heads = shape_.num_kv_heads;
   v.num_clusters = parts_.num_clusters;
   v.max_tokens = max_context_;
+  v.fold_every = config_.saap.fold_every;
   const int64_t slots = int64_t(v.max_batch) * v.num_kv_heads;
   const int64_t n_off = slots * (int64_t(v.num_clusters) + 1);
   const int64_t n_tok = slots * v.max_tokens;

@@ -8,7 +8,9 @@
 //
 // Decode (fixed grids, lengths read on the device, no host sync: capturable):
 //   index   per (b, h): the token that just left the window is de-RoPE'd (rope_cuda on a
-//           [B*Hkv, d] scratch) and assigned, a CTA per 128 centroids, a packed atomicMax
+//           [B*Hkv, d] scratch) and assigned, a CTA per 64 centroids, a packed atomicMax;
+//           every fold_every assignments, the fold merges them into the CSR (copy, sort,
+//           move); on a side stream beside the router
 //   mlp     two GEMV launches over all query heads of the batch, on the tensor cores, with
 //           e4m3 (default) or bf16 weights (a warp per 16 output rows, one 16-byte fragment
 //           load per lane and 256 or 512 weights, 8 batch rows of x from shared memory per
@@ -52,6 +54,20 @@ size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
 __device__ __forceinline__ bool better(float s, int c, float best_s, int best_c) {
   return s > best_s || (s == best_s && c < best_c);
+}
+
+// The last k in [0, n) with a[k] <= x, for ascending a with a[0] <= x: the list a position x
+// of a concatenation of lists falls in, given the lists' start positions a.
+__device__ __forceinline__ int last_at_most(const int* a, int n, int x) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (a[mid] <= x)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
 }
 
 // ---- prefill -----------------------------------------------------------------------------
@@ -288,6 +304,141 @@ __global__ void __launch_bounds__(kStepThreads)
     st.assign_of(b, h)[t] = int(0xffffffffu - unsigned(packed & 0xffffffffull));
     st.indexed_len[st.slot(b, h)] = t + 1;
   }
+}
+
+// ---- decode: the fold ----------------------------------------------------------------------
+//
+// When fold_due, slot (b, h) merges its oldest F = fold_every post-prefill assignments into
+// the CSR (saap.h). With the F tokens stably sorted by cluster, shift[c] = the number of them
+// in clusters below c: old members of cluster c move up by shift[c], and the sorted token j
+// (of cluster c) lands at old_offsets[c + 1] + j, right after cluster c's old members. The
+// moves overlap, so the old members go through a copy first: two kernels on the index
+// branch, after the assignment; on the steps where nothing is due both return at once.
+
+constexpr int kFoldThreads = 1024;
+constexpr int kFoldItems = kMaxFold / kFoldThreads;  // sorted assignments per thread
+constexpr int kFoldIlp = 8;         // members per thread and round of the copy and the moves
+constexpr int kFoldCopyParts = 8;   // CTAs per slot copying the old members (plus one sorting)
+constexpr int kFoldMoveParts = 16;  // CTAs per slot moving them
+
+// The fold's scratch in the decode workspace, per slot.
+struct FoldScratch {
+  int32_t* start;        // [slots] csr_len when the slot folds this step, else -1
+  int32_t* old_offsets;  // [slots, C + 1]
+  int32_t* shift;        // [slots, C + 1]
+  int32_t* clusters;     // [slots, F] the folded assignments, sorted
+  int32_t* tokens;       // [slots, F] their tokens
+  int32_t* copy;         // [slots, copy_stride] the old members
+  int64_t copy_stride;
+};
+
+// Decides whether the slot folds this step and records it in f.start (fold_scatter_kernel
+// reads that, not csr_len, which its own first CTA updates). CTA 0 of the slot sorts the
+// folded assignments and derives shift; the others copy the old members.
+__global__ void __launch_bounds__(kFoldThreads) fold_copy_kernel(IndexState st, FoldScratch f) {
+  using Sort = cub::BlockRadixSort<int, kFoldThreads, kFoldItems, int>;
+  __shared__ union {
+    typename Sort::TempStorage sort;
+    int keys[kMaxFold];  // the sorted keys, after the sort
+  } smem;
+  const int slot = blockIdx.x, C = st.num_clusters, F = st.fold_every;
+  const int indexed = st.indexed_len[slot], csr = st.csr_len[slot];
+  const bool due = fold_due(F, indexed, csr);
+  if (blockIdx.y == 0 && threadIdx.x == 0) f.start[slot] = due ? csr : -1;
+  if (!due) return;
+  const int32_t* offsets = st.offsets + int64_t(slot) * (C + 1);
+  if (blockIdx.y > 0) {
+    const int32_t* members = st.members + int64_t(slot) * st.max_tokens;
+    int32_t* copy = f.copy + int64_t(slot) * f.copy_stride;
+    const int count = offsets[C];
+    const int stride = (gridDim.y - 1) * kFoldThreads;
+    for (int i0 = (blockIdx.y - 1) * kFoldThreads + threadIdx.x; i0 < count;
+         i0 += stride * kFoldIlp) {
+      int v[kFoldIlp];
+#pragma unroll
+      for (int u = 0; u < kFoldIlp; ++u)
+        v[u] = i0 + u * stride < count ? members[i0 + u * stride] : 0;
+#pragma unroll
+      for (int u = 0; u < kFoldIlp; ++u)
+        if (i0 + u * stride < count) copy[i0 + u * stride] = v[u];
+    }
+    return;
+  }
+  int32_t* old_offsets = f.old_offsets + int64_t(slot) * (C + 1);
+  for (int c = threadIdx.x; c <= C; c += kFoldThreads) old_offsets[c] = offsets[c];
+  // Blocked arrangement (thread t holds items t * kFoldItems ..): the radix sort is stable
+  // in that order, which is token order. Padding sorts last (key C).
+  const int32_t* assign = st.assign + int64_t(slot) * st.max_tokens;
+  int key[kFoldItems], tok[kFoldItems];
+#pragma unroll
+  for (int u = 0; u < kFoldItems; ++u) {
+    const int j = threadIdx.x * kFoldItems + u;
+    key[u] = j < F ? assign[csr + j] : C;
+    tok[u] = csr + j;
+  }
+  int bits = 1;
+  while ((1 << bits) <= C) ++bits;
+  Sort(smem.sort).Sort(key, tok, 0, bits);
+  __syncthreads();  // smem.sort becomes smem.keys
+#pragma unroll
+  for (int u = 0; u < kFoldItems; ++u) {
+    const int j = threadIdx.x * kFoldItems + u;
+    if (j < F) {
+      smem.keys[j] = key[u];
+      f.clusters[int64_t(slot) * F + j] = key[u];
+      f.tokens[int64_t(slot) * F + j] = tok[u];
+    }
+  }
+  __syncthreads();
+  int32_t* shift = f.shift + int64_t(slot) * (C + 1);
+  for (int c = threadIdx.x; c <= C; c += kFoldThreads) {
+    int lo = 0, hi = F;  // the first sorted key >= c
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (smem.keys[mid] < c)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    shift[c] = lo;
+  }
+}
+
+// Moves every old member up by its cluster's shift (the cluster found by a search of the old
+// offsets, staged in shared memory), places the folded tokens, and in CTA 0 writes the new
+// offsets and csr_len. Shared memory: old offsets and shift, 2 (C + 1) ints.
+__global__ void __launch_bounds__(kFoldThreads) fold_scatter_kernel(IndexState st, FoldScratch f) {
+  extern __shared__ int32_t fold_s[];
+  const int slot = blockIdx.x, C = st.num_clusters, F = st.fold_every;
+  const int start = f.start[slot];
+  if (start < 0) return;
+  int32_t* off_s = fold_s;            // [C + 1]
+  int32_t* shift_s = fold_s + C + 1;  // [C + 1]
+  for (int c = threadIdx.x; c <= C; c += kFoldThreads) {
+    off_s[c] = f.old_offsets[int64_t(slot) * (C + 1) + c];
+    shift_s[c] = f.shift[int64_t(slot) * (C + 1) + c];
+  }
+  __syncthreads();
+  const int32_t* copy = f.copy + int64_t(slot) * f.copy_stride;
+  int32_t* members = st.members + int64_t(slot) * st.max_tokens;
+  const int count = off_s[C], stride = gridDim.y * kFoldThreads;
+  for (int i0 = blockIdx.y * kFoldThreads + threadIdx.x; i0 < count; i0 += stride * kFoldIlp) {
+    int v[kFoldIlp];
+#pragma unroll
+    for (int u = 0; u < kFoldIlp; ++u) v[u] = i0 + u * stride < count ? copy[i0 + u * stride] : 0;
+#pragma unroll
+    for (int u = 0; u < kFoldIlp; ++u) {
+      const int i = i0 + u * stride;
+      if (i >= count) break;
+      members[i + shift_s[last_at_most(off_s, C, i)]] = v[u];
+    }
+  }
+  for (int j = blockIdx.y * kFoldThreads + threadIdx.x; j < F; j += stride)
+    members[off_s[f.clusters[int64_t(slot) * F + j] + 1] + j] = f.tokens[int64_t(slot) * F + j];
+  if (blockIdx.y != 0) return;
+  int32_t* offsets = st.offsets + int64_t(slot) * (C + 1);
+  for (int c = threadIdx.x; c <= C; c += kFoldThreads) offsets[c] = off_s[c] + shift_s[c];
+  if (threadIdx.x == 0) st.csr_len[slot] = start + F;
 }
 
 // ---- decode: router ------------------------------------------------------------------------
@@ -801,15 +952,8 @@ __global__ void __launch_bounds__(kGatherThreads)
         const int i = i0 + u * kGatherThreads;
         t[u] = -1;
         if (i < i_end) {
-          int lo = 0, hi = probes - 1;  // the last k with prefix[k] <= i
-          while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (prefix[mid] <= i)
-              lo = mid;
-            else
-              hi = mid - 1;
-          }
-          t[u] = first[lo] + (i - prefix[lo]);
+          const int k = last_at_most(prefix, probes, i);
+          t[u] = first[k] + (i - prefix[k]);
         }
       }
 #pragma unroll
@@ -863,10 +1007,11 @@ __global__ void __launch_bounds__(kGatherThreads)
 }
 
 struct DecodeLayout {
-  size_t hidden, logits, scratch, positions, best, arrived, total;
+  size_t hidden, logits, scratch, positions, best, arrived, fold, total;
 };
 
-DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, int C) {
+DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, int C,
+                           int fold_every) {
   DecodeLayout l;
   l.hidden = align_up(size_t(max_batch) * hq * hidden * sizeof(float));
   l.logits = align_up(size_t(max_batch) * hq * C * sizeof(float));
@@ -874,7 +1019,10 @@ DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, in
   l.positions = align_up(size_t(max_batch) * hkv * sizeof(int32_t));
   l.best = align_up(size_t(max_batch) * hkv * sizeof(unsigned long long));
   l.arrived = align_up(size_t(max_batch) * hkv * sizeof(unsigned));
-  l.total = l.hidden + l.logits + l.scratch + l.positions + l.best + l.arrived;
+  // FoldScratch: start, old_offsets, shift, clusters, tokens (the copy is lists.tokens)
+  l.fold = align_up(size_t(max_batch) * hkv * (1 + 2 * (size_t(C) + 1) + 2 * size_t(fold_every)) *
+                    sizeof(int32_t));
+  l.total = l.hidden + l.logits + l.scratch + l.positions + l.best + l.arrived + l.fold;
   return l;
 }
 
@@ -958,8 +1106,10 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
 }
 
 size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
-                              int hidden, int num_clusters) {
-  return decode_layout(max_batch, num_q_heads, num_kv_heads, head_dim, hidden, num_clusters).total;
+                              int hidden, int num_clusters, int fold_every) {
+  return decode_layout(max_batch, num_q_heads, num_kv_heads, head_dim, hidden, num_clusters,
+                       fold_every)
+      .total;
 }
 
 cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float* inv_freq,
@@ -972,9 +1122,10 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   const int B = kv.batch, hkv = kv.num_kv_heads, hq = r.num_q_heads, d = kv.head_dim;
   const int C = r.num_clusters, H = r.hidden;
   if (B > st.max_batch || hkv != r.num_kv_heads || d != r.head_dim || d % 8 != 0 || d > 128 ||
-      H % 8 != 0 || C > kMaxClustersCuda || probes < 1 || probes > C || !q_pre || !selected)
+      H % 8 != 0 || C > kMaxClustersCuda || probes < 1 || probes > C || !q_pre || !selected ||
+      st.fold_every < 0 || st.fold_every > kMaxFold || lists.max_tokens < st.max_tokens)
     return cudaErrorInvalidValue;
-  const DecodeLayout lay = decode_layout(st.max_batch, hq, hkv, d, H, C);
+  const DecodeLayout lay = decode_layout(st.max_batch, hq, hkv, d, H, C, st.fold_every);
   if (!workspace || workspace_bytes < lay.total) return cudaErrorInvalidValue;
   char* p = static_cast<char*>(workspace);
   float* hidden = reinterpret_cast<float*>(p);
@@ -984,6 +1135,15 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   int32_t* positions = reinterpret_cast<int32_t*>(step);
   auto* best = reinterpret_cast<unsigned long long*>(step + lay.positions);
   auto* arrived = reinterpret_cast<unsigned*>(step + lay.positions + lay.best);
+  const int64_t slots = int64_t(st.max_batch) * hkv;
+  FoldScratch fold;
+  fold.start = reinterpret_cast<int32_t*>(step + lay.positions + lay.best + lay.arrived);
+  fold.old_offsets = fold.start + slots;
+  fold.shift = fold.old_offsets + slots * (C + 1);
+  fold.clusters = fold.shift + slots * (C + 1);
+  fold.tokens = fold.clusters + slots * st.fold_every;
+  fold.copy = lists.tokens;
+  fold.copy_stride = lists.max_tokens;
 
   // 1. The index step, on the side stream when there is one.
   cudaStream_t index_stream = stream;
@@ -1000,6 +1160,12 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
                        kStepThreads, 0, index_stream>>>(kv, w, reinterpret_cast<const bf*>(scratch),
                                                         r.centroids, r.centroid_norms, C, st, best,
                                                         arrived);
+  if (st.fold_every > 0) {
+    fold_copy_kernel<<<dim3(unsigned(B * hkv), unsigned(1 + kFoldCopyParts)), kFoldThreads, 0,
+                       index_stream>>>(st, fold);
+    fold_scatter_kernel<<<dim3(unsigned(B * hkv), unsigned(kFoldMoveParts)), kFoldThreads,
+                          2 * (size_t(C) + 1) * sizeof(int32_t), index_stream>>>(st, fold);
+  }
 
   // 2. The router, on the caller's stream.
   if (r.use_mlp) {

@@ -16,6 +16,13 @@
 //               [sink, indexed_len); tokens [csr_len, indexed_len) are only here (they left
 //               the recent window after prefill) and the decode scans them
 //   indexed_len, csr_len [max_batch, Hkv] int32
+// The fold: once fold_every post-prefill assignments have piled up (indexed_len - csr_len >=
+// fold_every), the oldest fold_every of them, tokens [csr_len, csr_len + fold_every), are
+// merged into the CSR (each after its cluster's members, so members stay ascending within a
+// cluster) and csr_len moves past them. Both backends fold at that condition, checked at
+// the end of every decode-time index step, so they keep the same CSR; a decode's scan of
+// [csr_len, indexed_len) then never exceeds fold_every tokens however long the generation.
+// fold_every 0 never folds.
 // Tokens [indexed_len, n) of a sequence of n tokens are attended in full: the recent window
 // and, should indexing lag (decode indexes at most one token per call, the one that just left
 // the window), the tokens not yet indexed. Nothing is ever unreachable.
@@ -64,6 +71,7 @@ struct IndexState {
   int num_kv_heads = 0;
   int num_clusters = 0;
   int max_tokens = 0;
+  int fold_every = 0;  ///< see the fold above; 0 or up to kMaxFold
 
   KVS_HOST_DEVICE int64_t slot(int b, int h) const { return int64_t(b) * num_kv_heads + h; }
   KVS_HOST_DEVICE int32_t* offsets_of(int b, int h) const {
@@ -76,6 +84,13 @@ struct IndexState {
     return assign + slot(b, h) * max_tokens;
   }
 };
+
+// Largest fold_every (the CUDA fold sorts the folded assignments in one CTA).
+constexpr int kMaxFold = 4096;
+
+KVS_HOST_DEVICE bool fold_due(int fold_every, int indexed_len, int csr_len) {
+  return fold_every > 0 && indexed_len - csr_len >= fold_every;
+}
 
 // One layer's router: centroids and the query MLP with batch norm folded into the first
 // linear layer: p = softmax(w2 relu(w1 q + b1) + b2). W is float (CPU reference, [heads,
@@ -142,9 +157,13 @@ void index_prefill_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, c
                        const Router<float>& router, const IndexState& state);
 
 // Decode-time indexing of slot (b, h): assigns token indexed_len if it has left the recent
-// window (at most one token per call, as on the GPU). Returns whether it indexed one.
+// window (at most one token per call, as on the GPU), then folds when fold_due. Returns
+// whether it indexed a token.
 bool index_step_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, const Window& w,
                     const Router<float>& router, const IndexState& state);
+
+// The fold of slot (b, h) (see the header comment), whether or not it is due.
+void fold_cpu(int b, int h, const IndexState& state);
 
 // The MLP's distribution for query head `q_head` (its pre-RoPE query q, d values): probs [C].
 void mlp_probs_cpu(const Router<float>& router, int q_head, const float* q, double* probs);
@@ -178,7 +197,9 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
 
 // Decode step, graph-capturable (fixed grids, device-side lengths, no host sync):
 // 1. index_step: for every (b < kv.batch, h) whose token indexed_len has left the window,
-//    de-RoPE it and assign it (the decode half of the index).
+//    de-RoPE it and assign it (the decode half of the index); then fold where fold_due
+//    (two kernels that return at once on the other steps). The fold borrows lists.tokens
+//    as scratch for the old members; the gather (3.) writes the lists afterwards.
 // 2. route: selected [batch * Hkv, l] cluster ids from q_pre [batch, Hq, d].
 // 3. gather: the token lists of the sub-request view (tactic::Selection layout; `selected`
 //    field unused). When counters is non-null: counters[0] += rows attended, counters[1] +=
@@ -188,7 +209,7 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
 // back before the gather (3.), so that its small, latency-bound kernels overlap the router's
 // weight stream (2.). Null: everything on `stream`.
 size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
-                              int hidden, int num_clusters);
+                              int hidden, int num_clusters, int fold_every);
 cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float* inv_freq,
                                const Window& w, const Router<bf16>& router, int probes,
                                const IndexState& state, int32_t* selected,

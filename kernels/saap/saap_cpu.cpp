@@ -152,14 +152,42 @@ bool index_step_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, cons
   check_slot(kv, b, h, st, "saap index_step_cpu");
   const int n = kv.seq_lens[b], d = kv.head_dim, C = st.num_clusters;
   int32_t& indexed = st.indexed_len[st.slot(b, h)];
-  if (indexed >= n - w.recent) return false;
-  std::vector<float> key(static_cast<size_t>(d));
-  deroped_key_cpu(kv, b, h, indexed, inv_freq, key.data());
-  st.assign_of(b, h)[indexed] =
-      nearest_centroid_cpu(key.data(), router.centroids + size_t(h) * C * d,
-                           router.centroid_norms + size_t(h) * C, C, d);
-  ++indexed;
-  return true;
+  const bool due = indexed < n - w.recent;
+  if (due) {
+    std::vector<float> key(static_cast<size_t>(d));
+    deroped_key_cpu(kv, b, h, indexed, inv_freq, key.data());
+    st.assign_of(b, h)[indexed] =
+        nearest_centroid_cpu(key.data(), router.centroids + size_t(h) * C * d,
+                             router.centroid_norms + size_t(h) * C, C, d);
+    ++indexed;
+  }
+  if (fold_due(st.fold_every, indexed, st.csr_len[st.slot(b, h)])) fold_cpu(b, h, st);
+  return due;
+}
+
+void fold_cpu(int b, int h, const IndexState& st) {
+  const int64_t slot = st.slot(b, h);
+  const int C = st.num_clusters, csr = st.csr_len[slot], F = st.fold_every;
+  if (F < 1 || csr + F > st.indexed_len[slot])
+    throw std::logic_error("saap fold_cpu: slot (" + std::to_string(b) + ", " + std::to_string(h) +
+                           ") has " + std::to_string(st.indexed_len[slot] - csr) +
+                           " post-prefill assignments, fewer than fold_every " + std::to_string(F));
+  int32_t* offsets = st.offsets_of(b, h);
+  int32_t* members = st.members_of(b, h);
+  const int32_t* assign = st.assign_of(b, h);
+  const std::vector<int32_t> old_offsets(offsets, offsets + C + 1);
+  const std::vector<int32_t> old_members(members, members + old_offsets[size_t(C)]);
+  std::vector<std::vector<int32_t>> fresh(static_cast<size_t>(C));
+  for (int t = csr; t < csr + F; ++t) fresh[size_t(assign[t])].push_back(t);
+  int pos = 0;
+  for (int c = 0; c < C; ++c) {
+    offsets[c] = pos;
+    for (int i = old_offsets[size_t(c)]; i < old_offsets[size_t(c) + 1]; ++i)
+      members[pos++] = old_members[size_t(i)];
+    for (int t : fresh[size_t(c)]) members[pos++] = t;
+  }
+  offsets[C] = pos;
+  st.csr_len[slot] = csr + F;
 }
 
 void mlp_probs_cpu(const Router<float>& r, int q_head, const float* q, double* probs) {

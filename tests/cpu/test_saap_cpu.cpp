@@ -266,6 +266,71 @@ TEST(SaapEngineCpu, AttendsSinkWindowAndExactlyTheTopClustersThenIndexesLeavingT
   EXPECT_LT(stats.kv_rows_read, stats.kv_rows_context);
 }
 
+// The fold (kernels/saap/saap.h): with fold_every F, every F post-prefill assignments are
+// merged into the CSR. After every step the CSR must equal the stable counting sort of
+// assign[sink, csr_len) (what a prefill of those assignments builds), fewer than F
+// assignments stay outside it, and the engine attends the same tokens, from the same
+// clusters, as an engine that never folds, fed the same steps.
+TEST(SaapEngineCpu, FoldMergesEveryFAssignmentsIntoTheCsrAndKeepsTheSelection) {
+  Scene s(700, 16, 40);
+  const int sink = 2, recent = 100, F = 37, C = 16, hq = 8, hkv = 2, d = 128, g = 4;
+  EngineConfig cfg = cpu_config(3, sink, recent);
+  cfg.saap.fold_every = F;
+  SaapEngine e(s.shape, cfg, s.parts);
+  cfg.saap.fold_every = 0;
+  SaapEngine never(s.shape, cfg, s.parts);
+  s.len[0] = 300;
+  e.prefill(1, s.kv, nullptr);
+  never.prefill(1, s.kv, nullptr);
+  const sk::IndexState& st = e.index_state(1);
+  constexpr int kSteps = 400;
+  for (int step = 0; step < kSteps; ++step) {
+    s.len[0] = 301 + step;
+    const std::vector<bf16> q = saap_test::random_bf16(size_t(hq) * d, 500 + step);
+    const std::vector<bf16> q_pre = saap_test::random_bf16(size_t(hq) * d, 1500 + step);
+    std::vector<bf16> out(size_t(hq) * d);
+    e.decode(1, q.data(), q_pre.data(), s.kv, out.data(), nullptr, nullptr);
+    never.decode(1, q.data(), q_pre.data(), s.kv, out.data(), nullptr, nullptr);
+    for (int h = 0; h < hkv; ++h) {
+      const std::string what = "step " + std::to_string(step) + " h " + std::to_string(h);
+      const int64_t slot = st.slot(0, h);
+      const int indexed = st.indexed_len[slot], csr = st.csr_len[slot];
+      ASSERT_EQ(indexed, 201 + step) << what;
+      ASSERT_EQ(csr, 200 + F * ((step + 1) / F)) << what;
+      const int32_t* a = st.assign_of(0, h);
+      std::vector<int32_t> offsets(size_t(C) + 1, 0), members(size_t(csr - sink));
+      for (int t = sink; t < csr; ++t) ++offsets[size_t(a[t]) + 1];
+      for (int c = 0; c < C; ++c) offsets[size_t(c) + 1] += offsets[size_t(c)];
+      std::vector<int32_t> at(offsets.begin(), offsets.end() - 1);
+      for (int t = sink; t < csr; ++t) members[size_t(at[size_t(a[t])]++)] = t;
+      ASSERT_EQ(std::vector<int32_t>(st.offsets_of(0, h), st.offsets_of(0, h) + C + 1), offsets)
+          << what;
+      ASSERT_EQ(std::vector<int32_t>(st.members_of(0, h), st.members_of(0, h) + csr - sink),
+                members)
+          << what;
+      EXPECT_EQ(e.last_clusters(1, 0, h), never.last_clusters(1, 0, h)) << what;
+      std::vector<int32_t> got = e.last_read(1, 0)[size_t(h) * g];
+      std::vector<int32_t> ref = never.last_read(1, 0)[size_t(h) * g];
+      std::sort(got.begin(), got.end());
+      std::sort(ref.begin(), ref.end());
+      EXPECT_EQ(got, ref) << what;
+    }
+  }
+  EXPECT_EQ(st.csr_len[0], 200 + F * (kSteps / F));  // 10 folds
+  // Folding before F assignments have piled up is a logic error, named as such.
+  EXPECT_NE(message_of([&] { sk::fold_cpu(0, 0, st); }).find("fewer than fold_every 37"),
+            std::string::npos);
+  for (int bad : {-1, sk::kMaxFold + 1}) {
+    cfg.saap.fold_every = bad;
+    EXPECT_NE(message_of([&] { SaapEngine x(s.shape, cfg, s.parts); }).find("fold_every must be"),
+              std::string::npos)
+        << bad;
+  }
+  EngineConfig knob = cpu_config(3, sink, recent);
+  set_knob(knob, Method::Saap, "fold_every", "64");
+  EXPECT_EQ(knob.saap.fold_every, 64);
+}
+
 // Prefills layer 2 with the whole scene, then decodes one step with query q (q_pre = q).
 void decode_whole_scene(SaapEngine& e, Scene& s, const std::vector<bf16>& q) {
   s.len[0] = s.T;

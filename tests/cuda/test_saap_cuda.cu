@@ -39,7 +39,7 @@ struct Pair {
   SaapWeights weights;
 
   Pair(SaapRouter router, const std::vector<int>& lens, int C, int hidden, int probes,
-       SaapWeights weights_, int max_context = 2048)
+       SaapWeights weights_, int max_context = 2048, int fold_every = SaapConfig().fold_every)
       : weights(weights_) {
     const int batch = int(lens.size());
     parts = saap_test::random_parts(shape, C, hidden, 11);
@@ -49,6 +49,7 @@ struct Pair {
     cfg.saap.sink_tokens = 4;
     cfg.saap.recent_tokens = 128;
     cfg.saap.max_context = max_context;
+    cfg.saap.fold_every = fold_every;
     cfg.saap.query_router = router;
     cfg.saap.router_weights = weights;
     cfg.collect_stats = true;
@@ -296,21 +297,24 @@ TEST(SaapCuda, Fp8RouterMatchesTheCpuEngineAtBatchTwo) {
   run_pair(SaapRouter::Mlp, {900, 1300}, 40, 64, 6, SaapWeights::Fp8);
 }
 
-// A long generation: 2300 decode steps after a 200-token prefill (sink 4, recent 128), so
-// that the last steps scan about 2300 assignments made since the prefill, more than one
-// round of the token lists' scan (256 threads x 8). Checked every 512 steps and at the end.
-TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAfterALongGeneration) {
-  KVS_SKIP_WITHOUT_CUDA();
-  constexpr int kPrefill = 200, kSteps = 2300;
-  Pair p(SaapRouter::Mlp, {kPrefill}, 64, 32, 6, SaapWeights::Fp8, kPrefill + kSteps);
+// A generation of `steps` decode steps after a `prefill`-token prefill (sink 4, recent 128)
+// on both engines, checked every `check_every` steps and at the end: the same index lengths
+// (csr_len advanced by fold_every at each fold); assignments equal up to rare near-ties of
+// the GPU's fp32 and the CPU's fp64 scores; the GPU's CSR equal to the stable counting sort
+// of its own assignments [sink, csr_len) (what a prefill of them builds); and
+// expect_decode_matches (whose token lists must be equal where the assignments are).
+void run_generation(int prefill, int steps, int fold_every, int check_every) {
+  constexpr int kRecent = 128, kSink = 4;
+  Pair p(SaapRouter::Mlp, {prefill}, 64, 32, 6, SaapWeights::Fp8, prefill + steps, fold_every);
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
+  const int C = p.parts.num_clusters;
   p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
   p.gpu->prefill(p.layer, p.gpu_cache->view(p.layer), nullptr);
   const sk::IndexState& cs = p.cpu->index_state(p.layer);
   const sk::IndexState& gs = p.gpu->index_state(p.layer);
   cudaStream_t stream;
   KVS_CUDA_CHECK(cudaStreamCreate(&stream));
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < steps; ++step) {
     const std::vector<bf16> kn = saap_test::random_bf16(size_t(hkv) * d, 10000 + step);
     const std::vector<bf16> vn = saap_test::random_bf16(size_t(hkv) * d, 20000 + step);
     const std::vector<bf16> q = saap_test::random_bf16(size_t(hq) * d, 30000 + step);
@@ -326,24 +330,52 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAfterALongGeneration) {
     p.gpu->decode(p.layer, qd.get(), qpd.get(), p.gpu_cache->view(p.layer), outd.get(), nullptr,
                   stream);
     KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
-    if (step % 512 != 511 && step != kSteps - 1) continue;
-    // The index of both engines: the same lengths; assignments may differ only on near-ties
-    // of the GPU's fp32 and the CPU's fp64 scores (rarely), and the token lists must then
-    // be equal only where they agree everywhere.
+    if (step % check_every != check_every - 1 && step != steps - 1) continue;
+    const std::string at = "step " + std::to_string(step);
+    const int assigned = step + 1;  // one per step since the prefill
+    const int csr = prefill - kRecent + (fold_every > 0 ? assigned / fold_every * fold_every : 0);
+    const std::vector<int32_t> g_csr = download(gs.csr_len, size_t(hkv));
     int mismatches = 0;
     for (int h = 0; h < hkv; ++h) {
       const int64_t s = cs.slot(0, h);
       const int indexed = cs.indexed_len[s];
-      ASSERT_EQ(indexed, kPrefill + step + 1 - 128) << "step " << step;
-      ASSERT_EQ(cs.csr_len[s], kPrefill - 128);
+      ASSERT_EQ(indexed, prefill - kRecent + assigned) << at;
+      ASSERT_EQ(cs.csr_len[s], csr) << at;
+      ASSERT_EQ(g_csr[size_t(s)], csr) << at;
       const std::vector<int32_t> ga = download(gs.assign_of(0, h), size_t(indexed));
-      for (int t = 4; t < indexed; ++t) mismatches += ga[size_t(t)] != cs.assign_of(0, h)[t];
+      for (int t = kSink; t < indexed; ++t) mismatches += ga[size_t(t)] != cs.assign_of(0, h)[t];
+      std::vector<int32_t> offsets(size_t(C) + 1, 0), members(size_t(csr - kSink));
+      for (int t = kSink; t < csr; ++t) ++offsets[size_t(ga[size_t(t)]) + 1];
+      for (int c = 0; c < C; ++c) offsets[size_t(c) + 1] += offsets[size_t(c)];
+      std::vector<int32_t> next(offsets.begin(), offsets.end() - 1);
+      for (int t = kSink; t < csr; ++t) members[size_t(next[size_t(ga[size_t(t)])]++)] = t;
+      ASSERT_EQ(download(gs.offsets_of(0, h), size_t(C) + 1), offsets) << at << " h " << h;
+      ASSERT_EQ(download(gs.members_of(0, h), members.size()), members) << at << " h " << h;
     }
-    EXPECT_LE(mismatches, (kPrefill + step) * hkv / 100) << "step " << step;
-    expect_decode_matches(p, SaapRouter::Mlp, q, q_pre, outd.download(), mismatches == 0,
-                          "step " + std::to_string(step));
+    EXPECT_LE(mismatches, (prefill + step) * hkv / 100) << at;
+    expect_decode_matches(p, SaapRouter::Mlp, q, q_pre, outd.download(), mismatches == 0, at);
   }
   KVS_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// Without the fold, 2300 steps leave about 2300 assignments outside the CSR: the last steps
+// scan more than one round of the token lists' scan (256 threads x 8).
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAfterALongGeneration) {
+  KVS_SKIP_WITHOUT_CUDA();
+  run_generation(200, 2300, 0, 512);
+}
+
+// Folds every 90 assignments (steps 89, 179, 269, 359), checked around each.
+TEST(SaapCuda, FoldKeepsTheCsrEqualToTheCpuEngines) {
+  KVS_SKIP_WITHOUT_CUDA();
+  run_generation(200, 360, 90, 45);
+}
+
+// One fold of an index of 150K members per kv head: the copy and the moves take more than
+// one round of their grids (8 x 1024 x 8 and 16 x 1024 x 8 members).
+TEST(SaapCuda, FoldOfALongIndex) {
+  KVS_SKIP_WITHOUT_CUDA();
+  run_generation(150000, 100, 90, 50);
 }
 
 // Shapes the router's tensor-core GEMVs pad: 40 hidden units and 72 clusters (neither a

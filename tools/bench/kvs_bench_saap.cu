@@ -74,6 +74,7 @@ struct Args {
   int batch = 1, hq = 32, hkv = 8, d = 128, clusters = 1024, probes = 32, hidden = 1024;
   int sink = 1, recent = 2047, layers = 4, iters = 100;
   int generated = 0;  ///< decode steps between the prefill and the timed step
+  int fold_every = SaapConfig().fold_every;
   std::string router = "mlp";
   std::string router_weights = "fp8";
   uint32_t seed = 7;
@@ -139,6 +140,7 @@ void run(const Args& a, bench::BenchReport& report) {
   cfg.saap.query_router = saap_router_from_string(a.router);
   cfg.saap.router_weights = saap_weights_from_string(a.router_weights);
   cfg.saap.max_context = max_ctx;
+  cfg.saap.fold_every = a.fold_every;
   SaapEngine engine(shape, cfg, parts);
   parts = SaapParts{};  // the host copies are no longer needed
   Dev<char> ws(engine.workspace_bytes());
@@ -193,10 +195,11 @@ void run(const Args& a, bench::BenchReport& report) {
   const float scale = float(shape.scale());
 
   std::printf("kvs-bench-saap: Hq %d Hkv %d d %d, batch %d, C %d, l %d, hidden %d, router %s "
-              "(%s weights), dense part %d + %d, %d tokens generated since the prefill, %d layers per "
-              "graph, median of %d replays\n",
+              "(%s weights), dense part %d + %d, %d tokens generated since the prefill (index "
+              "folded every %d), %d layers per graph, median of %d replays\n",
               a.hq, a.hkv, a.d, a.batch, a.clusters, a.probes, a.hidden, a.router.c_str(),
-              a.router_weights.c_str(), a.sink, a.recent, a.generated, a.layers, a.iters);
+              a.router_weights.c_str(), a.sink, a.recent, a.generated, a.fold_every, a.layers,
+              a.iters);
   const double weight_bytes = cfg.saap.router_weights == SaapWeights::Fp8 ? 1 : 2;
   const double mlp_mb = a.router == "mlp"
                             ? double(a.hq) * (double(a.hidden) * a.d + double(a.clusters) * a.hidden) * weight_bytes / 1e6
@@ -213,6 +216,13 @@ void run(const Args& a, bench::BenchReport& report) {
       throw std::invalid_argument("--generated " + std::to_string(a.generated) + " must lie in [0, " +
                                   std::to_string(ctx - 1 - a.sink - a.recent) + "] at context " +
                                   std::to_string(ctx) + " (the prefill must fill the window)");
+    // A replay restores indexed_len only; a timed step that folded would leave the index
+    // folded for the next replay, which then times a different step.
+    if (a.fold_every > 0 && (a.generated + 1) % a.fold_every == 0)
+      throw std::invalid_argument("--generated " + std::to_string(a.generated) +
+                                  ": the timed step would fold the index (--fold-every " +
+                                  std::to_string(a.fold_every) +
+                                  "), which a replay cannot undo; choose another count");
     cache.set_lengths(std::vector<int>(size_t(a.batch), ctx - 1 - a.generated));
     cudaEvent_t e0, e1;
     KVS_CUDA_CHECK(cudaEventCreate(&e0));
@@ -297,6 +307,7 @@ int main(int argc, char** argv) try {
       ("sink", po::value(&a.sink)->default_value(a.sink), "sink tokens")
       ("recent", po::value(&a.recent)->default_value(a.recent), "recent window")
       ("generated", po::value(&a.generated)->default_value(a.generated), "decode steps after the prefill, before the timed step (assignments it scans)")
+      ("fold-every", po::value(&a.fold_every)->default_value(a.fold_every), "assignments merged into the cluster index at a time (0: never)")
       ("router", po::value(&a.router)->default_value(a.router), "mlp or nearest_centroid")
       ("router-weights", po::value(&a.router_weights)->default_value(a.router_weights), "the MLP's weights: bf16 or fp8")
       ("layers", po::value(&a.layers)->default_value(a.layers), "layers decoded per graph (L2 rotation)")
@@ -320,6 +331,7 @@ int main(int argc, char** argv) try {
                      {"sink", a.sink},
                      {"recent", a.recent},
                      {"generated", a.generated},
+                     {"fold_every", a.fold_every},
                      {"router", a.router},
                      {"router_weights", a.router_weights},
                      {"layers", a.layers},
