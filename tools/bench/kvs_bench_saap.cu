@@ -10,8 +10,11 @@
 // (index build, timed once) and decoded at the context, so every replay also assigns the token
 // that leaves the recent window (the index lengths are restored inside the graph). The
 // `layers` decodes run in sequence inside one graph so the L2 never holds the next
-// call's KV or weights; time per call = median replay time / layers. The selected token count
-// (sink + window + l clusters) is read back and printed with the KV bytes each side reads.
+// call's KV or weights; time per call = median replay time / layers. A timed step that folds
+// the index (--generated k * fold_every - 1) needs --restore-index: the whole index is then
+// restored before each replay and a graph of those copies alone is timed and subtracted. The
+// selected token count (sink + window + l clusters) is read back and printed with the KV
+// bytes each side reads.
 // --json writes every row with its dense time (docs/formats.md).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -75,6 +78,7 @@ struct Args {
   int sink = 1, recent = 2047, layers = 4, iters = 100;
   int generated = 0;  ///< decode steps between the prefill and the timed step
   int fold_every = SaapConfig().fold_every;
+  bool restore_index = false;  ///< restore the whole index per replay (see run())
   std::string router = "mlp";
   std::string router_weights = "fp8";
   uint32_t seed = 7;
@@ -216,13 +220,14 @@ void run(const Args& a, bench::BenchReport& report) {
       throw std::invalid_argument("--generated " + std::to_string(a.generated) + " must lie in [0, " +
                                   std::to_string(ctx - 1 - a.sink - a.recent) + "] at context " +
                                   std::to_string(ctx) + " (the prefill must fill the window)");
-    // A replay restores indexed_len only; a timed step that folded would leave the index
-    // folded for the next replay, which then times a different step.
-    if (a.fold_every > 0 && (a.generated + 1) % a.fold_every == 0)
+    // A replay restores indexed_len, which undoes the step's assignment. A step that folds
+    // also rewrites the CSR: --restore-index restores the whole index (copies inside the
+    // graph) and subtracts the time of a graph of the copies alone.
+    if (a.fold_every > 0 && (a.generated + 1) % a.fold_every == 0 && !a.restore_index)
       throw std::invalid_argument("--generated " + std::to_string(a.generated) +
-                                  ": the timed step would fold the index (--fold-every " +
+                                  ": the timed step folds the index (--fold-every " +
                                   std::to_string(a.fold_every) +
-                                  "), which a replay cannot undo; choose another count");
+                                  "); time it with --restore-index, or choose another count");
     cache.set_lengths(std::vector<int>(size_t(a.batch), ctx - 1 - a.generated));
     cudaEvent_t e0, e1;
     KVS_CUDA_CHECK(cudaEventCreate(&e0));
@@ -242,22 +247,46 @@ void run(const Args& a, bench::BenchReport& report) {
     }
     KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
     cache.set_lengths(std::vector<int>(size_t(a.batch), ctx));
-    const size_t len_bytes = size_t(a.batch) * a.hkv * sizeof(int32_t);
-    std::vector<std::unique_ptr<Dev<int32_t>>> indexed_before_step;
+    // The index arrays a replay restores, as they were before the timed step: indexed_len
+    // always; with --restore-index also csr_len, the offsets and the members.
+    std::vector<std::vector<std::pair<int32_t*, std::unique_ptr<Dev<int32_t>>>>> saved;
     for (int l = 1; l <= a.layers; ++l) {
-      indexed_before_step.push_back(std::make_unique<Dev<int32_t>>(size_t(a.batch) * a.hkv));
-      KVS_CUDA_CHECK(cudaMemcpyAsync(indexed_before_step.back()->p,
-                                     engine.index_state(l).indexed_len, len_bytes,
-                                     cudaMemcpyDeviceToDevice, stream));
-    }
-    const float saap_ms = time_graph(stream, a.iters, [&] {
-      for (int l = 1; l <= a.layers; ++l) {
-        KVS_CUDA_CHECK(cudaMemcpyAsync(engine.index_state(l).indexed_len,
-                                       indexed_before_step[size_t(l - 1)]->p, len_bytes,
+      const kernels::saap::IndexState& st = engine.index_state(l);
+      const size_t slots = size_t(a.batch) * a.hkv;
+      std::vector<std::pair<int32_t*, size_t>> arrays = {{st.indexed_len, slots}};
+      if (a.restore_index) {
+        arrays.push_back({st.csr_len, slots});
+        arrays.push_back({st.offsets, slots * (size_t(a.clusters) + 1)});
+        arrays.push_back({st.members, slots * size_t(st.max_tokens)});
+      }
+      saved.emplace_back();
+      for (auto [ptr, n] : arrays) {
+        auto copy = std::make_unique<Dev<int32_t>>(n);
+        KVS_CUDA_CHECK(cudaMemcpyAsync(copy->p, ptr, n * sizeof(int32_t),
                                        cudaMemcpyDeviceToDevice, stream));
+        saved.back().emplace_back(ptr, std::move(copy));
+      }
+    }
+    auto restore = [&](int l) {
+      for (const auto& [ptr, copy] : saved[size_t(l - 1)])
+        KVS_CUDA_CHECK(cudaMemcpyAsync(ptr, copy->p, copy->n * sizeof(int32_t),
+                                       cudaMemcpyDeviceToDevice, stream));
+    };
+    float saap_ms = time_graph(stream, a.iters, [&] {
+      for (int l = 1; l <= a.layers; ++l) {
+        restore(l);
         engine.decode(l, q.p, q_pre.p, cache.view(l), out.p, lse.p, stream);
       }
     });
+    float restore_ms = 0.f;
+    if (a.restore_index) {
+      restore_ms = time_graph(stream, a.iters, [&] {
+        for (int l = 1; l <= a.layers; ++l) restore(l);
+      });
+      saap_ms -= restore_ms;
+      std::printf("# the index copies alone, %.1f us per layer, are subtracted\n",
+                  1000.0 * restore_ms / a.layers);
+    }
     // Tokens the last layer's decode attended (mean over kv heads of sequence 0).
     const auto read = engine.last_read(a.layers, 0);
     double tokens = 0.0;
@@ -282,7 +311,8 @@ void run(const Args& a, bench::BenchReport& report) {
                     {"router_mb", mlp_mb},
                     {"saap_us", saap_us},
                     {"dense_us", dense_us},
-                    {"speedup", dense_us / saap_us}});
+                    {"speedup", dense_us / saap_us},
+                    {"restore_us", 1000.0 * restore_ms / a.layers}});
   }
   KVS_CUDA_CHECK(cudaStreamDestroy(stream));
 }
@@ -308,6 +338,7 @@ int main(int argc, char** argv) try {
       ("recent", po::value(&a.recent)->default_value(a.recent), "recent window")
       ("generated", po::value(&a.generated)->default_value(a.generated), "decode steps after the prefill, before the timed step (assignments it scans)")
       ("fold-every", po::value(&a.fold_every)->default_value(a.fold_every), "assignments merged into the cluster index at a time (0: never)")
+      ("restore-index", po::bool_switch(&a.restore_index), "restore the whole index before each replay and subtract the copies' own time (needed to time a step that folds: --generated k * fold_every - 1)")
       ("router", po::value(&a.router)->default_value(a.router), "mlp or nearest_centroid")
       ("router-weights", po::value(&a.router_weights)->default_value(a.router_weights), "the MLP's weights: bf16 or fp8")
       ("layers", po::value(&a.layers)->default_value(a.layers), "layers decoded per graph (L2 rotation)")
@@ -332,6 +363,7 @@ int main(int argc, char** argv) try {
                      {"recent", a.recent},
                      {"generated", a.generated},
                      {"fold_every", a.fold_every},
+                     {"restore_index", a.restore_index},
                      {"router", a.router},
                      {"router_weights", a.router_weights},
                      {"layers", a.layers},
