@@ -271,9 +271,11 @@ size_t SaapEngine::selected_bytes() const {
                   sizeof(int32_t));
 }
 
+// The token lists attend_cuda writes (tokens and counts; no rows: the attention resolves
+// its rows in shared memory).
 size_t SaapEngine::lists_bytes() const {
   const size_t subs = size_t(config_.max_batch) * shape_.num_kv_heads;
-  return 2 * align_up(subs * size_t(max_context_) * sizeof(int32_t)) +
+  return align_up(subs * size_t(max_context_) * sizeof(int32_t)) +
          align_up(subs * sizeof(int32_t));
 }
 
@@ -286,12 +288,12 @@ size_t SaapEngine::select_bytes() const {
 
 size_t SaapEngine::workspace_bytes() const {
   if (config_.backend == Backend::Cpu) return 0;
-  // The attention of a sparse layer (sub-requests of one kv head each) or of a dense layer
-  // (the whole batch), whichever is larger.
+  // The attention of a sparse layer (its parts' states) or of a dense layer (the whole
+  // batch), whichever is larger.
   const int d = shape_.head_dim;
   return select_bytes() +
-         std::max(kernels::dense_decode_workspace_bytes(config_.max_batch * shape_.num_kv_heads,
-                                                        shape_.group_size(), d),
+         std::max(sk::attend_workspace_bytes(config_.max_batch, shape_.num_q_heads,
+                                             shape_.num_kv_heads, d),
                   kernels::dense_decode_workspace_bytes(config_.max_batch, shape_.num_q_heads, d));
 }
 
@@ -302,8 +304,6 @@ kernels::tactic::Selection SaapEngine::lists() const {
   char* p = static_cast<char*>(workspace_.ptr) + selected_bytes();
   kernels::tactic::Selection s;
   s.max_tokens = max_context_;
-  s.rows = reinterpret_cast<int32_t*>(p);
-  p += align_up(subs * size_t(max_context_) * sizeof(int32_t));
   s.tokens = reinterpret_cast<int32_t*>(p);
   p += align_up(subs * size_t(max_context_) * sizeof(int32_t));
   s.counts = reinterpret_cast<int32_t*>(p);
@@ -416,14 +416,15 @@ void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Paged
     const int slot = parts_.layer_slot(layer);
     const kernels::tactic::Selection sel = lists();
     const size_t router_ws = selected_bytes() + lists_bytes();
-    KVS_CUDA_CHECK(
-        sk::decode_select_cuda(q_pre, kv, d_inv_freq_, window(), cuda_router(slot),
-                               config_.saap.probes, index_[size_t(layer)].view, selected_ptr(), sel,
-                               device_counters_.get(), router_bytes_per_kv_head(), ws + router_ws,
-                               select_bytes() - router_ws, stream, &index_branch_->get()));
-    KVS_CUDA_CHECK(kernels::dense_decode_cuda(
-        q, shape_.group_size(), kernels::tactic::subrequest_view(kv, sel), scale, out, lse,
-        ws + select_bytes(), workspace_.bytes - select_bytes(), stream));
+    KVS_CUDA_CHECK(sk::decode_select_cuda(
+        q_pre, kv, d_inv_freq_, window(), cuda_router(slot), config_.saap.probes,
+        index_[size_t(layer)].view, selected_ptr(), sel, ws + router_ws,
+        select_bytes() - router_ws, stream, &index_branch_->get()));
+    KVS_CUDA_CHECK(sk::attend_cuda(q, kv, scale, window(), index_[size_t(layer)].view,
+                                   selected_ptr(), config_.saap.probes, sel,
+                                   device_counters_.get(), router_bytes_per_kv_head(),
+                                   shape_.num_q_heads, out, lse, ws + select_bytes(),
+                                   workspace_.bytes - select_bytes(), stream));
   }
   if (device_counters_)
     KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, kv.num_kv_heads,

@@ -9,9 +9,12 @@
 // anything (NaN included).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
 
 namespace kvs::kernels {
 
@@ -158,6 +161,53 @@ struct WarpAccumulators {
     return total;
   }
 };
+
+// One output row's merge of num_items states by a CTA of Warps warps, every thread of which
+// calls it: state i's lse is partial_lse[first + i * stride] and its o (D floats) starts at
+// partial_o[(first + i * stride) * D]. Warp w takes states w, w + Warps, ..., loading up to
+// kBatch of them (lse and o together) before it folds them in one batch, so the row costs one
+// memory round trip, not one per state; the warps' accumulators then fold in warp order
+// through warp_acc (the result does not depend on which warp finished first). Warp 0 writes
+// o_row (bf16) and *lse_out (when not null).
+template <int D, int Warps>
+__device__ __forceinline__ void merge_row_states(const float* partial_lse, const float* partial_o,
+                                                 int64_t first, int64_t stride, int num_items,
+                                                 WarpAccumulators<Warps, D>& warp_acc,
+                                                 __nv_bfloat16* o_row, float* lse_out) {
+  constexpr int kPer = D / 32;  // dims per lane: one 16-byte (D 128) or 8-byte load
+  constexpr int kBatch = 8;
+  using Vec = typename std::conditional<kPer == 4, float4, float2>::type;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  StateAccumulator<kPer> acc;
+  for (int i0 = warp; i0 < num_items; i0 += Warps * kBatch) {
+    float lse_i[kBatch], o_i[kBatch][kPer];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int i = i0 + k * Warps;
+      lse_i[k] = -INFINITY;  // past the row's states: empty, its o never read
+      if (i < num_items) {
+        const int64_t prow = first + int64_t(i) * stride;
+        lse_i[k] = partial_lse[prow];
+        const Vec v = *reinterpret_cast<const Vec*>(partial_o + prow * D + lane * kPer);
+        const float* vs = reinterpret_cast<const float*>(&v);
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) o_i[k][j] = vs[j];
+      }
+    }
+    acc.add_batch(lse_i, o_i);
+  }
+  warp_acc.put(acc, warp, lane);
+  __syncthreads();
+  if (warp != 0) return;
+  const StateAccumulator<kPer> total = warp_acc.fold(lane);
+  float o[kPer];
+  total.normalized(o);
+  __nv_bfloat16* dst = o_row + lane * kPer;
+#pragma unroll
+  for (int j = 0; j < kPer; j += 2)
+    *reinterpret_cast<__nv_bfloat162*>(dst + j) = __floats2bfloat162_rn(o[j], o[j + 1]);
+  if (lane == 0 && lse_out) *lse_out = total.lse.lse();
+}
 
 // Weight of a part with log-sum-exp lse in a merge whose merged log-sum-exp is lse_merged.
 // 0 for an empty part; callers skip parts of weight 0 (see the file comment).

@@ -237,12 +237,9 @@ struct MergeParams {
 template <int D>
 __global__ void __launch_bounds__(kMergeWarps * 32)
     dense_merge_kernel(const __grid_constant__ MergeParams p) {
-  constexpr int kPer = D / 32;  // dims per lane: one 16-byte (D 128) or 8-byte load
-  constexpr int kMergeBatch = 8;
-  using Vec = typename std::conditional<kPer == 4, float4, float2>::type;
   __shared__ WarpAccumulators<kMergeWarps, D> warp_acc;
   const int row = blockIdx.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32;
   const int b = row / p.num_q_heads, h = row % p.num_q_heads;
   // seq_lens is not written by the decode kernel: the plan is read before the wait.
   const int chunk = plan_chunk(p.seq_lens, p.batch, p.chunks_per_head, p.align, lane);
@@ -257,35 +254,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   asm volatile("griddepcontrol.wait;" ::: "memory");
   if (num_items <= 1) return;  // written directly by the decode kernel
 
-  StateAccumulator<kPer> acc;
-  for (int i0 = warp; i0 < num_items; i0 += kMergeWarps * kMergeBatch) {
-    float lse_i[kMergeBatch], o_i[kMergeBatch][kPer];
-#pragma unroll
-    for (int k = 0; k < kMergeBatch; ++k) {
-      const int i = i0 + k * kMergeWarps;
-      lse_i[k] = -INFINITY;  // past the row's states: empty, its o never read
-      if (i < num_items) {
-        const int64_t prow = int64_t(first_item + i) * p.num_q_heads + h;
-        lse_i[k] = p.partial_lse[prow];
-        const Vec v = *reinterpret_cast<const Vec*>(p.partial_o + prow * D + lane * kPer);
-        const float* vs = reinterpret_cast<const float*>(&v);
-#pragma unroll
-        for (int j = 0; j < kPer; ++j) o_i[k][j] = vs[j];
-      }
-    }
-    acc.add_batch(lse_i, o_i);
-  }
-  warp_acc.put(acc, warp, lane);
-  __syncthreads();
-  if (warp != 0) return;
-  const StateAccumulator<kPer> total = warp_acc.fold(lane);
-  float o[kPer];
-  total.normalized(o);
-  __nv_bfloat16* dst = p.o + int64_t(row) * D + lane * kPer;
-#pragma unroll
-  for (int j = 0; j < kPer; j += 2)
-    *reinterpret_cast<__nv_bfloat162*>(dst + j) = __floats2bfloat162_rn(o[j], o[j + 1]);
-  if (lane == 0 && p.lse) p.lse[row] = total.lse.lse();
+  merge_row_states<D, kMergeWarps>(p.partial_lse, p.partial_o,
+                                   int64_t(first_item) * p.num_q_heads + h, p.num_q_heads,
+                                   num_items, warp_acc, p.o + int64_t(row) * D,
+                                   p.lse ? p.lse + row : nullptr);
 }
 
 // The decode kernels: w4.s3 (4 warps, 2 CTAs per SM) serves every call; w8.s3 (8 warps,

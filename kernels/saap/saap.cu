@@ -17,18 +17,24 @@
 //           pass): the router's cost is one read of its weights per step up to batch 8
 //   route   one CTA per (b, h): softmax per query head, group sum (or mean-query centroid
 //           scores), bitonic sort of the C scores in shared memory, top-l ids
-//   gather  per (b, h): sink, the selected clusters' CSR members, the scanned post-prefill
-//           assignments and the unindexed tail, written as the sub-request page table
-//           dense_decode_cuda attends (kernels/tactic/tactic.h subrequest_view); the members
-//           by kGatherParts - 1 CTAs, the rest by one more, all at once
+//   attend  per (b, h) and part (attend_cuda, after the join): the token lists and the
+//           attention in one kernel. Every CTA derives the slot's sizes from the selection;
+//           the parts split the members and the window (sink + unindexed tail) evenly, the
+//           last part scans the post-prefill assignments; each resolves its tokens to KV rows
+//           in shared memory, attends them with the shared tile loop (attend_tiles.cuh), and
+//           writes its state; a merge kernel combines the parts. So the lists never make a
+//           round trip through memory before the attention (128K: 56.1 -> 55 us, docs/gpu.md)
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
 #include <cub/cub.cuh>
+#include <mutex>
 
+#include "kernels/common/attend_tiles.cuh"
 #include "kernels/common/launch.cuh"
+#include "kernels/common/merge_states.cuh"
 #include "kernels/common/ptx.cuh"
 #include "kernels/common/rope.h"
 #include "kernels/saap/saap.h"
@@ -45,10 +51,7 @@ constexpr int kStepThreads = 64;     // decode-time assignment CTA
 constexpr int kStepChunk = 64;       // centroids per decode-time assignment CTA (staged rows)
 constexpr int kRouteThreads = 1024;
 constexpr int kMaxRouteGroup = 8;  // query heads per kv head in route_mlp_score
-constexpr int kGatherThreads = 256;
-constexpr int kGatherIlp = 8;
-constexpr int kScanIlp = 8;      // post-prefill assignments per thread and round of the scan
-constexpr int kGatherParts = 3;  // CTAs per (b, h): 2 copy the members, 1 the rest
+constexpr int kScanIlp = 8;  // post-prefill assignments per thread and round of the scan
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
@@ -439,6 +442,261 @@ __global__ void __launch_bounds__(kFoldThreads) fold_scatter_kernel(IndexState s
   int32_t* offsets = st.offsets + int64_t(slot) * (C + 1);
   for (int c = threadIdx.x; c <= C; c += kFoldThreads) offsets[c] = off_s[c] + shift_s[c];
   if (threadIdx.x == 0) st.csr_len[slot] = start + F;
+}
+
+// ---- decode: the token lists and the attention in one kernel --------------------------------
+
+constexpr int kAttendRowsCap = 1024;  // KV rows staged in shared memory per attend_tiles pass
+constexpr int kMinAttendParts = 3;    // at least a member part, a window part and the scan part
+constexpr int kMaxAttendParts = 64;
+constexpr int kAttendMergeWarps = 8;
+using AttendCfg128 = tiles::TileConfig<128, 4, 3>;
+using AttendCfg64 = tiles::TileConfig<64, 4, 3>;
+
+struct AttendParams {
+  const bf* q;  // [B, Hq, D], RoPE applied
+  const bf* k;
+  const bf* v;
+  const int32_t* page_table;
+  const int32_t* seq_lens;
+  int page_size, max_pages_per_seq, num_kv_heads, group, num_q_heads;
+  float scale_log2;
+  Window w;
+  IndexState st;
+  const int32_t* selected;
+  int probes;
+  tactic::Selection lists;
+  unsigned long long* counters;
+  unsigned long long router_bytes;
+  float* part_lse;  // [B * Hkv, parts, group]
+  float* part_o;    // [B * Hkv, parts, group, D]
+};
+
+template <int kThreads>
+constexpr size_t attend_scan_bytes() {
+  return (sizeof(typename cub::BlockScan<int, kThreads>::TempStorage) + 15) / 16 * 16;
+}
+
+// attend_kernel's dynamic shared memory: the tile loop's rings (first, 128-byte aligned; see
+// attend_tiles.cuh), the block scan, the staged rows, the selection's prefix and first
+// members, and the chosen-cluster bitmap.
+template <class Cfg>
+size_t attend_smem_bytes(int probes, int C) {
+  return Cfg::smem_bytes() + attend_scan_bytes<Cfg::kThreads>() +
+         sizeof(int) * (size_t(kAttendRowsCap) + 2 * size_t(probes) + (C + 31) / 32);
+}
+
+// One CTA per (sub-request (b, h), part). Every CTA derives the slot's sizes from the
+// selection (a prefix of the selected clusters' CSR sizes) and the index lengths: M members,
+// the window W = sink + the unindexed tail [max(indexed_len, sink), n). The last part scans
+// the post-prefill assignments; the others split the members and the window in proportion to
+// their sizes, each an even share. A part resolves its tokens to KV rows (members, then
+// pages, loaded kKvIlp at a time) into shared memory, attends them with the shared tile loop,
+// and keeps a running state across passes of kAttendRowsCap rows; its state goes to
+// part_lse / part_o for attend_merge_kernel. It also writes the token list
+// ([sink | members | tail | post-prefill hits], for the stats and last_read) and the count.
+// So the token lists never make a round trip through memory before the attention reads them.
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) attend_kernel(const __grid_constant__ AttendParams p) {
+  constexpr int D = Cfg::kHeadDim, kThreads = Cfg::kThreads;
+  constexpr int kKvIlp = kAttendRowsCap / kThreads;
+  static_assert(kThreads * kScanIlp <= kAttendRowsCap, "a scan round's hits must fit the rows");
+  using Scan = cub::BlockScan<int, kThreads>;
+  extern __shared__ uint4 attend_s[];
+  uint4* smem = attend_s;
+  char* extra = reinterpret_cast<char*>(smem) + Cfg::smem_bytes();
+  auto& scan_tmp = *reinterpret_cast<typename Scan::TempStorage*>(extra);
+  int* rows_s = reinterpret_cast<int*>(extra + attend_scan_bytes<kThreads>());  // [cap]
+  int* prefix = rows_s + kAttendRowsCap;                                        // [probes]
+  int* first = prefix + p.probes;                                               // [probes]
+  unsigned* chosen = reinterpret_cast<unsigned*>(first + p.probes);             // [C / 32]
+  const int hkv = p.num_kv_heads, C = p.st.num_clusters, probes = p.probes;
+  const int sv = blockIdx.x, b = sv / hkv, h = sv % hkv;
+  const int64_t slot = p.st.slot(b, h);
+  const int n = p.seq_lens[b];
+  const int indexed = p.st.indexed_len[slot], csr = p.st.csr_len[slot];
+  const int32_t* sel = p.selected + int64_t(sv) * probes;
+  const int32_t* offsets = p.st.offsets_of(b, h);
+  const int32_t* table = p.page_table + int64_t(b) * p.max_pages_per_seq;
+  int32_t* tokens = p.lists.tokens + int64_t(sv) * p.lists.max_tokens;
+  const int part = blockIdx.y, scan_part = gridDim.y - 1;
+  uint32_t qa[D / 16][2];
+  tiles::load_query_fragments<D>(p.q + (int64_t(b) * p.num_q_heads + h * p.group) * D, p.group,
+                                 threadIdx.x % 32, qa);
+  if (part == scan_part) {
+    for (int i = threadIdx.x; i < (C + 31) / 32; i += kThreads) chosen[i] = 0u;
+    __syncthreads();
+  }
+  // Prefix sums of the selected clusters' sizes.
+  int running = 0;
+  for (int i0 = 0; i0 < probes; i0 += kThreads) {
+    const int i = i0 + threadIdx.x;
+    int size = 0;
+    if (i < probes) {
+      const int c = sel[i];
+      first[i] = offsets[c];
+      size = offsets[c + 1] - first[i];
+      if (part == scan_part) atomicOr(&chosen[c / 32], 1u << (c % 32));
+    }
+    int excl, total;
+    Scan(scan_tmp).ExclusiveSum(size, excl, total);
+    if (i < probes) prefix[i] = running + excl;
+    running += total;
+    __syncthreads();
+  }
+  const int sink = min(p.w.sink, n), M = running;
+  const int tail0 = max(indexed, sink), T = max(0, n - tail0), W = sink + T;
+  const int shared_parts = scan_part;  // members and window
+  int Pm = 0;
+  if (M > 0)
+    Pm = W == 0 ? shared_parts
+                : min(shared_parts - 1,
+                      max(1, int((int64_t(shared_parts) * M + (M + W) / 2) / (M + W))));
+  const int Pw = shared_parts - Pm;
+
+  // The part's running state: this thread's float4s of merge_warp_states' rows.
+  constexpr int kRun = (tiles::kMaxGroup * D / 4 + kThreads - 1) / kThreads;
+  float4 run_o[kRun];
+  float run_lse[kRun];
+#pragma unroll
+  for (int r = 0; r < kRun; ++r) {
+    run_o[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+    run_lse[r] = -INFINITY;
+  }
+  const tiles::KvSource src{p.k, p.v, rows_s, 1, 1, kAttendRowsCap, p.scale_log2};
+  // Attends rows_s[0, count) (written before a barrier) and merges the result into the
+  // running state; ends with a barrier, so that rows_s and the rings may be rewritten.
+  auto attend_rows = [&](int count) {
+    tiles::attend_tiles<Cfg, false>(src, 0, 0, 0, count, 0, qa, smem);
+    __syncthreads();
+    tiles::merge_warp_states<Cfg>(smem, p.group, [&](int hg, int d, float4 o, float lse) {
+      const int r_of = (hg * (D / 4) + d / 4 - int(threadIdx.x)) / kThreads;
+#pragma unroll
+      for (int r = 0; r < kRun; ++r) {
+        if (r != r_of) continue;
+        LseAccumulator acc;
+        acc.add(run_lse[r]);
+        acc.add(lse);
+        const float merged = acc.lse();
+        const float wa = merge_weight(run_lse[r], merged), wb = merge_weight(lse, merged);
+        float4& ro = run_o[r];
+        ro.x = (wa > 0.f ? wa * ro.x : 0.f) + (wb > 0.f ? wb * o.x : 0.f);
+        ro.y = (wa > 0.f ? wa * ro.y : 0.f) + (wb > 0.f ? wb * o.y : 0.f);
+        ro.z = (wa > 0.f ? wa * ro.z : 0.f) + (wb > 0.f ? wb * o.z : 0.f);
+        ro.w = (wa > 0.f ? wa * ro.w : 0.f) + (wb > 0.f ? wb * o.w : 0.f);
+        run_lse[r] = merged;
+      }
+    });
+    __syncthreads();
+  };
+  auto row_of = [&](int t, int page) {
+    return int32_t((int64_t(page) * p.page_size + t % p.page_size) * hkv + h);
+  };
+  if (part < shared_parts) {
+    // Members: positions [lo, hi) of the concatenated member lists of the selected
+    // clusters. Window: positions of [sink tokens | tail tokens].
+    const bool members_part = part < Pm;
+    const int j = members_part ? part : part - Pm, parts_here = members_part ? Pm : Pw;
+    const int size = members_part ? M : W;
+    const int lo = int(int64_t(size) * j / parts_here), hi = int(int64_t(size) * (j + 1) / parts_here);
+    for (int c0 = lo; c0 < hi; c0 += kAttendRowsCap) {
+      const int c1 = min(hi, c0 + kAttendRowsCap);
+      int t[kKvIlp];
+#pragma unroll
+      for (int u = 0; u < kKvIlp; ++u) {
+        const int i = c0 + int(threadIdx.x) + u * kThreads;
+        t[u] = -1;
+        if (i < c1) {
+          if (members_part) {
+            const int k = last_at_most(prefix, probes, i);
+            t[u] = first[k] + (i - prefix[k]);  // an index into members, loaded below
+          } else {
+            t[u] = i < sink ? i : tail0 + (i - sink);
+          }
+        }
+      }
+      if (members_part) {
+        const int32_t* members = p.st.members_of(b, h);
+#pragma unroll
+        for (int u = 0; u < kKvIlp; ++u) t[u] = t[u] >= 0 ? members[t[u]] : -1;
+      }
+      int page[kKvIlp];
+#pragma unroll
+      for (int u = 0; u < kKvIlp; ++u) page[u] = t[u] >= 0 ? table[t[u] / p.page_size] : 0;
+#pragma unroll
+      for (int u = 0; u < kKvIlp; ++u) {
+        if (t[u] < 0) continue;
+        const int i = c0 + int(threadIdx.x) + u * kThreads;
+        rows_s[i - c0] = row_of(t[u], page[u]);
+        tokens[members_part ? sink + i : i < sink ? i : sink + M + (i - sink)] = t[u];
+      }
+      __syncthreads();
+      attend_rows(c1 - c0);
+    }
+  } else {
+    // The post-prefill assignments of the chosen clusters, in token order, a round of
+    // kThreads * kScanIlp (<= kAttendRowsCap) at a time.
+    const int32_t* assign = p.st.assign_of(b, h);
+    int hits = 0;
+    for (int t0 = csr; t0 < indexed; t0 += kThreads * kScanIlp) {
+      const int tb = t0 + int(threadIdx.x) * kScanIlp;
+      int c[kScanIlp];
+#pragma unroll
+      for (int u = 0; u < kScanIlp; ++u) c[u] = tb + u < indexed ? assign[tb + u] : -1;
+      unsigned flags = 0u;
+#pragma unroll
+      for (int u = 0; u < kScanIlp; ++u)
+        if (c[u] >= 0 && ((chosen[c[u] / 32] >> (c[u] % 32)) & 1u)) flags |= 1u << u;
+      int excl, total;
+      Scan(scan_tmp).ExclusiveSum(__popc(flags), excl, total);
+      int page[kScanIlp];
+#pragma unroll
+      for (int u = 0; u < kScanIlp; ++u) page[u] = (flags >> u) & 1u ? table[(tb + u) / p.page_size] : 0;
+#pragma unroll
+      for (int u = 0; u < kScanIlp; ++u) {
+        if (!((flags >> u) & 1u)) continue;
+        rows_s[excl] = row_of(tb + u, page[u]);
+        tokens[sink + M + T + hits + excl] = tb + u;
+        ++excl;
+      }
+      __syncthreads();  // rows_s is written, scan_tmp may be reused
+      if (total > 0) attend_rows(total);
+      hits += total;
+    }
+    if (threadIdx.x == 0) {
+      const int count = sink + M + T + hits;
+      p.lists.counts[sv] = count;
+      if (p.counters) {
+        atomicAdd(p.counters, (unsigned long long)count);
+        atomicAdd(p.counters + 1,
+                  p.router_bytes + 8ull * probes + 4ull * max(0, indexed - csr));
+      }
+    }
+  }
+  // The part's state.
+  const int64_t prow0 = (int64_t(sv) * gridDim.y + part) * p.group;
+#pragma unroll
+  for (int r = 0; r < kRun; ++r) {
+    const int idx = int(threadIdx.x) + r * kThreads;
+    if (idx >= p.group * (D / 4)) break;
+    const int hg = idx / (D / 4), d = (idx % (D / 4)) * 4;
+    *reinterpret_cast<float4*>(p.part_o + (prow0 + hg) * D + d) = run_o[r];
+    if (d == 0) p.part_lse[prow0 + hg] = run_lse[r];
+  }
+}
+
+// One CTA per output row (b, query head): the row's part states merged (merge_row_states).
+template <int D>
+__global__ void __launch_bounds__(kAttendMergeWarps * 32)
+    attend_merge_kernel(const float* part_lse, const float* part_o, int parts, int hkv, int group,
+                        bf* o, float* lse) {
+  __shared__ WarpAccumulators<kAttendMergeWarps, D> warp_acc;
+  const int row = blockIdx.x, hq = hkv * group;
+  const int b = row / hq, head = row % hq;
+  const int sv = b * hkv + head / group, hg = head % group;
+  merge_row_states<D, kAttendMergeWarps>(part_lse, part_o, int64_t(sv) * parts * group + hg,
+                                         group, parts, warp_acc, o + int64_t(row) * D,
+                                         lse ? lse + row : nullptr);
 }
 
 // ---- decode: router ------------------------------------------------------------------------
@@ -872,139 +1130,6 @@ __global__ void __launch_bounds__(kRouteThreads)
 
 // ---- decode: token lists -------------------------------------------------------------------
 
-__global__ void __launch_bounds__(kGatherThreads)
-    gather_kernel(PagedKV kv, Window w, IndexState st, const int32_t* selected, int probes,
-                  tactic::Selection lists, unsigned long long* counters,
-                  unsigned long long router_bytes) {
-  using Scan = cub::BlockScan<int, kGatherThreads>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  extern __shared__ int gather_s[];
-  int* prefix = gather_s;                                          // [probes + 1]
-  int* first = prefix + probes + 1;                                // [probes]
-  unsigned* chosen = reinterpret_cast<unsigned*>(first + probes);  // [ceil(C / 32)]
-  const int hkv = kv.num_kv_heads, C = st.num_clusters;
-  const int b = blockIdx.x / hkv, h = blockIdx.x % hkv;
-  const int64_t slot = st.slot(b, h);
-  const int n = kv.seq_lens[b];
-  const int indexed = st.indexed_len[slot], csr = st.csr_len[slot];
-  const int32_t* sel = selected + int64_t(blockIdx.x) * probes;
-  const int32_t* offsets = st.offsets_of(b, h);
-  const int32_t* members = st.members_of(b, h);
-  const int32_t* assign = st.assign_of(b, h);
-  int32_t* rows = lists.rows + int64_t(blockIdx.x) * lists.max_tokens;
-  int32_t* tokens = lists.tokens + int64_t(blockIdx.x) * lists.max_tokens;
-  auto page_of = [&](int t) {
-    return int64_t(kv.page_table[int64_t(b) * kv.max_pages_per_seq + t / kv.page_size]);
-  };
-  auto put_paged = [&](int i, int t, int64_t page) {
-    tokens[i] = t;
-    rows[i] = int32_t((page * kv.page_size + t % kv.page_size) * hkv + h);
-  };
-  // Tokens [t0, t1) at positions from `at`, kGatherIlp page-table loads in flight per thread.
-  auto put_run = [&](int at, int t0, int t1) {
-    for (int tb = t0 + int(threadIdx.x); tb < t1; tb += kGatherThreads * kGatherIlp) {
-      int64_t page[kGatherIlp];
-#pragma unroll
-      for (int u = 0; u < kGatherIlp; ++u) {
-        const int t = tb + u * kGatherThreads;
-        page[u] = t < t1 ? page_of(t) : 0;
-      }
-#pragma unroll
-      for (int u = 0; u < kGatherIlp; ++u) {
-        const int t = tb + u * kGatherThreads;
-        if (t < t1) put_paged(at + (t - t0), t, page[u]);
-      }
-    }
-  };
-  for (int i = threadIdx.x; i < (C + 31) / 32; i += blockDim.x) chosen[i] = 0u;
-  __syncthreads();
-  // Prefix sums of the selected clusters' sizes, a chunk of the block at a time.
-  int running = 0;
-  for (int i0 = 0; i0 < probes; i0 += kGatherThreads) {
-    const int i = i0 + threadIdx.x;
-    int size = 0;
-    if (i < probes) {
-      const int c = sel[i];
-      first[i] = offsets[c];
-      size = offsets[c + 1] - first[i];
-      atomicOr(&chosen[c / 32], 1u << (c % 32));
-    }
-    int excl, total;
-    Scan(scan_tmp).ExclusiveSum(size, excl, total);
-    if (i < probes) prefix[i] = running + excl;
-    running += total;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) prefix[probes] = running;
-  __syncthreads();
-  const int sink = min(w.sink, n);
-  const int members_total = running;
-  const int parts = gridDim.y - 1;  // member parts; the last CTA does everything else
-  if (int(blockIdx.y) < parts) {
-    // kGatherIlp members per thread and round, each round's member loads and then its page
-    // table loads issued together: the copy is a chain of dependent loads, not bandwidth.
-    const int per = (members_total + parts - 1) / parts;
-    const int i_end = min(members_total, int(blockIdx.y + 1) * per);
-    for (int i0 = blockIdx.y * per + threadIdx.x; i0 < i_end; i0 += kGatherThreads * kGatherIlp) {
-      int t[kGatherIlp];
-#pragma unroll
-      for (int u = 0; u < kGatherIlp; ++u) {
-        const int i = i0 + u * kGatherThreads;
-        t[u] = -1;
-        if (i < i_end) {
-          const int k = last_at_most(prefix, probes, i);
-          t[u] = first[k] + (i - prefix[k]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kGatherIlp; ++u) t[u] = t[u] >= 0 ? members[t[u]] : -1;
-      int64_t page[kGatherIlp];
-#pragma unroll
-      for (int u = 0; u < kGatherIlp; ++u) page[u] = t[u] >= 0 ? page_of(t[u]) : 0;
-#pragma unroll
-      for (int u = 0; u < kGatherIlp; ++u)
-        if (t[u] >= 0) put_paged(sink + i0 + u * kGatherThreads, t[u], page[u]);
-    }
-    return;
-  }
-  put_run(0, 0, sink);
-  int pos = sink + members_total;
-  // Post-prefill assignments (one per decode step since the prefill): stream compaction of
-  // the chosen ones, in token order. Each thread takes kScanIlp consecutive tokens a round,
-  // their assignments and then their pages loaded together: with one token per thread, a
-  // round of 256 tokens cost two dependent memory round trips and two barriers, and a long
-  // generation made the step grow by that every 256 tokens (docs/gpu.md).
-  for (int t0 = csr; t0 < indexed; t0 += kGatherThreads * kScanIlp) {
-    const int tb = t0 + int(threadIdx.x) * kScanIlp;
-    int c[kScanIlp];
-#pragma unroll
-    for (int u = 0; u < kScanIlp; ++u) c[u] = tb + u < indexed ? assign[tb + u] : -1;
-    unsigned flags = 0u;
-#pragma unroll
-    for (int u = 0; u < kScanIlp; ++u)
-      if (c[u] >= 0 && ((chosen[c[u] / 32] >> (c[u] % 32)) & 1u)) flags |= 1u << u;
-    int excl, total;
-    Scan(scan_tmp).ExclusiveSum(__popc(flags), excl, total);  // total: in every thread
-    int64_t page[kScanIlp];
-#pragma unroll
-    for (int u = 0; u < kScanIlp; ++u) page[u] = (flags >> u) & 1u ? page_of(tb + u) : 0;
-#pragma unroll
-    for (int u = 0; u < kScanIlp; ++u)
-      if ((flags >> u) & 1u) put_paged(pos + excl++, tb + u, page[u]);
-    pos += total;
-    __syncthreads();  // scan_tmp is reused
-  }
-  const int tail0 = max(indexed, sink);
-  put_run(pos, tail0, n);
-  pos += max(0, n - tail0);
-  if (threadIdx.x == 0) {
-    lists.counts[blockIdx.x] = pos;
-    if (counters) {
-      atomicAdd(counters, (unsigned long long)pos);
-      atomicAdd(counters + 1, router_bytes + 8ull * probes + 4ull * max(0, indexed - csr));
-    }
-  }
-}
 
 struct DecodeLayout {
   size_t hidden, logits, scratch, positions, best, arrived, fold, total;
@@ -1115,8 +1240,7 @@ size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, 
 cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float* inv_freq,
                                const Window& w, const Router<bf16>& r, int probes,
                                const IndexState& st, int32_t* selected,
-                               const tactic::Selection& lists, unsigned long long* counters,
-                               unsigned long long router_bytes, void* workspace,
+                               const tactic::Selection& lists, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream,
                                const StreamFork* side) {
   const int B = kv.batch, hkv = kv.num_kv_heads, hq = r.num_q_heads, d = kv.head_dim;
@@ -1181,16 +1305,105 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   route_kernel<<<B * hkv, kRouteThreads, route_smem, stream>>>(
       logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2, selected);
 
-  // 3. The token lists read the index the step updated: join the side stream first.
+  // The attention (attend_cuda) reads the index the step updated: join the side stream.
   if (side) {
     e = join_into(*side, stream);
     if (e != cudaSuccess) return e;
   }
-  const size_t gather_smem =
-      size_t(2 * probes + 1) * sizeof(int) + size_t((C + 31) / 32) * sizeof(unsigned);
-  gather_kernel<<<dim3(unsigned(B * hkv), unsigned(kGatherParts)), kGatherThreads, gather_smem,
-                  stream>>>(kv, w, st, selected, probes, lists, counters, router_bytes);
   return cudaGetLastError();
+}
+
+size_t attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim) {
+  const size_t states = size_t(max_batch) * num_kv_heads * kMaxAttendParts *
+                        size_t(num_q_heads / std::max(1, num_kv_heads));
+  return align_up(states * sizeof(float)) + align_up(states * head_dim * sizeof(float));
+}
+
+namespace {
+
+template <class Cfg>
+cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, float* lse,
+                          cudaStream_t stream) {
+  static std::mutex mu;
+  static size_t smem_set = 0;
+  static int sms = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (smem > smem_set) {
+      const cudaError_t e = cudaFuncSetAttribute(
+          attend_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+      if (e != cudaSuccess) return e;
+      smem_set = smem;
+    }
+    if (sms == 0) {
+      int dev = 0;
+      cudaError_t e = cudaGetDevice(&dev);
+      if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+      if (e != cudaSuccess) return e;
+    }
+  }
+  int per_sm = 0;
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attend_kernel<Cfg>,
+                                                                Cfg::kThreads, smem);
+  if (e != cudaSuccess) return e;
+  // About one wave of CTAs over the batch's sub-requests.
+  const int subrequests = batch * p.num_kv_heads;
+  const int parts =
+      std::min(kMaxAttendParts, std::max(kMinAttendParts, sms * std::max(1, per_sm) / subrequests));
+  attend_kernel<Cfg><<<dim3(unsigned(subrequests), unsigned(parts)), Cfg::kThreads, smem,
+                       stream>>>(p);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  // A plain launch: launched programmatically, the merge's CTAs got resident early and took
+  // room from the attention's (128K batch 1: 58.7-59.2 us against 54.7-55.7; docs/gpu.md).
+  attend_merge_kernel<Cfg::kHeadDim><<<dim3(unsigned(batch * p.num_q_heads)),
+                                       kAttendMergeWarps * 32, 0, stream>>>(
+      p.part_lse, p.part_o, parts, p.num_kv_heads, p.group, o, lse);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Window& w,
+                        const IndexState& st, const int32_t* selected, int probes,
+                        const tactic::Selection& lists, unsigned long long* counters,
+                        unsigned long long router_bytes, int num_q_heads, bf16* o, float* lse,
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  const int B = kv.batch, hkv = kv.num_kv_heads, d = kv.head_dim;
+  if ((d != 64 && d != 128) || hkv < 1 || num_q_heads % hkv != 0 ||
+      num_q_heads / hkv > tiles::kMaxGroup || B > st.max_batch || hkv != st.num_kv_heads ||
+      probes < 1 || probes > st.num_clusters || !q || !o || !selected || !lists.tokens ||
+      !lists.counts || lists.max_tokens < st.max_tokens)
+    return cudaErrorInvalidValue;
+  if (B == 0) return cudaSuccess;
+  const size_t need = attend_workspace_bytes(B, num_q_heads, hkv, d);
+  if (!workspace || workspace_bytes < need) return cudaErrorInvalidValue;
+  AttendParams p;
+  p.q = reinterpret_cast<const bf*>(q);
+  p.k = reinterpret_cast<const bf*>(kv.k);
+  p.v = reinterpret_cast<const bf*>(kv.v);
+  p.page_table = kv.page_table;
+  p.seq_lens = kv.seq_lens;
+  p.page_size = kv.page_size;
+  p.max_pages_per_seq = kv.max_pages_per_seq;
+  p.num_kv_heads = hkv;
+  p.group = num_q_heads / hkv;
+  p.num_q_heads = num_q_heads;
+  p.scale_log2 = scale * tiles::kLog2e;
+  p.w = w;
+  p.st = st;
+  p.selected = selected;
+  p.probes = probes;
+  p.lists = lists;
+  p.counters = counters;
+  p.router_bytes = router_bytes;
+  const size_t states = size_t(B) * hkv * kMaxAttendParts * p.group;
+  char* ws = static_cast<char*>(workspace);
+  p.part_lse = reinterpret_cast<float*>(ws);
+  p.part_o = reinterpret_cast<float*>(ws + align_up(states * sizeof(float)));
+  bf* out = reinterpret_cast<bf*>(o);
+  return d == 128 ? launch_attend<AttendCfg128>(p, B, attend_smem_bytes<AttendCfg128>(probes, st.num_clusters), out, lse, stream)
+                  : launch_attend<AttendCfg64>(p, B, attend_smem_bytes<AttendCfg64>(probes, st.num_clusters), out, lse, stream);
 }
 
 cudaError_t prepare_cuda(int hidden) {

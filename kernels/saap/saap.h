@@ -199,24 +199,38 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
 // 1. index_step: for every (b < kv.batch, h) whose token indexed_len has left the window,
 //    de-RoPE it and assign it (the decode half of the index); then fold where fold_due
 //    (two kernels that return at once on the other steps). The fold borrows lists.tokens
-//    as scratch for the old members; the gather (3.) writes the lists afterwards.
+//    as scratch for the old members; attend_cuda (3.) writes the lists afterwards.
 // 2. route: selected [batch * Hkv, l] cluster ids from q_pre [batch, Hq, d].
-// 3. gather: the token lists of the sub-request view (tactic::Selection layout; `selected`
-//    field unused). When counters is non-null: counters[0] += rows attended, counters[1] +=
-//    router_bytes (the router's reads per (b, h), the caller's figure) plus the index reads
-//    (CSR offsets of the probed clusters and the scanned post-prefill assignments).
 // side (optional): the index step (1.) runs on side->side, forked from `stream` and joined
-// back before the gather (3.), so that its small, latency-bound kernels overlap the router's
-// weight stream (2.). Null: everything on `stream`.
+// back at the end, so that its small, latency-bound kernels overlap the router's weight
+// stream (2.). Null: everything on `stream`.
 size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
                               int hidden, int num_clusters, int fold_every);
 cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float* inv_freq,
                                const Window& w, const Router<bf16>& router, int probes,
                                const IndexState& state, int32_t* selected,
-                               const tactic::Selection& lists, unsigned long long* counters,
-                               unsigned long long router_bytes, void* workspace,
+                               const tactic::Selection& lists, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream,
                                const StreamFork* side = nullptr);
+
+// 3. attend (after decode_select_cuda on the same stream): the token lists and the
+//    attention in one kernel, then a merge kernel. One CTA per (sub-request (b, h), part):
+//    the parts split the selected clusters' members and the window (sink + unindexed tail)
+//    evenly, the last part takes the post-prefill assignments of the chosen clusters; each
+//    resolves its tokens to KV rows in shared memory and attends them, and a merge kernel
+//    combines the parts into o (bf16, [B, Hq, D]) and lse ([B, Hq], may be null). The token
+//    lists (lists.tokens, [sink | members | tail | hits]; lists.rows unused) and counts are
+//    written for the stats. When counters is non-null: counters[0] += rows attended,
+//    counters[1] += router_bytes (the router's reads per (b, h), the caller's figure) plus the
+//    index reads (CSR offsets of the probed clusters and the scanned post-prefill
+//    assignments). q is post-RoPE; head_dim 64 or 128. Workspace:
+//    attend_workspace_bytes(max_batch, ...).
+size_t attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim);
+cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Window& w,
+                        const IndexState& st, const int32_t* selected, int probes,
+                        const tactic::Selection& lists, unsigned long long* counters,
+                        unsigned long long router_bytes, int num_q_heads, bf16* o, float* lse,
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // Sets the router kernels' shared-memory limits for MLP width `hidden`, once per process;
 // engines call it at construction so that a captured decode step does nothing but launches.
