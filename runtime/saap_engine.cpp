@@ -275,8 +275,7 @@ size_t SaapEngine::selected_bytes() const {
 // its rows in shared memory).
 size_t SaapEngine::lists_bytes() const {
   const size_t subs = size_t(config_.max_batch) * shape_.num_kv_heads;
-  return align_up(subs * size_t(max_context_) * sizeof(int32_t)) +
-         align_up(subs * sizeof(int32_t));
+  return align_up(subs * size_t(max_context_) * sizeof(int32_t)) + align_up(subs * sizeof(int32_t));
 }
 
 size_t SaapEngine::select_bytes() const {
@@ -418,13 +417,12 @@ void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Paged
     const size_t router_ws = selected_bytes() + lists_bytes();
     KVS_CUDA_CHECK(sk::decode_select_cuda(
         q_pre, kv, d_inv_freq_, window(), cuda_router(slot), config_.saap.probes,
-        index_[size_t(layer)].view, selected_ptr(), sel, ws + router_ws,
-        select_bytes() - router_ws, stream, &index_branch_->get()));
+        index_[size_t(layer)].view, selected_ptr(), sel, ws + router_ws, select_bytes() - router_ws,
+        stream, &index_branch_->get()));
     KVS_CUDA_CHECK(sk::attend_cuda(q, kv, scale, window(), index_[size_t(layer)].view,
-                                   selected_ptr(), config_.saap.probes, sel,
-                                   device_counters_.get(), router_bytes_per_kv_head(),
-                                   shape_.num_q_heads, out, lse, ws + select_bytes(),
-                                   workspace_.bytes - select_bytes(), stream));
+                                   selected_ptr(), config_.saap.probes, sel, device_counters_.get(),
+                                   router_bytes_per_kv_head(), shape_.num_q_heads, out, lse,
+                                   ws + select_bytes(), workspace_.bytes - select_bytes(), stream));
   }
   if (device_counters_)
     KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, kv.num_kv_heads,

@@ -254,10 +254,9 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   asm volatile("griddepcontrol.wait;" ::: "memory");
   if (num_items <= 1) return;  // written directly by the decode kernel
 
-  merge_row_states<D, kMergeWarps>(p.partial_lse, p.partial_o,
-                                   int64_t(first_item) * p.num_q_heads + h, p.num_q_heads,
-                                   num_items, warp_acc, p.o + int64_t(row) * D,
-                                   p.lse ? p.lse + row : nullptr);
+  merge_row_states<D, kMergeWarps>(
+      p.partial_lse, p.partial_o, int64_t(first_item) * p.num_q_heads + h, p.num_q_heads, num_items,
+      warp_acc, p.o + int64_t(row) * D, p.lse ? p.lse + row : nullptr);
 }
 
 // The decode kernels: w4.s3 (4 warps, 2 CTAs per SM) serves every call; w8.s3 (8 warps,

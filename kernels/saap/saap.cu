@@ -30,6 +30,7 @@
 #include <cfloat>
 #include <cstdint>
 #include <cub/cub.cuh>
+#include <map>
 #include <mutex>
 
 #include "kernels/common/attend_tiles.cuh"
@@ -51,7 +52,7 @@ constexpr int kStepThreads = 64;     // decode-time assignment CTA
 constexpr int kStepChunk = 64;       // centroids per decode-time assignment CTA (staged rows)
 constexpr int kRouteThreads = 1024;
 constexpr int kMaxRouteGroup = 8;  // query heads per kv head in route_mlp_score
-constexpr int kScanIlp = 8;  // post-prefill assignments per thread and round of the scan
+constexpr int kScanIlp = 8;        // post-prefill assignments per thread and round of the scan
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
@@ -497,7 +498,8 @@ size_t attend_smem_bytes(int probes, int C) {
 // ([sink | members | tail | post-prefill hits], for the stats and last_read) and the count.
 // So the token lists never make a round trip through memory before the attention reads them.
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads) attend_kernel(const __grid_constant__ AttendParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads)
+    attend_kernel(const __grid_constant__ AttendParams p) {
   constexpr int D = Cfg::kHeadDim, kThreads = Cfg::kThreads;
   constexpr int kKvIlp = kAttendRowsCap / kThreads;
   static_assert(kThreads * kScanIlp <= kAttendRowsCap, "a scan round's hits must fit the rows");
@@ -598,7 +600,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) attend_kernel(const __grid_cons
     const bool members_part = part < Pm;
     const int j = members_part ? part : part - Pm, parts_here = members_part ? Pm : Pw;
     const int size = members_part ? M : W;
-    const int lo = int(int64_t(size) * j / parts_here), hi = int(int64_t(size) * (j + 1) / parts_here);
+    const int lo = int(int64_t(size) * j / parts_here),
+              hi = int(int64_t(size) * (j + 1) / parts_here);
     for (int c0 = lo; c0 < hi; c0 += kAttendRowsCap) {
       const int c1 = min(hi, c0 + kAttendRowsCap);
       int t[kKvIlp];
@@ -651,7 +654,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) attend_kernel(const __grid_cons
       Scan(scan_tmp).ExclusiveSum(__popc(flags), excl, total);
       int page[kScanIlp];
 #pragma unroll
-      for (int u = 0; u < kScanIlp; ++u) page[u] = (flags >> u) & 1u ? table[(tb + u) / p.page_size] : 0;
+      for (int u = 0; u < kScanIlp; ++u)
+        page[u] = (flags >> u) & 1u ? table[(tb + u) / p.page_size] : 0;
 #pragma unroll
       for (int u = 0; u < kScanIlp; ++u) {
         if (!((flags >> u) & 1u)) continue;
@@ -668,8 +672,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attend_kernel(const __grid_cons
       p.lists.counts[sv] = count;
       if (p.counters) {
         atomicAdd(p.counters, (unsigned long long)count);
-        atomicAdd(p.counters + 1,
-                  p.router_bytes + 8ull * probes + 4ull * max(0, indexed - csr));
+        atomicAdd(p.counters + 1, p.router_bytes + 8ull * probes + 4ull * max(0, indexed - csr));
       }
     }
   }
@@ -694,8 +697,8 @@ __global__ void __launch_bounds__(kAttendMergeWarps * 32)
   const int row = blockIdx.x, hq = hkv * group;
   const int b = row / hq, head = row % hq;
   const int sv = b * hkv + head / group, hg = head % group;
-  merge_row_states<D, kAttendMergeWarps>(part_lse, part_o, int64_t(sv) * parts * group + hg,
-                                         group, parts, warp_acc, o + int64_t(row) * D,
+  merge_row_states<D, kAttendMergeWarps>(part_lse, part_o, int64_t(sv) * parts * group + hg, group,
+                                         parts, warp_acc, o + int64_t(row) * D,
                                          lse ? lse + row : nullptr);
 }
 
@@ -1130,7 +1133,6 @@ __global__ void __launch_bounds__(kRouteThreads)
 
 // ---- decode: token lists -------------------------------------------------------------------
 
-
 struct DecodeLayout {
   size_t hidden, logits, scratch, positions, best, arrived, fold, total;
 };
@@ -1324,41 +1326,51 @@ namespace {
 template <class Cfg>
 cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, float* lse,
                           cudaStream_t stream) {
+  // Per device (a process may drive several): the kernel's shared-memory limit as set, and
+  // the SM count. Attribute and occupancy calls are not stream work, so a captured call may
+  // make them.
+  struct DeviceInfo {
+    size_t smem_set = 0;
+    int sms = 0;
+  };
   static std::mutex mu;
-  static size_t smem_set = 0;
-  static int sms = 0;
+  static std::map<int, DeviceInfo> devices;
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  int sms = 0;
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (smem > smem_set) {
-      const cudaError_t e = cudaFuncSetAttribute(
-          attend_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    DeviceInfo& info = devices[dev];
+    if (smem > info.smem_set) {
+      e = cudaFuncSetAttribute(attend_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(smem));
       if (e != cudaSuccess) return e;
-      smem_set = smem;
+      info.smem_set = smem;
     }
-    if (sms == 0) {
-      int dev = 0;
-      cudaError_t e = cudaGetDevice(&dev);
-      if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (info.sms == 0) {
+      e = cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, dev);
       if (e != cudaSuccess) return e;
     }
+    sms = info.sms;
   }
   int per_sm = 0;
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attend_kernel<Cfg>,
-                                                                Cfg::kThreads, smem);
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attend_kernel<Cfg>, Cfg::kThreads,
+                                                    smem);
   if (e != cudaSuccess) return e;
   // About one wave of CTAs over the batch's sub-requests.
   const int subrequests = batch * p.num_kv_heads;
   const int parts =
       std::min(kMaxAttendParts, std::max(kMinAttendParts, sms * std::max(1, per_sm) / subrequests));
-  attend_kernel<Cfg><<<dim3(unsigned(subrequests), unsigned(parts)), Cfg::kThreads, smem,
-                       stream>>>(p);
+  attend_kernel<Cfg>
+      <<<dim3(unsigned(subrequests), unsigned(parts)), Cfg::kThreads, smem, stream>>>(p);
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   // A plain launch: launched programmatically, the merge's CTAs got resident early and took
   // room from the attention's (128K batch 1: 58.7-59.2 us against 54.7-55.7; docs/gpu.md).
-  attend_merge_kernel<Cfg::kHeadDim><<<dim3(unsigned(batch * p.num_q_heads)),
-                                       kAttendMergeWarps * 32, 0, stream>>>(
-      p.part_lse, p.part_o, parts, p.num_kv_heads, p.group, o, lse);
+  attend_merge_kernel<Cfg::kHeadDim>
+      <<<dim3(unsigned(batch * p.num_q_heads)), kAttendMergeWarps * 32, 0, stream>>>(
+          p.part_lse, p.part_o, parts, p.num_kv_heads, p.group, o, lse);
   return cudaGetLastError();
 }
 
@@ -1402,8 +1414,11 @@ cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Win
   p.part_lse = reinterpret_cast<float*>(ws);
   p.part_o = reinterpret_cast<float*>(ws + align_up(states * sizeof(float)));
   bf* out = reinterpret_cast<bf*>(o);
-  return d == 128 ? launch_attend<AttendCfg128>(p, B, attend_smem_bytes<AttendCfg128>(probes, st.num_clusters), out, lse, stream)
-                  : launch_attend<AttendCfg64>(p, B, attend_smem_bytes<AttendCfg64>(probes, st.num_clusters), out, lse, stream);
+  return d == 128
+             ? launch_attend<AttendCfg128>(
+                   p, B, attend_smem_bytes<AttendCfg128>(probes, st.num_clusters), out, lse, stream)
+             : launch_attend<AttendCfg64>(
+                   p, B, attend_smem_bytes<AttendCfg64>(probes, st.num_clusters), out, lse, stream);
 }
 
 cudaError_t prepare_cuda(int hidden) {
