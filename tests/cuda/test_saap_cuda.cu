@@ -303,11 +303,13 @@ TEST(SaapCuda, Fp8RouterMatchesTheCpuEngineAtBatchTwo) {
 // the GPU's fp32 and the CPU's fp64 scores; the GPU's CSR equal to the stable counting sort
 // of its own assignments [sink, csr_len) (what a prefill of them builds); and
 // expect_decode_matches (whose token lists must be equal where the assignments are).
-void run_generation(int prefill, int steps, int fold_every, int check_every) {
+// C clusters, `probes` of them probed.
+void run_generation(int prefill, int steps, int fold_every, int check_every, int C = 64,
+                    int probes = 6) {
   constexpr int kRecent = 128, kSink = 4;
-  Pair p(SaapRouter::Mlp, {prefill}, 64, 32, 6, SaapWeights::Fp8, prefill + steps, fold_every);
+  Pair p(SaapRouter::Mlp, {prefill}, C, 32, probes, SaapWeights::Fp8, prefill + steps, fold_every);
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
-  const int C = p.parts.num_clusters;
+  ASSERT_EQ(p.parts.num_clusters, C);
   p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
   p.gpu->prefill(p.layer, p.gpu_cache->view(p.layer), nullptr);
   const sk::IndexState& cs = p.cpu->index_state(p.layer);
@@ -376,6 +378,14 @@ TEST(SaapCuda, FoldKeepsTheCsrEqualToTheCpuEngines) {
 TEST(SaapCuda, FoldOfALongIndex) {
   KVS_SKIP_WITHOUT_CUDA();
   run_generation(150000, 100, 90, 50);
+}
+
+// Half of 8 clusters probed over a 150K-token index: about 75K members per kv head, so each
+// member part of the attention (at most 64 parts per kv head) takes more than one pass of
+// 1024 rows, merged through the part's running state.
+TEST(SaapCuda, AttentionPartsOfMoreThanOnePass) {
+  KVS_SKIP_WITHOUT_CUDA();
+  run_generation(150000, 2, 0, 1, 8, 4);
 }
 
 // Shapes the router's tensor-core GEMVs pad: 40 hidden units and 72 clusters (neither a
