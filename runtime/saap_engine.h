@@ -6,8 +6,8 @@
 // cached keys, assigns those outside the dense part to their nearest centroid and builds the
 // per-(sequence, kv head) CSR. decode(layer): indexes the token that just left the recent
 // window, routes the group's pre-RoPE queries (q_pre, required) to the top-l clusters, and
-// attends exactly to their members plus the sink and the recent window (CUDA: the dense
-// split-KV kernel over the sub-request view, one sequence per (b, kv head)). Layers in
+// attends exactly to their members plus the sink and the recent window (CUDA: one kernel
+// that resolves the members to KV rows and attends them, saap::attend_cuda). Layers in
 // SaapConfig::dense_layers are attended in full; any other layer must have an index in the
 // parts, or prefill/decode throw naming it.
 //
@@ -91,7 +91,8 @@ class SaapEngine : public Engine {
   void decode_cpu(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv, bf16* out,
                   float* lse);
   uint64_t router_bytes_per_kv_head() const;
-  // Workspace (CUDA): selected clusters | sub-request lists | router scratch | dense decode.
+  // Workspace (CUDA): selected clusters | token lists | router scratch | attention states or
+  // dense decode.
   size_t selected_bytes() const;
   size_t lists_bytes() const;
   size_t select_bytes() const;  // everything before the dense decode workspace

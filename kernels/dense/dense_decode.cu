@@ -228,12 +228,10 @@ struct MergeParams {
 };
 
 // One CTA per (sequence, query head) row. Before the wait (while the decode grid runs) each
-// warp derives the row's chunks from seq_lens. After it, the warps split the row's chunk
-// states, each loading up to kMergeBatch of its states at once (lse and o together) and
-// folding them in one batch (StateAccumulator::add_batch: independent exponentials); the
-// warps' accumulators then combine through shared memory (WarpAccumulators), also as one
-// batch. So a row costs one memory round trip after the wait, not one per chunk, and no
-// chain of dependent exponentials.
+// warp derives the row's chunks from seq_lens. After it, merge_row_states (merge_states.cuh)
+// combines the row's chunk states: the warps split them, each loading a batch at once and
+// folding it with independent exponentials, then fold their accumulators in warp order. So
+// a row costs one memory round trip after the wait, not one per chunk.
 template <int D>
 __global__ void __launch_bounds__(kMergeWarps * 32)
     dense_merge_kernel(const __grid_constant__ MergeParams p) {

@@ -23,7 +23,8 @@
 //           last part scans the post-prefill assignments; each resolves its tokens to KV rows
 //           in shared memory, attends them with the shared tile loop (attend_tiles.cuh), and
 //           writes its state; a merge kernel combines the parts. So the lists never make a
-//           round trip through memory before the attention (128K: 56.1 -> 55 us, docs/gpu.md)
+//           round trip through memory before the attention (H100, 128K: 56.6 -> 55.3 us;
+//           512K: 89.5 -> 72.0 us; docs/gpu.md)
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -1131,7 +1132,7 @@ __global__ void __launch_bounds__(kRouteThreads)
     selected[int64_t(blockIdx.x) * probes + i] = ids[i];
 }
 
-// ---- decode: token lists -------------------------------------------------------------------
+// ---- decode: workspace and launchers -------------------------------------------------------
 
 struct DecodeLayout {
   size_t hidden, logits, scratch, positions, best, arrived, fold, total;

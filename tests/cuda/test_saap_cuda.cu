@@ -396,8 +396,8 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAtPaddedShapesAndNineSequences) {
 }
 
 // A dense layer of the SAAP engine (dense_layers) runs the dense kernel in the engine's own
-// workspace, which must hold a full dense decode as well as the sub-request attention of the
-// sparse layers (with 2 kv heads the dense form needs more than the sub-request form).
+// workspace, which must hold a full dense decode as well as the part states of the sparse
+// layers' attention (attend_workspace_bytes).
 TEST(SaapCuda, DenseLayerDecodesInTheEnginesWorkspace) {
   KVS_SKIP_WITHOUT_CUDA();
   const ModelShape shape = saap_test::scene_shape();
