@@ -540,9 +540,28 @@ __global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
   const int Hkv = p.kv.num_kv_heads;
   const int b = blockIdx.y / Hkv, h = blockIdx.y % Hkv;
   const int64_t slot = p.st.slot(b, h);
-  const int C = p.st.num_clusters[slot];
   const int row0 = b * p.num_q_heads + h * p.group;
   const int c0 = blockIdx.x * kScoreTile;
+  // Every load of the CTA in one round trip: the cluster count, the group's queries and the
+  // tile's centroids, read up to the state's capacity (allocated; rows past the count are
+  // never scored), so that no load waits for another (a chain of three before).
+  const int cap = min(kScoreTile, p.st.max_clusters - c0);
+  const uint4* src = reinterpret_cast<const uint4*>(p.st.centroid(b, h, c0));
+  constexpr int kLoads = D / 8;  // 16-byte pieces per thread: the tile's rows / kScoreTile
+  constexpr int kQLoads = kMaxGroup * D / kScoreTile;
+  uint4 r[kLoads];
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int x = int(threadIdx.x) + i * kScoreTile;
+    if (x < cap * (D / 8)) r[i] = src[x];
+  }
+  bf qv[kQLoads];
+#pragma unroll
+  for (int i = 0; i < kQLoads; ++i) {
+    const int x = int(threadIdx.x) + i * kScoreTile;
+    if (x < p.group * D) qv[i] = p.q[int64_t(row0) * D + x];
+  }
+  const int C = p.st.num_clusters[slot];
   if (blockIdx.x == 0) {
     if (int(threadIdx.x) < p.group) {
       const int row = row0 + threadIdx.x;
@@ -553,22 +572,17 @@ __global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
       atomicAdd(&p.counters[1], (unsigned long long)C * D * sizeof(bf));
   }
   if (c0 >= C) return;
-  for (int x = threadIdx.x; x < p.group * D; x += blockDim.x)
-    qs[x / D][x % D] = __bfloat162float(p.q[int64_t(row0) * D + x]);
   const int tile = min(kScoreTile, C - c0);
-  const uint4* src = reinterpret_cast<const uint4*>(p.st.centroid(b, h, c0));
-  // All of a thread's loads first, then the stores: one memory round trip for the tile.
-  constexpr int kLoads = kScoreTile * (D / 8) / kScoreTile;
-  uint4 r[kLoads];
 #pragma unroll
-  for (int i = 0; i < kLoads; ++i) {
+  for (int i = 0; i < kQLoads; ++i) {
     const int x = int(threadIdx.x) + i * kScoreTile;
-    if (x < tile * (D / 8)) r[i] = src[x];
+    if (x < p.group * D) qs[x / D][x % D] = __bfloat162float(qv[i]);
   }
 #pragma unroll
   for (int i = 0; i < kLoads; ++i) {
     const int x = int(threadIdx.x) + i * kScoreTile;
-    if (x < tile * (D / 8)) *reinterpret_cast<uint4*>(cs + (x / (D / 8)) * LD + (x % (D / 8)) * 8) = r[i];
+    if (x < tile * (D / 8))
+      *reinterpret_cast<uint4*>(cs + (x / (D / 8)) * LD + (x % (D / 8)) * 8) = r[i];
   }
   __syncthreads();
   const int c = c0 + threadIdx.x;
@@ -699,28 +713,32 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
   const int row = blockIdx.x, tid = threadIdx.x;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
-  const int C = p.st.num_clusters[slot];
   const float* keys = p.keys + int64_t(row) * p.st.max_clusters;
   const int32_t* off = p.st.offsets_of(b, h);
+  // The scores and the CSR offsets are read up to the state's capacity (allocated), in the
+  // same round trip as the cluster count, then cut at the count.
+  const int M = p.st.max_clusters;
   float k[kOrderItems];
 #pragma unroll
   for (int i = 0; i < kOrderItems; ++i) {
     const int c = tid * kOrderItems + i;  // blocked: the radix sort's input order is id order
-    k[i] = c < C ? keys[c] : -INFINITY;
+    k[i] = c < M ? keys[c] : -INFINITY;
   }
-  {  // all of a thread's offsets loads in flight at once
-    constexpr int kLoads = kOrderMax / kOrderThreads + 1;
-    int o[kLoads];
+  constexpr int kOffLoads = kOrderMax / kOrderThreads + 1;
+  int o[kOffLoads];
 #pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int x = tid + i * kOrderThreads;
-      o[i] = x <= C ? off[x] : 0;
-    }
+  for (int i = 0; i < kOffLoads; ++i) {
+    const int x = tid + i * kOrderThreads;
+    o[i] = x <= M ? off[x] : 0;
+  }
+  const int C = p.st.num_clusters[slot];
 #pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int x = tid + i * kOrderThreads;
-      if (x <= C) sm.offsets[x] = o[i];
-    }
+  for (int i = 0; i < kOrderItems; ++i)
+    if (tid * kOrderItems + i >= C) k[i] = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kOffLoads; ++i) {
+    const int x = tid + i * kOrderThreads;
+    if (x <= C) sm.offsets[x] = o[i];
   }
   // Range of the valid scores; NaN or infinite scores make it non-finite.
   float lo = INFINITY, hi = -INFINITY;
@@ -925,28 +943,33 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(SelectParams p) 
   const int row = blockIdx.y;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
-  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
-  const int S = plan.num_samples();
   const int s0 = int(blockIdx.x) * kPerCta + int(threadIdx.x) / L;
-  if (int(blockIdx.x) * kPerCta >= S) return;
-  for (int x = threadIdx.x; x < D; x += blockDim.x)
-    qs[x] = __bfloat162float(p.q[int64_t(row) * D + x]);
-  if (blockIdx.x == 0 && threadIdx.x == 0 && p.counters)
-    atomicAdd(&p.counters[1], (unsigned long long)S * D * sizeof(bf));
-  __syncthreads();
-  const int sub = threadIdx.x % L;
+  // The sample tokens (read up to the buffer's width smax, checked against S below), the
+  // query and the length in one round trip; then the key rows.
   const int* tokens = p.sample_tokens + int64_t(row) * p.smax;
   int t[kSampleIlp];
 #pragma unroll
   for (int i = 0; i < kSampleIlp; ++i) {
     const int s = s0 + i * kGroups;
-    t[i] = s < S ? tokens[s] : -1;
+    t[i] = s < p.smax ? tokens[s] : -1;
   }
+  const bf qv = int(threadIdx.x) < D ? p.q[int64_t(row) * D + threadIdx.x] : bf();
+  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
+  const int S = plan.num_samples();
+  if (int(blockIdx.x) * kPerCta >= S) return;
+  if (int(threadIdx.x) < D) qs[threadIdx.x] = __bfloat162float(qv);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.counters)
+    atomicAdd(&p.counters[1], (unsigned long long)S * D * sizeof(bf));
+#pragma unroll
+  for (int i = 0; i < kSampleIlp; ++i)
+    if (s0 + i * kGroups >= S) t[i] = -1;
+  const int sub = threadIdx.x % L;
   uint4 v[kSampleIlp];
 #pragma unroll
   for (int i = 0; i < kSampleIlp; ++i)
     v[i] = t[i] >= 0 ? reinterpret_cast<const uint4*>(key_row(p.kv, b, t[i], h))[sub]
                      : make_uint4(0u, 0u, 0u, 0u);
+  __syncthreads();  // qs
 #pragma unroll
   for (int i = 0; i < kSampleIlp; ++i) {
     const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
@@ -968,7 +991,8 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(SelectParams p) 
 // Exact prefix sums kept in shared memory for the budget's serial search (thread 0): enough
 // for n up to 136K at the default exact_fraction; longer lists spill the rest to global.
 constexpr int kExactSmem = 2048;
-constexpr int kBudgetItems = 8;  // exact exponentials per thread and scan
+constexpr int kBudgetItems = 8;    // exact exponentials per thread and scan
+constexpr int kBudgetPrefix = 32;  // sorted-prefix entries per thread loaded at the start
 
 // budget_tokens (tactic_fit.h) with its search spread over the block: the same problem
 // (BudgetSearch), so the same K. Each round every thread tests one of blockDim.x evenly
@@ -1014,20 +1038,43 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   const int row = blockIdx.x;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
-  const int C = p.st.num_clusters[slot];
-  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
-  const int S = plan.num_samples();
   const float* logits = p.logits + int64_t(row) * p.smax;
   double* exact = p.exact + int64_t(row) * p.smax;
   const int* prefix = p.prefix + int64_t(row) * (p.st.max_clusters + 1);
   const int* ids = p.sorted + int64_t(row) * p.st.max_clusters;
+  // What the row's last phases read does not depend on the fit: the first kBudgetPrefix *
+  // kRowThreads entries of the sorted prefix and the first kRowThreads sorted ids are loaded
+  // now, with the first round of logits and the lengths (all read up to the buffers' widths and
+  // cut below), so that the phases after the search do not wait on memory (three round trips
+  // before).
+  const int M = p.st.max_clusters;
+  int pre[kBudgetPrefix];
+#pragma unroll
+  for (int i = 0; i < kBudgetPrefix; ++i) {
+    const int j = 1 + int(threadIdx.x) + i * kRowThreads;
+    pre[i] = j < M ? prefix[j] : 0;
+  }
+  const int first_id = int(threadIdx.x) < M ? ids[threadIdx.x] : 0;
+  float v0[kBudgetItems];
+#pragma unroll
+  for (int i = 0; i < kBudgetItems; ++i) {
+    const int s = int(threadIdx.x) + i * kRowThreads;
+    v0[i] = s < p.smax ? logits[s] : -INFINITY;
+  }
+  const int C = p.st.num_clusters[slot];
+  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
+  const int S = plan.num_samples();
   if (S == 0 || C == 0) {
     if (threadIdx.x == 0) p.sel.selected[row] = 0;
     return;
   }
   // Strided loops below issue kBudgetItems independent loads per round (cold L2 at decode).
   float m = -INFINITY;
-  for (int s0 = threadIdx.x; s0 < S; s0 += kRowThreads * kBudgetItems) {
+#pragma unroll
+  for (int i = 0; i < kBudgetItems; ++i)
+    if (int(threadIdx.x) + i * kRowThreads < S) m = fmaxf(m, v0[i]);
+  for (int s0 = threadIdx.x + kRowThreads * kBudgetItems; s0 < S;
+       s0 += kRowThreads * kBudgetItems) {
     float v[kBudgetItems];
 #pragma unroll
     for (int i = 0; i < kBudgetItems; ++i) {
@@ -1085,7 +1132,11 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   // nondecreasing, so J = 1 + #{j in [1, C) : prefix[j] < K}: one coalesced pass of the block
   // instead of a serial binary search of dependent loads.
   int below = 0;
-  for (int j0 = 1 + int(threadIdx.x); j0 < C; j0 += kRowThreads * kBudgetItems) {
+#pragma unroll
+  for (int i = 0; i < kBudgetPrefix; ++i)
+    below += 1 + int(threadIdx.x) + i * kRowThreads < C && pre[i] < K ? 1 : 0;
+  for (int j0 = 1 + int(threadIdx.x) + kBudgetPrefix * kRowThreads; j0 < C;
+       j0 += kRowThreads * kBudgetItems) {
     int v[kBudgetItems];
 #pragma unroll
     for (int i = 0; i < kBudgetItems; ++i) {
@@ -1102,7 +1153,7 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   }
   __syncthreads();
   for (int j = threadIdx.x; j < s_clusters; j += kRowThreads) {
-    const int c = ids[j];
+    const int c = j < kRowThreads ? first_id : ids[j];
     atomicOr(&p.bitmap[slot * p.words + c / 32], 1u << (c % 32));
   }
 }
