@@ -19,7 +19,8 @@
 //
 // Decode selection (one launch each, no host sync, graph-safe):
 //   score   q.centroid for the g query heads of a kv head, one CTA per 128-cluster tile that
-//           stages the (contiguous) centroids through shared memory with coalesced loads
+//           stages the (contiguous) centroids through shared memory with coalesced loads and
+//           scores them on the tensor cores (bf16 mma, fp32 accumulation)
 //   order   descending, per (sequence, query head), with the sorted-position prefix of
 //           cluster sizes and the token of every sampled position. One CTA per row up to
 //           8192 clusters (128K tokens): a bucket sort over the score range (block radix
@@ -46,6 +47,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/common/ptx.cuh"
 #include "kernels/tactic/tactic.h"
 
 namespace kvs::kernels::tactic {
@@ -529,37 +531,38 @@ struct SelectParams {
 // One CTA per (sequence, kv head, tile of kScoreTile clusters). The tile's centroids are
 // contiguous in memory, so the CTA stages them through shared memory with coalesced 16-byte
 // loads (a thread reading its own 256-byte row directly would touch 32 rows per warp load);
-// each thread then scores one centroid against the group's g queries from shared memory.
+// its warps then score them against the group's g queries on the tensor cores.
 constexpr int kScoreTile = 128;
 
 template <int D>
 __global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
-  constexpr int LD = D + 8;  // bf16 row pitch: 16-byte pad keeps row reads conflict-free
-  __shared__ float qs[kMaxGroup][D];
+  constexpr int LD = D + 8;  // bf16 row pitch: 16-byte pad keeps fragment reads conflict-free
   __shared__ __align__(16) bf cs[kScoreTile * LD];
   const int Hkv = p.kv.num_kv_heads;
   const int b = blockIdx.y / Hkv, h = blockIdx.y % Hkv;
   const int64_t slot = p.st.slot(b, h);
   const int row0 = b * p.num_q_heads + h * p.group;
   const int c0 = blockIdx.x * kScoreTile;
-  // Every load of the CTA in one round trip: the cluster count, the group's queries and the
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, cq = lane % 4;
+  // Every load of the CTA in one round trip: the cluster count, the group's queries (as mma A
+  // fragments: row g of the M = 16 rows is query head g, rows past the group zero) and the
   // tile's centroids, read up to the state's capacity (allocated; rows past the count are
   // never scored), so that no load waits for another (a chain of three before).
   const int cap = min(kScoreTile, p.st.max_clusters - c0);
   const uint4* src = reinterpret_cast<const uint4*>(p.st.centroid(b, h, c0));
   constexpr int kLoads = D / 8;  // 16-byte pieces per thread: the tile's rows / kScoreTile
-  constexpr int kQLoads = kMaxGroup * D / kScoreTile;
   uint4 r[kLoads];
 #pragma unroll
   for (int i = 0; i < kLoads; ++i) {
     const int x = int(threadIdx.x) + i * kScoreTile;
     if (x < cap * (D / 8)) r[i] = src[x];
   }
-  bf qv[kQLoads];
+  uint32_t qa[D / 16][2];  // head g's dims 16k + 2cq, +1 and 16k + 2cq + 8, +9
+  const uint32_t* qrow = reinterpret_cast<const uint32_t*>(p.q + int64_t(row0 + g) * D) + cq;
 #pragma unroll
-  for (int i = 0; i < kQLoads; ++i) {
-    const int x = int(threadIdx.x) + i * kScoreTile;
-    if (x < p.group * D) qv[i] = p.q[int64_t(row0) * D + x];
+  for (int k = 0; k < D / 16; ++k) {
+    qa[k][0] = g < p.group ? qrow[8 * k] : 0u;
+    qa[k][1] = g < p.group ? qrow[8 * k + 4] : 0u;
   }
   const int C = p.st.num_clusters[slot];
   if (blockIdx.x == 0) {
@@ -574,46 +577,38 @@ __global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
   if (c0 >= C) return;
   const int tile = min(kScoreTile, C - c0);
 #pragma unroll
-  for (int i = 0; i < kQLoads; ++i) {
-    const int x = int(threadIdx.x) + i * kScoreTile;
-    if (x < p.group * D) qs[x / D][x % D] = __bfloat162float(qv[i]);
-  }
-#pragma unroll
   for (int i = 0; i < kLoads; ++i) {
     const int x = int(threadIdx.x) + i * kScoreTile;
     if (x < tile * (D / 8))
       *reinterpret_cast<uint4*>(cs + (x / (D / 8)) * LD + (x % (D / 8)) * 8) = r[i];
   }
+  if (int(threadIdx.x) < tile && (c0 + threadIdx.x) % 32 == 0)
+    p.bitmap[slot * p.words + (c0 + threadIdx.x) / 32] = 0u;
   __syncthreads();
-  const int c = c0 + threadIdx.x;
-  if (c >= C) return;
-  if (c % 32 == 0) p.bitmap[slot * p.words + c / 32] = 0u;
-  float dot[kMaxGroup];
+  // Scores on the tensor cores: the queries as A, 8 centroids a tile as B (rows of cs are
+  // B's columns), a warp per tile of 8. The per-thread FMA form (each centroid against the
+  // group's queries from shared memory) left its arithmetic after the whole stream had
+  // arrived: the kernel was 13 us inside the graph at 128K for 16.8 MB (docs/gpu.md).
+  for (int n0 = warp * 8; n0 < tile; n0 += kScoreTile / 4) {
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    const uint32_t* crow = reinterpret_cast<const uint32_t*>(cs + (n0 + g) * LD) + cq;
 #pragma unroll
-  for (int j = 0; j < kMaxGroup; ++j) dot[j] = 0.f;
-  const uint4* mu = reinterpret_cast<const uint4*>(cs + threadIdx.x * LD);
-#pragma unroll 4
-  for (int ch = 0; ch < D / 8; ++ch) {
-    const uint4 v = mu[ch];
-    const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+    for (int k = 0; k < D / 16; ++k) {
+      const uint32_t a[4] = {qa[k][0], 0u, qa[k][1], 0u};
+      const uint32_t bb[2] = {crow[8 * k], crow[8 * k + 4]};
+      ptx::mma_bf16_16816(d, a, bb, d);
+    }
+    // d[0], d[1]: head g against centroids n0 + 2cq, n0 + 2cq + 1 (rows 8..15 are unused).
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = __bfloat1622float2(v2[e]);
-#pragma unroll
-      for (int j = 0; j < kMaxGroup; ++j)
-        if (j < p.group) {
-          dot[j] = fmaf(f.x, qs[j][ch * 8 + 2 * e], dot[j]);
-          dot[j] = fmaf(f.y, qs[j][ch * 8 + 2 * e + 1], dot[j]);
-        }
+    for (int e = 0; e < 2; ++e) {
+      const int c = c0 + n0 + 2 * cq + e;
+      if (g < p.group && c < C) {
+        const int64_t at = int64_t(row0 + g) * p.st.max_clusters + c;
+        p.keys[at] = d[e];
+        p.vals[at] = c;
+      }
     }
   }
-#pragma unroll
-  for (int j = 0; j < kMaxGroup; ++j)
-    if (j < p.group) {
-      const int64_t at = int64_t(row0 + j) * p.st.max_clusters + c;
-      p.keys[at] = dot[j];
-      p.vals[at] = c;
-    }
 }
 
 constexpr int kRowThreads = 256;
