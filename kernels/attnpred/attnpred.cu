@@ -1,12 +1,12 @@
 // CUDA side of AttentionPredictor (attnpred.h).
 //
-//   cnn        one CTA per (input, 64-column tile) streams a band of rows through shared
-//              memory (3 input rows, 3 conv1 rows of 16 channels); a thread computes 8 conv2
-//              channels of one column (conv2's taps stored channel-minor in shared memory: two
-//              float4 loads per tap), the row's 32 relu values go through shared memory and
-//              one thread per column projects them onto conv3 (s). fp32 without FMA
-//              contraction (__fmul_rn / __fadd_rn), in the CPU reference's order, so both
-//              backends agree bit for bit.
+//   cnn        one CTA per (input, 64-column tile) takes the rows in bands of up to 3 conv2
+//              rows, two bands per pass: their input rows are loaded together into
+//              registers, stored as fp16 in shared memory, convolved by conv1 on the fp16
+//              tensor cores (one k16 step over the 9 taps, both N tiles per A fragment) into
+//              relu(conv1) rows in shared memory, then by conv2 (one k16 step per tap, A
+//              fragments by ldmatrix, 2 of the 4 N tiles per warp), and each position's conv3
+//              projection s is summed from the N tiles' shares in a fixed order.
 //   predict    the same bands over the history, but incremental (CnnCache): the 4 edge rows
 //              and the newly interior row per step, plus fix-up CTAs that recompute the
 //              stored rows' columns next to a moved slice end; then a sum kernel adds the H
@@ -63,11 +63,12 @@ constexpr int kMaxEndMove = kFixCols - 2;
 constexpr int kTaps = 9;
 constexpr int kMaxRows = 3;                   // conv2 rows per conv_rows call
 constexpr double kFixedScale = 4294967296.0;  // 2^32: the time sum's fixed point
-// fp16 relu(conv1) tiles hold 16 channels per position in a stride of 24 halves (12 words):
-// the MMA's A loads (8 positions x 4 channel pairs per instruction) then hit 32 banks.
+// fp16 relu(conv1) tiles hold 16 channels per position in a stride of 24 halves (48 bytes):
+// the 8 rows of an ldmatrix phase (8 positions, 16 bytes each) then hit 8 different 16-byte
+// bank groups.
 constexpr int kC1Stride = 24;
-constexpr int kC1Words = kC1Stride / 2;
-static_assert(kCnnThreads == 256 && kTile == 64, "8 warps: 4 M tiles x 4 N tiles of 16 x 8");
+static_assert(kCnnThreads == 256 && kTile == 64,
+              "8 warps over a row's 4 M tiles x 4 N tiles of 16 x 8");
 static_assert(kFixRows * kFixCols == 32, "a fix-up CTA is 2 M tiles x 4 N tiles");
 
 // The CNN's fp32 biases and conv3 in shared memory; conv1's and conv2's weights are fp16 MMA
@@ -79,9 +80,25 @@ struct CnnWeights {
   float b3;
 };
 
-struct CnnFrags {
+// conv2 N tiles (8 output channels each) one warp computes from each A fragment it reads.
+// The A fragments are the predictor's largest shared-memory traffic, and each N tile costs 18
+// registers of B fragments: 2 (80 registers, 3 CTAs per SM) measured 92.6 us cold at 128K
+// against 97.8 for 1 (64 registers, 4 CTAs) and 118.5 for 4 (128 registers, 2 CTAs).
+constexpr int kWarpNTiles = 2;
+constexpr int kNGroups = 4 / kWarpNTiles;  // warps that split the N tiles of one M tile
+static_assert(kWarpNTiles == 1 || kWarpNTiles == 2 || kWarpNTiles == 4, "N tiles per warp");
+
+// The B fragments of one conv2 N tile and lane, as CnnCache::frags stores them.
+struct PackedFrags {
   uint32_t w1[2][2];      // conv1, N tiles 0 and 1 (channels 0-7, 8-15): k = tap (9, padded)
-  uint32_t w2[kTaps][2];  // conv2, the warp's N tile (channels (warp % 4) * 8 ..): k = channel
+  uint32_t w2[kTaps][2];  // conv2, one N tile (8 output channels): k = input channel
+};
+
+// A thread's B fragments: conv1's, and conv2's of N tiles ng * kWarpNTiles + j, ng = the
+// warp's index % kNGroups.
+struct CnnFrags {
+  uint32_t w1[2][2];
+  uint32_t w2[kWarpNTiles][kTaps][2];
 };
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -89,9 +106,9 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// The thread's B fragments, from the packed parameters (conv2's N tile: the warp's % 4).
+// Lane `lane`'s B fragments of conv1 and of conv2's N tile nt2, from the parameters.
 __device__ __forceinline__ void make_frags(const float* __restrict__ params, int lane, int nt2,
-                                           CnnFrags& f) {
+                                           PackedFrags& f) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
@@ -107,13 +124,13 @@ __device__ __forceinline__ void make_frags(const float* __restrict__ params, int
   }
 }
 
-// CnnCache::frags: every (conv2 N tile, lane)'s CnnFrags, contiguous per lane, so a thread
+// CnnCache::frags: every (conv2 N tile, lane)'s PackedFrags, contiguous per lane, so a thread
 // loads its own with 8-byte loads instead of gathering 78 scattered parameters.
-constexpr int kFragWords = sizeof(CnnFrags) / 4;
+constexpr int kFragWords = sizeof(PackedFrags) / 4;
 static_assert(kFragWords % 2 == 0 && 4 * 32 * kFragWords == kCnnFragWords, "frags layout");
 
 __global__ void pack_frags_kernel(const float* __restrict__ params, uint32_t* frags) {
-  CnnFrags f;
+  PackedFrags f;
   make_frags(params, threadIdx.x % 32, threadIdx.x / 32, f);
   const uint32_t* w = reinterpret_cast<const uint32_t*>(&f);
   for (int i = 0; i < kFragWords; ++i) frags[threadIdx.x * kFragWords + i] = w[i];
@@ -130,36 +147,41 @@ __device__ __forceinline__ void load_weights(const float* __restrict__ params,
     cw.w3[i] = params[kParamW3 + i];
   }
   if (threadIdx.x == 0) cw.b3 = params[kParamB3];
-  const int lane = threadIdx.x & 31, nt2 = threadIdx.x / 32 % 4;
-  if (!frags) {
-    make_frags(params, lane, nt2, f);
-    return;
-  }
-  const uint2* src = reinterpret_cast<const uint2*>(frags + (nt2 * 32 + lane) * kFragWords);
-  uint2 v[kFragWords / 2];
+  const int lane = threadIdx.x & 31, ng = threadIdx.x / 32 % kNGroups;
 #pragma unroll
-  for (int i = 0; i < kFragWords / 2; ++i) v[i] = src[i];
-  f.w1[0][0] = v[0].x;
-  f.w1[0][1] = v[0].y;
-  f.w1[1][0] = v[1].x;
-  f.w1[1][1] = v[1].y;
+  for (int j = 0; j < kWarpNTiles; ++j) {
+    const int nt2 = ng * kWarpNTiles + j;
+    PackedFrags p;
+    if (frags) {
+      const uint2* src = reinterpret_cast<const uint2*>(frags + (nt2 * 32 + lane) * kFragWords);
+      uint2* dst = reinterpret_cast<uint2*>(&p);
 #pragma unroll
-  for (int tap = 0; tap < kTaps; ++tap) {
-    f.w2[tap][0] = v[2 + tap].x;
-    f.w2[tap][1] = v[2 + tap].y;
+      for (int i = j ? 2 : 0; i < kFragWords / 2; ++i) dst[i] = src[i];  // w1: from j = 0
+    } else {
+      make_frags(params, lane, nt2, p);
+    }
+    if (j == 0) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) f.w1[i / 2][i % 2] = p.w1[i / 2][i % 2];
+    }
+#pragma unroll
+    for (int tap = 0; tap < kTaps; ++tap) {
+      f.w2[j][tap][0] = p.w2[tap][0];
+      f.w2[j][tap][1] = p.w2[tap][1];
+    }
   }
 }
 
 __device__ __forceinline__ float relu(float x) { return x > 0.f ? x : 0.f; }
 
-// One warp: relu(conv1) of 16 positions x 8 channels (N tile nt) on the tensor cores, one k16
-// step (k = tap dy * 3 + dx, taps 9-15 zero). x(m, dy, dx): the fp16 input of position m's tap
-// (m in 0..15). keep(m): whether position m is inside the rows and the slice (else its value
-// is conv2's zero padding, not relu(bias)). store(m, word): the fp16 pair of channels
-// nt * 8 + 2t, + 1 of position m.
+// One warp: relu(conv1) of 16 positions x the 16 channels (N tiles 0 and 1, one A fragment
+// for both) on the tensor cores, one k16 step (k = tap dy * 3 + dx, taps 9-15 zero).
+// x(m, dy, dx): the fp16 input of position m's tap (m in 0..15). keep(m): whether position m is
+// inside the rows and the slice (else its value is conv2's zero padding, not relu(bias)).
+// store(m, nt, word): the fp16 pair of channels nt * 8 + 2t, + 1 of position m.
 template <class X, class Keep, class Store>
-__device__ __forceinline__ void conv1_tile(const CnnWeights& cw, const CnnFrags& f, int nt, X x,
-                                           Keep keep, Store store) {
+__device__ __forceinline__ void conv1_tile(const CnnWeights& cw, const CnnFrags& f, X x, Keep keep,
+                                           Store store) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int k0 = 2 * t, k1 = 2 * t + 1;  // this lane's taps (< 9); tap 8 only for t = 0
   auto pair = [](__half lo, __half hi) {
@@ -173,42 +195,56 @@ __device__ __forceinline__ void conv1_tile(const CnnWeights& cw, const CnnFrags&
       pair(t == 0 ? x(g, 2, 2) : zero, zero),
       pair(t == 0 ? x(g + 8, 2, 2) : zero, zero),
   };
-  const float b0 = cw.b1[nt * 8 + 2 * t], b1 = cw.b1[nt * 8 + 2 * t + 1];
-  float acc[4] = {b0, b1, b0, b1};
-  // Selected, not indexed: a runtime index would move the fragments to local memory.
-  const uint32_t b[2] = {nt ? f.w1[1][0] : f.w1[0][0], nt ? f.w1[1][1] : f.w1[0][1]};
-  ptx::mma_f16_16816(acc, a, b, acc);
-  store(g, keep(g) ? pack_half2(relu(acc[0]), relu(acc[1])) : 0u);
-  store(g + 8, keep(g + 8) ? pack_half2(relu(acc[2]), relu(acc[3])) : 0u);
+  const bool keep0 = keep(g), keep1 = keep(g + 8);
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const float b0 = cw.b1[nt * 8 + 2 * t], b1 = cw.b1[nt * 8 + 2 * t + 1];
+    float acc[4] = {b0, b1, b0, b1};
+    ptx::mma_f16_16816(acc, a, f.w1[nt], acc);
+    store(g, nt, keep0 ? pack_half2(relu(acc[0]), relu(acc[1])) : 0u);
+    store(g + 8, nt, keep1 ? pack_half2(relu(acc[2]), relu(acc[3])) : 0u);
+  }
 }
 
-// One warp: conv2 of 16 positions x the warp's 8 output channels on the tensor cores, one
-// k16 step per tap (k = input channel). a(dy, dx, half): the fp16 relu(conv1) word of
-// channels 2t, 2t + 1 for position g (half 0) or g + 8 (half 1) at tap (dy, dx); the word 4
-// further holds channels 2t + 8, 2t + 9. Then each position's share of s: the sum over the 8
-// channels of w3[c] relu(conv2[c]), written to part[nt][m0 + position].
+// One warp: conv2 of 16 positions x the warp's kWarpNTiles N tiles of 8 output channels on
+// the tensor cores, one k16 step per tap (k = input channel). a(dy, dx): this lane's ldmatrix
+// row at tap (dy, dx), the 8 fp16 relu(conv1) channels (lane / 16) * 8 .. + 7 of position
+// lane % 16 (16-byte aligned), so that one ldmatrix.x4 gives the A fragment (positions g,
+// g + 8 x channel pairs 2t, 2t + 8) for all the warp's N tiles. Then each position's share of
+// s per N tile nt: the sum over its 8 channels of w3[c] relu(conv2[c]), written to
+// part[nt][m0 + position].
 template <class A>
 __device__ __forceinline__ void conv2_tile(const CnnWeights& cw, const CnnFrags& f, A a,
                                            float* part, int part_stride, int m0) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, nt = threadIdx.x / 32 % 4;
-  const int n0 = nt * 8 + 2 * t;
-  float acc[4] = {cw.b2[n0], cw.b2[n0 + 1], cw.b2[n0], cw.b2[n0 + 1]};
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int nt0 = threadIdx.x / 32 % kNGroups * kWarpNTiles;
+  float acc[kWarpNTiles][4];
+#pragma unroll
+  for (int j = 0; j < kWarpNTiles; ++j) {
+    const int n0 = (nt0 + j) * 8 + 2 * t;
+    acc[j][0] = acc[j][2] = cw.b2[n0];
+    acc[j][1] = acc[j][3] = cw.b2[n0 + 1];
+  }
 #pragma unroll
   for (int tap = 0; tap < kTaps; ++tap) {
-    const uint32_t* p0 = a(tap / 3, tap % 3, 0);
-    const uint32_t* p1 = a(tap / 3, tap % 3, 1);
-    const uint32_t frag[4] = {p0[0], p1[0], p0[4], p1[4]};
-    ptx::mma_f16_16816(acc, frag, f.w2[tap], acc);
+    uint32_t frag[4];
+    ptx::ldmatrix_x4(frag, ptx::smem_addr(a(tap / 3, tap % 3)));
+#pragma unroll
+    for (int j = 0; j < kWarpNTiles; ++j) ptx::mma_f16_16816(acc[j], frag, f.w2[j][tap], acc[j]);
   }
-  float v0 = relu(acc[0]) * cw.w3[n0] + relu(acc[1]) * cw.w3[n0 + 1];
-  float v1 = relu(acc[2]) * cw.w3[n0] + relu(acc[3]) * cw.w3[n0 + 1];
-  v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
-  v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
-  v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
-  v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
-  if (t == 0) {
-    part[nt * part_stride + m0 + g] = v0;
-    part[nt * part_stride + m0 + g + 8] = v1;
+#pragma unroll
+  for (int j = 0; j < kWarpNTiles; ++j) {
+    const int n0 = (nt0 + j) * 8 + 2 * t;
+    float v0 = relu(acc[j][0]) * cw.w3[n0] + relu(acc[j][1]) * cw.w3[n0 + 1];
+    float v1 = relu(acc[j][2]) * cw.w3[n0] + relu(acc[j][3]) * cw.w3[n0 + 1];
+    v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
+    v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
+    v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
+    v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+    if (t == 0) {
+      part[(nt0 + j) * part_stride + m0 + g] = v0;
+      part[(nt0 + j) * part_stride + m0 + g + 8] = v1;
+    }
   }
 }
 
@@ -234,66 +270,89 @@ struct FixSmem {
   float part[4][kFixRows * kFixCols];
 };
 
-// s of the conv2 rows [ra0, rb0) and [ra1, rb1) (each at most kMaxRows, ascending, the second
-// possibly empty) over the columns [x0, x0 + kTile) of one CNN input of H rows and W columns
-// (row(r): the row's column 0, or nullptr for a row of zeros). sink(r, x, s) is called by
-// thread x - x0 for every x < W, rows in order. Both bands' inputs are loaded at once, then
-// convolved together: one global round trip and four barriers per call. Every thread of the
-// CTA calls this.
-template <class Row, class Sink>
-__device__ __forceinline__ void conv_rows(const CnnWeights& cw, const CnnFrags& f, BandSmem& sm,
-                                          Row row, int H, int W, int x0, int ra0, int rb0, int ra1,
-                                          int rb1, Sink sink) {
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
+// The fp32 inputs of conv_rows' two bands of conv2 rows [ra0, rb0) and [ra1, rb1) over the
+// columns [x0, x0 + kTile) of one CNN input of H rows and W columns (row(r): the row's column
+// 0, or nullptr for a row of zeros): rows ra - 2 .. rb + 1 of each band, columns x0 - 2 ..,
+// zero outside the input. Thread tid holds elements tid, tid + kCnnThreads, ... of the bands'
+// xin, all requested before any is used: the CTA waits for one round trip, and a caller can
+// issue its own loads (the weights) while these are in flight.
+constexpr int kBandLoads = (2 * (kMaxRows + 4) * kXinW + kCnnThreads - 1) / kCnnThreads;
+struct BandInputs {
+  float v[kBandLoads];
+};
+
+__device__ __forceinline__ int band_inputs(int ra, int rb) {
+  return rb > ra ? (rb - ra + 4) * kXinW : 0;
+}
+
+template <class Row>
+__device__ __forceinline__ BandInputs load_band_inputs(Row row, int H, int W, int x0, int ra0,
+                                                       int rb0, int ra1, int rb1) {
+  const int n0 = band_inputs(ra0, rb0), n = n0 + band_inputs(ra1, rb1);
+  BandInputs in;
 #pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int ra = q ? ra1 : ra0, nr = q ? rb1 - ra1 : rb0 - ra0;
-    if (nr <= 0) continue;
-    for (int i = tid; i < (nr + 4) * kXinW; i += kCnnThreads) {
-      const int lr = i / kXinW, k = i % kXinW, r = ra - 2 + lr, c = x0 - 2 + k;
-      const float* src = (r >= 0 && r < H) ? row(r) : nullptr;
-      sm.xin[q][lr][k] = __float2half_rn((src && c >= 0 && c < W) ? src[c] : 0.f);
+  for (int j = 0; j < kBandLoads; ++j) {
+    const int i = threadIdx.x + j * kCnnThreads, q = i >= n0, e = q ? i - n0 : i;
+    const int r = (q ? ra1 : ra0) - 2 + e / kXinW, c = x0 - 2 + e % kXinW;
+    const float* src = (i < n && r >= 0 && r < H && c >= 0 && c < W) ? row(r) : nullptr;
+    in.v[j] = src ? __ldg(src + c) : 0.f;
+  }
+  return in;
+}
+
+// s of the conv2 rows [ra0, rb0) and [ra1, rb1) (each at most kMaxRows, ascending, the second
+// possibly empty) over the columns [x0, x0 + kTile) of one CNN input of H rows and W columns,
+// from `in` = load_band_inputs of the same arguments. sink(r, x, s) is called by thread x - x0
+// for every x < W, rows in order. Both bands are convolved together: four barriers per call.
+// Every thread of the CTA calls this.
+template <class Sink>
+__device__ __forceinline__ void conv_rows(const CnnWeights& cw, const CnnFrags& f, BandSmem& sm,
+                                          const BandInputs& in, int H, int W, int x0, int ra0,
+                                          int rb0, int ra1, int rb1, Sink sink) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
+  const int t = lane & 3;
+  {
+    const int n0 = band_inputs(ra0, rb0), n = n0 + band_inputs(ra1, rb1);
+#pragma unroll
+    for (int j = 0; j < kBandLoads; ++j) {
+      const int i = tid + j * kCnnThreads, q = i >= n0;
+      if (i < n) (&sm.xin[q][0][0])[q ? i - n0 : i] = __float2half_rn(in.v[j]);
     }
   }
   __syncthreads();
   // relu(conv1) rows ra-1 .. rb (local lr), positions j = column x0 - 1 + j: task = (lr, M
-  // tile, N tile).
+  // tile), both N tiles.
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     const int ra = q ? ra1 : ra0, nr = q ? rb1 - ra1 : rb0 - ra0;
     if (nr <= 0) continue;
-    for (int task = warp; task < (nr + 2) * kC1Tiles * 2; task += kCnnThreads / 32) {
-      const int nt = task % 2, mt = task / 2 % kC1Tiles, lr = task / 2 / kC1Tiles;
+    for (int task = warp; task < (nr + 2) * kC1Tiles; task += kCnnThreads / 32) {
+      const int mt = task % kC1Tiles, lr = task / kC1Tiles;
       const int r = ra - 1 + lr, m0 = mt * 16;
       conv1_tile(
-          cw, f, nt, [&](int m, int dy, int dx) { return sm.xin[q][lr + dy][m0 + m + dx]; },
+          cw, f, [&](int m, int dy, int dx) { return sm.xin[q][lr + dy][m0 + m + dx]; },
           [&](int m) {
             const int c = x0 - 1 + m0 + m;
             return r >= 0 && r < H && c >= 0 && c < W;
           },
-          [&](int m, uint32_t word) {
+          [&](int m, int nt, uint32_t word) {
             if (m0 + m < kTile + 2)
               *reinterpret_cast<uint32_t*>(&sm.c1[q][lr][m0 + m][nt * 8 + 2 * t]) = word;
           });
     }
   }
   __syncthreads();
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int nr = q ? rb1 - ra1 : rb0 - ra0;
-    for (int lr = 0; lr < nr; ++lr) {  // conv2 row ra + lr from relu(conv1) rows lr .. lr + 2
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {
-        const int m0 = (warp / 4 + 2 * mi) * 16;
-        conv2_tile(
-            cw, f,
-            [&](int dy, int dx, int half) {
-              const uint32_t* base = reinterpret_cast<const uint32_t*>(&sm.c1[q][lr + dy][0][0]);
-              return base + (m0 + g + 8 * half + dx) * kC1Words + t;
-            },
-            &sm.part[q][lr][0][0], kTile, m0);
-      }
+  {  // conv2 rows of both bands: task = (row, M tile), a group of kNGroups warps each
+    const int nr0 = max(0, rb0 - ra0), tasks = (nr0 + max(0, rb1 - ra1)) * (kTile / 16);
+    for (int task = warp / kNGroups; task < tasks; task += kCnnThreads / 32 / kNGroups) {
+      const int rr = task / (kTile / 16), m0 = task % (kTile / 16) * 16;
+      const int q = rr >= nr0, lr = q ? rr - nr0 : rr;  // conv2 row from c1 rows lr .. lr + 2
+      conv2_tile(
+          cw, f,
+          [&](int dy, int dx) {
+            return &sm.c1[q][lr + dy][m0 + (lane & 15) + dx][(lane >> 4) * 8];
+          },
+          &sm.part[q][lr][0][0], kTile, m0);
     }
   }
   __syncthreads();
@@ -313,8 +372,9 @@ template <class Row, class Sink>
 __device__ __forceinline__ void conv_all_rows(const CnnWeights& cw, const CnnFrags& f, BandSmem& sm,
                                               Row row, int H, int W, int x0, Sink sink) {
   for (int ra = 0; ra < H; ra += 2 * kMaxRows) {
-    const int mid = min(H, ra + kMaxRows);
-    conv_rows(cw, f, sm, row, H, W, x0, ra, mid, mid, min(H, mid + kMaxRows), sink);
+    const int mid = min(H, ra + kMaxRows), end = min(H, mid + kMaxRows);
+    conv_rows(cw, f, sm, load_band_inputs(row, H, W, x0, ra, mid, mid, end), H, W, x0, ra, mid, mid,
+              end, sink);
   }
 }
 
@@ -334,11 +394,11 @@ __device__ __forceinline__ void conv_points(const CnnWeights& cw, const CnnFrags
     sm.xin[lr][lc] = __float2half_rn((src && c >= 0 && c < W && lc < nc + 4) ? src[c] : 0.f);
   }
   __syncthreads();
-  {  // relu(conv1) ra-1 .. rb x xa-1 .. xb: 4 M tiles x 2 N tiles, one per warp
-    const int nt = warp % 2, m0 = warp / 2 * 16;
+  if (warp < 4) {  // relu(conv1) ra-1 .. rb x xa-1 .. xb: 4 M tiles, one per warp
+    const int m0 = warp * 16;
     const __half zero = __float2half_rn(0.f);
     conv1_tile(
-        cw, f, nt,
+        cw, f,
         [&](int m, int dy, int dx) {
           const int p = m0 + m;
           return p < kFixC1 ? sm.xin[p / CC + dy][p % CC + dx] : zero;
@@ -347,21 +407,18 @@ __device__ __forceinline__ void conv_points(const CnnWeights& cw, const CnnFrags
           const int p = m0 + m, lr = p / CC, lc = p % CC, r = ra - 1 + lr, c = xa - 1 + lc;
           return p < kFixC1 && lr < nr + 2 && lc < nc + 2 && r >= 0 && r < H && c >= 0 && c < W;
         },
-        [&](int m, uint32_t word) {
+        [&](int m, int nt, uint32_t word) {
           const int p = m0 + m;
           if (p < kFixC1)
             *reinterpret_cast<uint32_t*>(&sm.c1[p / CC][p % CC][nt * 8 + 2 * t]) = word;
         });
   }
   __syncthreads();
-  {
-    const int g = lane >> 2, m0 = tid / 128 * 16;
+  if (warp / kNGroups < P / 16) {  // P / 16 M tiles
+    const int m0 = warp / kNGroups * 16, p = m0 + (lane & 15), lr = p / kFixCols;
+    const int lc = p % kFixCols;
     conv2_tile(
-        cw, f,
-        [&](int dy, int dx, int half) {
-          const int p = m0 + g + 8 * half, lr = p / kFixCols, lc = p % kFixCols;
-          return reinterpret_cast<const uint32_t*>(&sm.c1[lr + dy][lc + dx][0]) + t;
-        },
+        cw, f, [&](int dy, int dx) { return &sm.c1[lr + dy][lc + dx][(lane >> 4) * 8]; },
         &sm.part[0][0], P, m0);
   }
   __syncthreads();
@@ -405,7 +462,7 @@ __device__ __forceinline__ bool edge_row(int r, int H) { return r < 2 || r > H -
 struct PredictSample {
   HistoryState hist;
   CnnCache cache;
-  int s, b, h, H, c0, W, count;
+  int s, b, h, H, c0, W, count, slot0;  // slot0: the ring slot of logical row 0
   __device__ PredictSample(const HistoryState& hs, const CnnCache& cc, const Geometry& g, int s_)
       : hist(hs),
         cache(cc),
@@ -415,14 +472,15 @@ struct PredictSample {
         H(hs.history),
         c0(g.candidate_begin()),
         W(g.candidate_end(hs.tokens[b]) - c0),
-        count(hs.count[b]) {}
+        count(hs.count[b]),
+        slot0(((count - H) % H + H) % H) {}
+  // Logical row r (0 <= r < H) as HistoryState::logical_row, without its division.
   __device__ const float* row(int r) const {
-    const float* p = hist.logical_row(b, h, r, count);
-    return p ? p + c0 : nullptr;
+    return count - H + r < 0 ? nullptr : hist.slot(b, h, slot(r)) + c0;
   }
-  // Ring slot of logical row r, also for the zero rows of a short history (slots not yet
-  // appended to: their s describes a zero row).
-  __device__ int slot(int r) const { return ((count - H + r) % H + H) % H; }
+  // Ring slot of logical row r (0 <= r < H), also for the zero rows of a short history (slots
+  // not yet appended to: their s describes a zero row).
+  __device__ int slot(int r) const { return slot0 + r < H ? slot0 + r : slot0 + r - H; }
   // The stored s of logical row r's ring slot (what it held while interior).
   __device__ float* ring(int r) const {
     return cache.s + (int64_t(s) * H + slot(r)) * hist.max_blocks + c0;
@@ -441,7 +499,7 @@ struct PredictSample {
 // stored rows [2 + f * kFixRows, ...) in the columns next to a moved slice end. The interior
 // rows' fixed-point sum (cache.sum) is rewritten by a full recompute and otherwise adjusted by
 // integer atomics (exact, so the order of the CTAs' updates does not matter).
-__global__ void __launch_bounds__(kCnnThreads, 5)
+__global__ void __launch_bounds__(kCnnThreads, 3)
     predict_rows_kernel(const float* __restrict__ params, HistoryState hist, CnnCache cache,
                         Geometry g, int n_tiles) {
   __shared__ CnnWeights cw;
@@ -460,9 +518,9 @@ __global__ void __launch_bounds__(kCnnThreads, 5)
   if (blockIdx.x < n_tiles) {
     const int x0 = blockIdx.x * kTile;
     if (x0 >= W) return;
-    load_weights(params, cache.frags, cw, f);
-    __syncthreads();
     if (!incremental) {
+      load_weights(params, cache.frags, cw, f);
+      __syncthreads();
       long long sum = 0;
       conv_all_rows(cw, f, sm.band, row, H, W, x0, [&](int r, int x, float v) {
         ps.s_of(r)[x] = v;
@@ -471,16 +529,21 @@ __global__ void __launch_bounds__(kCnnThreads, 5)
       if (threadIdx.x < kTile && x0 + threadIdx.x < W) ps.sum()[x0 + threadIdx.x] = sum;
       return;
     }
+    // Every load of the step is issued before any is used: the band inputs, the weights, and
+    // what row H-3's store takes out of the interior sum (the row that left the interior, or
+    // row H-3's own stored s when no row was appended; neither slot is written here).
+    const BandInputs in = load_band_inputs(row, H, W, x0, 0, 2, H - 3, H);
+    const int x = x0 + threadIdx.x;
+    const float leaving =
+        threadIdx.x < kTile && x < W ? ps.ring(seen == ps.count ? H - 3 : 1)[x] : 0.f;
+    load_weights(params, cache.frags, cw, f);
+    __syncthreads();
     auto store = [&](int r, int x, float v) {
-      float* dst = ps.s_of(r) + x;
-      if (r == H - 3) {  // the row that became interior (or, no row appended, is recomputed)
-        long long delta = fixed(v) - (seen == ps.count ? fixed(*dst) : 0);
-        if (seen + 1 == ps.count) delta -= fixed(ps.ring(1)[x]);  // the row that left
-        atomicAdd(ps.sum() + x, static_cast<unsigned long long>(delta));
-      }
-      *dst = v;
+      if (r == H - 3)  // the row that became interior (or, no row appended, is recomputed)
+        atomicAdd(ps.sum() + x, static_cast<unsigned long long>(fixed(v) - fixed(leaving)));
+      ps.s_of(r)[x] = v;
     };
-    conv_rows(cw, f, sm.band, row, H, W, x0, 0, 2, H - 3, H, store);
+    conv_rows(cw, f, sm.band, in, H, W, x0, 0, 2, H - 3, H, store);
     return;
   }
   if (!incremental || end == c1) return;
