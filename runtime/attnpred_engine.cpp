@@ -422,7 +422,7 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   }
   if (full_row) {
     KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, kv, nullptr, 0, kv.seq_lens, kv.batch, hkv, scale,
-                                       geo_, ls.hist, scratch, scratch_bytes, stream));
+                                       geo_, ls.hist, scratch, scratch_bytes, offload, stream));
     if (config_.collect_stats)
       KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch,
                                                  hkv * shape_.head_dim * int(sizeof(bf16)),
@@ -430,7 +430,7 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   } else {
     KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, view, sel.tokens, sel.max_tokens, kv.seq_lens,
                                        kv.batch, hkv, scale, geo_, ls.hist, scratch, scratch_bytes,
-                                       stream));
+                                       false, stream));
   }
   KVS_CUDA_CHECK(ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, scores, stream));
   KVS_CUDA_CHECK(

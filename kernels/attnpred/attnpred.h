@@ -205,12 +205,15 @@ cudaError_t build_selection_cuda(const PagedKV& kv, const uint8_t* block_flags, 
 //  - sparse row: view = a sub-request view (one sequence per (b, kv head), group-size query
 //    heads each), token_ids = Selection::tokens (max_tokens per sequence).
 // Then count[b] += 1 and tokens[b] = context length (kv_lens[b]). scratch: row_scratch_bytes.
+// keys_on_host: view's keys are mapped pinned host memory (offload mode's full row), which is
+// read with 16-byte lanes per key instead of the tensor-core form; the scores agree to fp32
+// rounding.
 size_t row_scratch_bytes(int max_batch, int num_q_heads, int max_tokens);
 cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
                             const int32_t* token_ids, int ids_stride, const int32_t* kv_lens,
                             int batch, int num_kv_heads, float scale, const Geometry& g,
                             const HistoryState& hist, void* scratch, size_t scratch_bytes,
-                            cudaStream_t stream);
+                            bool keys_on_host, cudaStream_t stream);
 
 // ---- Offload: the per-layer device block cache ---------------------------------------------
 //

@@ -281,7 +281,7 @@ int main(int argc, char** argv) try {
     void* rs = dalloc<char>(rs_bytes);
     const double full_row = median_us(reps, 1, stream, [&] {
       KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, kv0, nullptr, 0, len, 1, hkv, scale, geo, hist, rs,
-                                         rs_bytes, stream));
+                                         rs_bytes, false, stream));
     });
 
     // Offload: pinned mapped host KV.
