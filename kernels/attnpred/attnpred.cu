@@ -52,6 +52,7 @@ constexpr int kThreads = 256;
 constexpr int kScoreChunk = 256;  // list positions per CTA of the row score kernel
 constexpr int kRowChunk = 1024;   // list positions per CTA of the row pool kernel
 constexpr int kSelThreads = 1024;
+constexpr int kSelCached = 8;  // candidate scores per select thread kept in registers
 constexpr int kMaxGroup = 8;
 
 struct MaxOp {
@@ -623,12 +624,27 @@ __global__ void __launch_bounds__(kSelThreads)
     return;
   }
   if (k <= 0) return;
+  // The first kSelCached keys of this thread (j = tid, tid + kSelThreads, ...) stay in
+  // registers for the four passes; keys past them (contexts over 128K at block 16) are
+  // reloaded each pass.
+  unsigned cached[kSelCached];
+#pragma unroll
+  for (int i = 0; i < kSelCached; ++i) {
+    const int j = tid + i * kSelThreads;
+    cached[i] = j < count ? order_key(sc[j]) : 0u;
+  }
   unsigned prefix = 0, mask = 0;
   int remaining = k;
   for (int shift = 24; shift >= 0; shift -= 8) {
     if (tid < 256) hist_bins[tid] = 0;
     __syncthreads();
-    for (int j = tid; j < count; j += kSelThreads) {
+#pragma unroll
+    for (int i = 0; i < kSelCached; ++i) {
+      const unsigned key = cached[i];
+      if (tid + i * kSelThreads < count && (key & mask) == prefix)
+        atomicAdd(&hist_bins[(key >> shift) & 255u], 1);
+    }
+    for (int j = tid + kSelCached * kSelThreads; j < count; j += kSelThreads) {
       const unsigned key = order_key(sc[j]);
       if ((key & mask) == prefix) atomicAdd(&hist_bins[(key >> shift) & 255u], 1);
     }
@@ -697,13 +713,18 @@ __global__ void __launch_bounds__(kSelThreads)
   for (int j = j0; j < j1 && p < sel.max_tokens; ++j) {
     const int cnt = block_attended(g, j, n, fl);
     if (cnt == 0) continue;
-    const int hi = min(j * g.block + g.block, n);
+    const int hi = min(j * g.block + g.block, n), lo = hi - cnt;
     const int slot = slots ? slots[j] : 0;
     if (slots && slot < 0) missing += cnt;
-    for (int t = hi - cnt; t < hi && p < sel.max_tokens; ++t, ++p) {
+    // A run inside one page (the usual case: blocks no larger than pages) needs one page-table
+    // load, not one per token, which the stores between them would serialize.
+    const bool one_page = !slots && lo / kv.page_size == (hi - 1) / kv.page_size;
+    const int64_t row0 = one_page ? kv.offset(b, lo, h) / kv.head_dim : 0;
+    for (int t = lo; t < hi && p < sel.max_tokens; ++t, ++p) {
       toks[p] = t;
-      rows[p] =
-          slots ? max(slot, 0) * g.block + t % g.block : int32_t(kv.offset(b, t, h) / kv.head_dim);
+      rows[p] = slots      ? max(slot, 0) * g.block + t % g.block
+                : one_page ? int32_t(row0 + int64_t(t - lo) * kv.num_kv_heads)
+                           : int32_t(kv.offset(b, t, h) / kv.head_dim);
     }
   }
   if (tid == 0) {
