@@ -41,42 +41,52 @@ void cnn_forward_cpu(const float* p, const float* x, int n, int H, int W, float*
   std::vector<float> w1(p + kParamW1, p + kParamB1), w2(p + kParamW2, p + kParamB2);
   for (float& v : w1) v = to_half(v);
   for (float& v : w2) v = to_half(v);
-  std::vector<float> c1(size_t(C1) * H * W);
+  // The input and relu(conv1) with a border of zeros (the convs' padding), so that every
+  // output column runs the same branch-free loop. Each output element still sums its terms
+  // in the order attnpred.h defines (bias, then input channel, dy, dx); the loops over
+  // columns are innermost only so that the compiler can vectorize across columns.
+  const int PW = W + 2;
+  std::vector<float> in_pad(size_t(H + 2) * PW, 0.f), c1(size_t(C1) * (H + 2) * PW, 0.f);
+  std::vector<float> acc(static_cast<size_t>(W)), s_r(static_cast<size_t>(W));
   std::vector<long long> time_sum(static_cast<size_t>(W));
   for (int s = 0; s < n; ++s) {
     const float* in = x + int64_t(s) * H * W;
-    auto at = [&](int r, int c) {
-      return r < 0 || r >= H || c < 0 || c >= W ? 0.f : to_half(in[r * W + c]);
-    };
+    for (int r = 0; r < H; ++r)
+      for (int c = 0; c < W; ++c) in_pad[size_t(r + 1) * PW + c + 1] = to_half(in[r * W + c]);
     for (int ci = 0; ci < C1; ++ci)
-      for (int r = 0; r < H; ++r)
-        for (int c = 0; c < W; ++c) {
-          float acc = p[kParamB1 + ci];
-          for (int dy = 0; dy < 3; ++dy)
-            for (int dx = 0; dx < 3; ++dx)
-              acc = acc + w1[size_t(ci * 9 + dy * 3 + dx)] * at(r + dy - 1, c + dx - 1);
-          c1[(size_t(ci) * H + r) * W + c] = to_half(acc > 0.f ? acc : 0.f);
-        }
-    auto c1at = [&](int ci, int r, int c) {
-      return r < 0 || r >= H || c < 0 || c >= W ? 0.f : c1[(size_t(ci) * H + r) * W + c];
-    };
+      for (int r = 0; r < H; ++r) {
+        std::fill(acc.begin(), acc.end(), p[kParamB1 + ci]);
+        for (int dy = 0; dy < 3; ++dy)
+          for (int dx = 0; dx < 3; ++dx) {
+            const float w = w1[size_t(ci * 9 + dy * 3 + dx)];
+            const float* src = in_pad.data() + size_t(r + dy) * PW + dx;
+            for (int c = 0; c < W; ++c) acc[size_t(c)] = acc[size_t(c)] + w * src[c];
+          }
+        float* dst = c1.data() + (size_t(ci) * (H + 2) + r + 1) * PW + 1;
+        for (int c = 0; c < W; ++c) dst[c] = to_half(acc[size_t(c)] > 0.f ? acc[size_t(c)] : 0.f);
+      }
     // Row r's projection s_r = sum_co w3[co] relu(conv2[co, r]), then the exact fixed-point
     // time sum (attnpred.h numerics).
     std::fill(time_sum.begin(), time_sum.end(), 0ll);
-    for (int r = 0; r < H; ++r)
-      for (int c = 0; c < W; ++c) {
-        float s_r = 0.f;
-        for (int co = 0; co < C2; ++co) {
-          float acc = p[kParamB2 + co];
-          for (int ci = 0; ci < C1; ++ci)
-            for (int dy = 0; dy < 3; ++dy)
-              for (int dx = 0; dx < 3; ++dx)
-                acc = acc + w2[size_t((co * C1 + ci) * 9 + dy * 3 + dx)] *
-                                c1at(ci, r + dy - 1, c + dx - 1);
-          s_r = s_r + p[kParamW3 + co] * (acc > 0.f ? acc : 0.f);
-        }
-        time_sum[size_t(c)] += static_cast<long long>(std::nearbyint(double(s_r) * kFixed));
+    for (int r = 0; r < H; ++r) {
+      std::fill(s_r.begin(), s_r.end(), 0.f);
+      for (int co = 0; co < C2; ++co) {
+        std::fill(acc.begin(), acc.end(), p[kParamB2 + co]);
+        for (int ci = 0; ci < C1; ++ci)
+          for (int dy = 0; dy < 3; ++dy)
+            for (int dx = 0; dx < 3; ++dx) {
+              const float w = w2[size_t((co * C1 + ci) * 9 + dy * 3 + dx)];
+              const float* src = c1.data() + (size_t(ci) * (H + 2) + r + dy) * PW + dx;
+              for (int c = 0; c < W; ++c) acc[size_t(c)] = acc[size_t(c)] + w * src[c];
+            }
+        const float w3 = p[kParamW3 + co];
+        for (int c = 0; c < W; ++c)
+          s_r[size_t(c)] = s_r[size_t(c)] + w3 * (acc[size_t(c)] > 0.f ? acc[size_t(c)] : 0.f);
       }
+      for (int c = 0; c < W; ++c)
+        time_sum[size_t(c)] +=
+            static_cast<long long>(std::nearbyint(double(s_r[size_t(c)]) * kFixed));
+    }
     for (int c = 0; c < W; ++c)
       y[int64_t(s) * W + c] =
           p[kParamB3] + static_cast<float>(double(time_sum[size_t(c)]) / kFixed / double(H));
