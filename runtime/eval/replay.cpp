@@ -1,6 +1,7 @@
 #include "runtime/eval/replay.h"
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <stdexcept>
@@ -188,24 +189,50 @@ Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config
         }
       }
 
-      for (int s = 0; s < steps; ++s) {
-        const int p = seq.decode_start + s;
-        cache.set_lengths({p + 1});
-        host_len = p + 1;
-        // The step's query, rotated at its position and rounded to bf16 like the engines'.
-        std::vector<float> qf = to_float(q_pre.data() + size_t(p) * hq * d, size_t(hq) * d);
+      // Query p rotated at its position and rounded to bf16 like the engines' (qb), and the
+      // same values as floats (qf) for the fp64 reference.
+      std::vector<float> qf;
+      std::vector<bf16> qb;
+      auto load_query = [&](int p) {
+        qf = to_float(q_pre.data() + size_t(p) * hq * d, size_t(hq) * d);
         kernels::rope_cpu(qf.data(), 1, hq, d, &p, inv_freq.data(), false);
-        std::vector<bf16> qb(qf.size());
+        qb.resize(qf.size());
         for (size_t i = 0; i < qf.size(); ++i) {
           qb[i] = float_to_bf16(qf[i]);
           qf[i] = bf16_to_float(qb[i]);
         }
-        StepInput step;
+      };
+      StepInput step;
+      step.num_q_heads = hq;
+      step.kv = host_kv;
+      step.seq = 0;
+      step.scale = scale;
+
+      // H2O follows the sequence: one selector per baseline row (each fixed budget, each
+      // method's read), seeded with the dense attention of the prompt's last h2o_warmup
+      // queries (H2O accumulates over the prefill too; the replay has no earlier ones).
+      std::map<std::string, H2OSelector> h2o;
+      auto h2o_of = [&](const std::string& suffix, const std::string& knob) -> H2OSelector& {
+        return h2o.try_emplace(suffix + "|" + knob, hq, hkv, config.h2o).first->second;
+      };
+      for (double f : config.budget_fractions) h2o_of("", Budget::of_fraction(f).describe());
+      if (config.baselines_at_method_read)
+        for (const Run& r : runs)
+          if (r.engine->method() != Method::Dense) h2o_of("@" + r.name, r.knobs);
+      for (int p = std::max(0, seq.decode_start - config.h2o_warmup); p < seq.decode_start; ++p) {
+        load_query(p);
+        host_len = p + 1;
         step.q = qf.data();
-        step.num_q_heads = hq;
-        step.kv = host_kv;
-        step.seq = 0;
-        step.scale = scale;
+        const DenseReference warm = dense_reference(step);
+        for (auto& [key, sel] : h2o) sel.observe(warm);
+      }
+
+      for (int s = 0; s < steps; ++s) {
+        const int p = seq.decode_start + s;
+        cache.set_lengths({p + 1});
+        host_len = p + 1;
+        load_query(p);
+        step.q = qf.data();
         const DenseReference dense = dense_reference(step);
 
         auto baselines = [&](const std::string& suffix, const std::string& knob,
@@ -217,6 +244,8 @@ Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config
           if (tokens >= config.quest.page_tokens)
             agg.add("quest" + suffix, knob, layer,
                     evaluate_selection(step, dense, select_quest(step, budget, config.quest)));
+          agg.add("h2o" + suffix, knob, layer,
+                  evaluate_selection(step, dense, h2o_of(suffix, knob).select(p + 1, budget)));
           agg.add("topk" + suffix, knob, layer,
                   evaluate_selection(step, dense, select_topk(dense, budget)));
         };
@@ -244,6 +273,8 @@ Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config
           const Budget b = Budget::of_fraction(f);
           baselines("", b.describe(), b);
         }
+        // Every H2O row has selected for this step; now its attention joins their history.
+        for (auto& [key, sel] : h2o) sel.observe(dense);
       }
     }
   }

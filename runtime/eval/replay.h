@@ -5,8 +5,10 @@
 // bf16 (what a real KV cache holds), written into a KVCache on the engines' device, and each
 // engine is prefilled with the tokens before decode_start. Then for each recorded step p the
 // cache length is set to p + 1, the step's query is rotated, and every engine decodes it.
-// Baselines (StreamingLLM, Quest page top-k, the exact TopK oracle) run at fixed budgets and
-// at each engine's own per-step read, so methods are always compared at equal KV read.
+// Baselines (StreamingLLM, Quest page top-k, H2O's accumulated attention mass, the exact TopK
+// oracle) run at fixed budgets and at each engine's own per-step read, so methods are always
+// compared at equal KV read. H2O is stateful: one selector per baseline row follows the
+// sequence's steps, seeded with the dense attention of the prompt's last h2o_warmup queries.
 #pragma once
 
 #include <functional>
@@ -31,6 +33,8 @@ struct ReplayConfig {
   bool baselines_at_method_read = true;  ///< baselines again at each method's read per step
   StreamingConfig streaming;
   QuestConfig quest;
+  H2OConfig h2o;
+  int h2o_warmup = 32;  ///< prompt queries whose dense attention seeds H2O's accumulated mass
 };
 
 // Called once per (sequence, layer) replayed, with a short description.

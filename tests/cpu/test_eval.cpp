@@ -14,10 +14,14 @@
 #include <string>
 #include <vector>
 
+#include "artifacts/capture_file.h"
 #include "runtime/eval/baselines.h"
 #include "runtime/eval/metrics.h"
 #include "runtime/eval/plot.h"
+#include "runtime/eval/replay.h"
 #include "runtime/eval/report.h"
+#include "tests/common/test_util.h"
+#include "tests/cpu/h5_test_support.h"
 
 namespace kvs::eval {
 namespace {
@@ -405,6 +409,67 @@ TEST(EvalBaselines, H2OOnRealStepsSumsTheGroupsMass) {
     EXPECT_EQ(m.rows_read, 32);
     h2o.observe(dense);
   }
+}
+
+// kvs-eval's replay runs H2O beside the other baselines: a row per fixed budget and per
+// method's read, every step, reading its budget, within the TopK oracle's recall at the same
+// budget; its selectors follow the sequence, seeded by the prompt's last queries.
+TEST(EvalReplay, H2ORowsFollowTheSequenceWithinTheOracle) {
+  testing_h5::TempDir tmp;
+  ModelShape shape;
+  shape.name = "h2o-replay";
+  shape.num_layers = 1;
+  shape.num_q_heads = 4;
+  shape.num_kv_heads = 2;
+  shape.head_dim = 64;
+  shape.max_position = 1024;
+  const int T = 260, decode_start = 240, hq = 4, hkv = 2, d = 64;
+  {
+    CaptureMeta meta;
+    meta.shape = shape;
+    meta.layers = {0};
+    meta.vocab_size = 256;
+    CaptureWriter w(tmp.path("c.h5"), meta);
+    w.begin_sequence(std::vector<int32_t>(size_t(T), 65), decode_start, "synthetic");
+    std::mt19937 rng(17);
+    const std::vector<bf16> q = test::random_bf16(size_t(T) * hq * d, rng);
+    const std::vector<bf16> k = test::random_bf16(size_t(T) * hkv * d, rng);
+    const std::vector<bf16> v = test::random_bf16(size_t(T) * hkv * d, rng);
+    w.append_qkv(0, T, q.data(), k.data(), v.data());
+    const std::vector<float> pooled(size_t(hq) * ((T + 15) / 16), 0.f);
+    for (int st = 0; st < T - decode_start; ++st) w.append_attn_row(0, pooled.data());
+    w.commit();
+  }
+  const CaptureFile cap = CaptureFile::open(tmp.path("c.h5"));
+  ReplayConfig rc;
+  rc.methods = {"dense", "mac"};
+  rc.engine.backend = Backend::Cpu;
+  rc.budget_fractions = {0.1};
+  auto find = [](const std::vector<ResultRow>& rows, const std::string& method) {
+    for (const ResultRow& r : rows)
+      if (r.method == method) return r;
+    ADD_FAILURE() << "no row " << method;
+    return ResultRow{};
+  };
+  const std::vector<ResultRow> rows = replay_capture(cap, rc).rows();
+  const ResultRow h2o = find(rows, "h2o"), topk = find(rows, "topk");
+  const ResultRow h2o_mac = find(rows, "h2o@mac"), topk_mac = find(rows, "topk@mac");
+  EXPECT_TRUE(std::none_of(rows.begin(), rows.end(), [](const ResultRow& r) {
+    return r.method == "h2o@dense";
+  })) << "dense reads everything: no baselines at its read";
+  for (const ResultRow* r : {&h2o, &h2o_mac}) {
+    EXPECT_EQ(r->steps, T - decode_start);
+    EXPECT_DOUBLE_EQ(r->tokens_selected_mean, r->budget_tokens_mean);
+    EXPECT_GT(r->mass_recall_mean, 0.0);
+  }
+  EXPECT_EQ(h2o.knob, "fraction=0.1");
+  EXPECT_LE(h2o.mass_recall_mean, topk.mass_recall_mean);
+  EXPECT_LE(h2o_mac.mass_recall_mean, topk_mac.mass_recall_mean);
+  // The warm-up is what H2O starts from: without it the same steps select differently.
+  rc.h2o_warmup = 0;
+  const ResultRow cold = find(replay_capture(cap, rc).rows(), "h2o");
+  EXPECT_EQ(cold.steps, h2o.steps);
+  EXPECT_NE(cold.mass_recall_mean, h2o.mass_recall_mean);
 }
 
 // ---------------------------------------------------------------------------------------

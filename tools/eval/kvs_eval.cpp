@@ -7,6 +7,8 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <stdexcept>
+#include <string>
 
 #include "kernels/common/cuda_check.h"
 #include "runtime/eval/plot.h"
@@ -63,7 +65,7 @@ int main(int argc, char** argv) try {
 int run_fidelity(int argc, char** argv) {
   std::string capture_path, backend, bundle, layers, budgets, json, csv, plot;
   std::vector<std::string> methods{"dense"};
-  int steps = 0, sequences = 0;
+  int steps = 0, sequences = 0, h2o_warmup = 32;
   po::options_description opts(
       "kvs-eval [fidelity]: method fidelity on captured decode steps "
       "(also: kvs-eval ppl --help, kvs-eval needle --help)");
@@ -81,6 +83,8 @@ int run_fidelity(int argc, char** argv) {
       ("budgets", po::value(&budgets)->default_value("0.05,0.1,0.2"),
        "fixed baseline budgets as fractions of the context")
       ("no-matched-baselines", "skip baselines at each method's own per-step KV read")
+      ("h2o-warmup", po::value(&h2o_warmup)->default_value(32),
+       "prompt queries whose dense attention seeds the H2O baseline's accumulated mass")
       ("per-layer", "print the per-layer table too")
       ("json", po::value(&json), "write all rows (per layer and pooled) as JSON")
       ("csv", po::value(&csv), "write all rows as CSV")
@@ -104,6 +108,9 @@ int run_fidelity(int argc, char** argv) {
   cfg.bundle = bundle;
   cfg.budget_fractions = kvs::cli::parse_double_list(budgets, "budgets");
   cfg.baselines_at_method_read = vm.count("no-matched-baselines") == 0;
+  if (h2o_warmup < 0)
+    throw std::invalid_argument("--h2o-warmup must be >= 0, got " + std::to_string(h2o_warmup));
+  cfg.h2o_warmup = h2o_warmup;
 
   const kvs::CaptureFile capture = kvs::CaptureFile::open(capture_path);
   const kvs::eval::Aggregator agg = kvs::eval::replay_capture(
