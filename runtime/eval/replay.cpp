@@ -219,7 +219,8 @@ Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config
       if (config.baselines_at_method_read)
         for (const Run& r : runs)
           if (r.engine->method() != Method::Dense) h2o_of("@" + r.name, r.knobs);
-      for (int p = std::max(0, seq.decode_start - config.h2o_warmup); p < seq.decode_start; ++p) {
+      const int warm_from = h2o.empty() ? seq.decode_start : seq.decode_start - config.h2o_warmup;
+      for (int p = std::max(0, warm_from); p < seq.decode_start; ++p) {
         load_query(p);
         host_len = p + 1;
         step.q = qf.data();
