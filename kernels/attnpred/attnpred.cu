@@ -23,7 +23,9 @@
 //              flight at once) for keys in device memory, by 16-byte lanes per key for mapped
 //              host memory; per-chunk softmax partials; then one CTA per (sequence, query
 //              head, 1024-position chunk): log-sum-exp from the partials and the chunk's
-//              max-pool by a warp segmented max + one atomicMax per block run.
+//              max-pool by a warp segmented max + one atomicMax per block run. A full row
+//              from device memory (blocks of 8-32) keeps only each block's largest score, and
+//              the pool is exp(block max - lse) (128K: full row 142 -> 116-119 us, H100)
 //   resident   plan (one CTA per (sequence, kv head), runs of slots and blocks per thread: free
 //              slots, assign missing blocks) and a copy kernel with one warp per (head, list
 //              entry) reading mapped pinned host memory: the block list never leaves the GPU,
@@ -745,7 +747,8 @@ __device__ __forceinline__ float2 merge_partial(float2 a, float2 b) {
 }
 
 // The row scores' CTA (b, kv head h, chunk y) zeroes its share of the history slot the row goes
-// to (row_pool_kernel's atomicMax needs a zeroed row; it runs after the scores).
+// to (row_pool_kernel's atomicMax needs a zeroed row, and row_pool_max_kernel leaves the
+// columns past the row as they are; both run after the scores).
 __device__ __forceinline__ void zero_history_share(const HistoryState& hist, int b, int h, int g) {
   const int per = (hist.max_blocks + gridDim.y - 1) / gridDim.y;
   const int j0 = blockIdx.y * per, j1 = min(hist.max_blocks, j0 + per);
@@ -773,12 +776,16 @@ __device__ __forceinline__ void add_to_partial(float2& part, float x) {
 // flight at once. The head dimension is permuted the same way in the query A fragments and
 // the key B fragments: piece p's words 0-3 are k-step 2 (p / 4) + (w / 2), pairs 2t (even
 // w) and 2t + 8 (odd w), so each product q . k still sums every dimension once. The group's
-// query heads are the M rows (rows >= group and 8-15 zero).
-template <int D>
+// query heads are the M rows (rows >= group and 8-15 zero). kPooled (full rows, blocks of
+// pool_block = 8, 16 or 32 tokens): the scores are not written, only each block's largest
+// (row_pool_max_kernel pools those); a form that wrote both took 115.6 us cold at 128K
+// against 104.1 (H100), the per-token form 103.9.
+template <int D, bool kPooled>
 __global__ void __launch_bounds__(kThreads, 2)
     row_scores_mma_kernel(const bf16* __restrict__ q_raw, int num_q_heads, PagedKV view, bool sub,
                           int num_kv_heads, float scale, float* scores, int max_tokens,
-                          float2* __restrict__ partials, int num_chunks, HistoryState hist) {
+                          float2* __restrict__ partials, int num_chunks, HistoryState hist,
+                          int pool_block) {
   constexpr int kWarps = kThreads / 32, kTiles = kScoreChunk / kWarps / 8;  // N tiles per warp
   constexpr int kPieces = D / 32;  // 16-byte pieces a lane loads per key
   static_assert(kScoreChunk == kWarps * 32 && kTiles == 4, "a warp takes 32 keys");
@@ -812,6 +819,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       qp[p] = g < group ? reinterpret_cast<const uint4*>(q)[t + 4 * p] : make_uint4(0, 0, 0, 0);
   }
   float2 part = make_float2(-INFINITY, 0.f);  // head g's partial over this lane's keys
+  float tile_max[kTiles];                     // head g's largest score in each tile
 #pragma unroll
   for (int nt = 0; nt < kTiles; ++nt) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -822,6 +830,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       ptx::mma_bf16_16816(acc, a0, b0, acc);
       ptx::mma_bf16_16816(acc, a1, b1, acc);
     }
+    tile_max[nt] = -INFINITY;
     if (g < group) {  // acc[0], acc[1]: head g x keys 2t, 2t + 1 of the tile
       float* row = scores + (int64_t(b) * num_q_heads + h * group + g) * max_tokens;
 #pragma unroll
@@ -829,9 +838,34 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int i = key0 + nt * 8 + 2 * t + e;
         if (i < n) {
           const float x = acc[e] * scale;
-          row[i] = x;
+          if (!kPooled) row[i] = x;
+          if (kPooled) tile_max[nt] = fmaxf(tile_max[nt], x);
           add_to_partial(part, x);
         }
+      }
+    }
+  }
+  if (kPooled) {
+    // Pooled output (full rows, keys = tokens, pool_block 8, 16 or 32): the warp's 32 tokens
+    // are whole blocks, so each block's largest score is reduced here, over the tiles and the
+    // 4 lanes of a key group, and stored once: scores is [rows, hist.max_blocks] of block
+    // maxima, not the scores themselves (row_pool_max_kernel).
+#pragma unroll
+    for (int nt = 0; nt < kTiles; ++nt) {
+      tile_max[nt] = fmaxf(tile_max[nt], __shfl_xor_sync(0xffffffffu, tile_max[nt], 1));
+      tile_max[nt] = fmaxf(tile_max[nt], __shfl_xor_sync(0xffffffffu, tile_max[nt], 2));
+    }
+    if (t == 0 && g < group) {
+      float* out = scores + (int64_t(b) * num_q_heads + h * group + g) * hist.max_blocks;
+      const int per_tile = 8, tiles_per_block = pool_block / per_tile;
+#pragma unroll
+      for (int nt = 0; nt < kTiles; ++nt) {
+        if (nt % tiles_per_block != 0 || key0 + nt * per_tile >= n) continue;
+        float m = tile_max[nt];
+#pragma unroll
+        for (int u = 1; u < kTiles; ++u)
+          if (u < tiles_per_block && nt + u < kTiles) m = fmaxf(m, tile_max[nt + u]);
+        out[(key0 + nt * per_tile) / pool_block] = m;
       }
     }
   }
@@ -857,7 +891,8 @@ template <int D>
 __global__ void __launch_bounds__(kThreads)
     row_scores_kernel(const bf16* __restrict__ q_raw, int num_q_heads, PagedKV view, bool sub,
                       int num_kv_heads, float scale, float* scores, int max_tokens,
-                      float2* __restrict__ partials, int num_chunks, HistoryState hist) {
+                      float2* __restrict__ partials, int num_chunks, HistoryState hist,
+                      int /*pool_block: per-token scores only*/) {
   constexpr int kLanes = D / 8, kGroups = 32 / kLanes;  // lanes per key, keys per warp step
   constexpr int kWarps = kThreads / 32, kBatch = 4;
   constexpr int kSteps = kScoreChunk / (kWarps * kGroups);  // key steps per warp
@@ -927,6 +962,49 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+using RowReduce = cub::BlockReduce<float, kThreads>;
+
+// The log-sum-exp of a row of n scores from its score CTAs' partials (one per kScoreChunk
+// positions); every thread of the CTA calls it and gets it.
+__device__ float row_lse(const float2* part, int n, RowReduce::TempStorage& red, float& s_val) {
+  const int tid = threadIdx.x, used = (n + kScoreChunk - 1) / kScoreChunk;
+  float m = -INFINITY;
+  for (int c = tid; c < used; c += kThreads) m = fmaxf(m, part[c].x);
+  m = RowReduce(red).Reduce(m, MaxOp());
+  if (tid == 0) s_val = m;
+  __syncthreads();
+  m = s_val;
+  float z = 0.f;
+  for (int c = tid; c < used; c += kThreads) z += part[c].y * expf(part[c].x - m);
+  __syncthreads();
+  z = RowReduce(red).Sum(z);
+  if (tid == 0) s_val = m + logf(z);
+  __syncthreads();
+  return s_val;
+}
+
+// Blocks [y * kPoolMaxBlocks, ...) of the full row of (b, query head), from the block maxima
+// row_scores_mma_kernel pooled: a block's probability max_i exp(s_i - lse) is exp(max_i s_i -
+// lse), exp being increasing, so it is row_pool_kernel's value without a pass over the
+// scores (128K: 16 MB of scores neither written nor read back). Blocks past the row stay as
+// the score kernel zeroed them.
+constexpr int kPoolMaxBlocks = 2048;
+__global__ void __launch_bounds__(kThreads)
+    row_pool_max_kernel(int num_q_heads, PagedKV view, const float* __restrict__ block_max,
+                        const float2* __restrict__ partials, int num_chunks, Geometry geo,
+                        HistoryState hist) {
+  __shared__ typename RowReduce::TempStorage red;
+  __shared__ float s_val;
+  const int s = blockIdx.x, b = s / num_q_heads, qh = s % num_q_heads;
+  const int n = view.seq_lens[b];
+  const int j0 = blockIdx.y * kPoolMaxBlocks, j1 = min(geo.num_blocks(n), j0 + kPoolMaxBlocks);
+  if (j0 >= j1) return;
+  const float lse = row_lse(partials + int64_t(s) * num_chunks, n, red, s_val);
+  const float* mx = block_max + int64_t(s) * hist.max_blocks;
+  float* row = hist.slot(b, qh, hist.count[b] % hist.history);
+  for (int j = j0 + threadIdx.x; j < j1; j += kThreads) row[j] = expf(mx[j] - lse);
+}
+
 // Chunk y of (b, query head): the log-sum-exp from all chunks' partials, then the softmax of
 // the chunk's scores max-pooled into the history row (a warp segmented max + one atomicMax
 // per block run; probabilities are >= 0, so their float bits order as ints).
@@ -935,8 +1013,7 @@ __global__ void __launch_bounds__(kThreads)
                     int ids_stride, int num_kv_heads, const float* __restrict__ scores,
                     int max_tokens, const float2* __restrict__ partials, int num_chunks,
                     Geometry geo, HistoryState hist) {
-  using Reduce = cub::BlockReduce<float, kThreads>;
-  __shared__ typename Reduce::TempStorage red;
+  __shared__ typename RowReduce::TempStorage red;
   __shared__ float s_val;
   const int s = blockIdx.x, tid = threadIdx.x, chunk = blockIdx.y;
   const int b = s / num_q_heads, qh = s % num_q_heads;
@@ -945,21 +1022,7 @@ __global__ void __launch_bounds__(kThreads)
   const int n = view.seq_lens[seq];
   const int i0 = chunk * kRowChunk;
   if (i0 >= n) return;
-  const int used = (n + kScoreChunk - 1) / kScoreChunk;  // score CTAs that wrote a partial
-  const float2* part = partials + int64_t(s) * num_chunks;
-  float m = -INFINITY;
-  for (int c = tid; c < used; c += kThreads) m = fmaxf(m, part[c].x);
-  m = Reduce(red).Reduce(m, MaxOp());
-  if (tid == 0) s_val = m;
-  __syncthreads();
-  m = s_val;
-  float z = 0.f;
-  for (int c = tid; c < used; c += kThreads) z += part[c].y * expf(part[c].x - m);
-  __syncthreads();
-  z = Reduce(red).Sum(z);
-  if (tid == 0) s_val = m + logf(z);
-  __syncthreads();
-  const float lse = s_val;
+  const float lse = row_lse(partials + int64_t(s) * num_chunks, n, red, s_val);
   const float* sc = scores + int64_t(s) * max_tokens;
   const int32_t* id = ids ? ids + int64_t(seq) * ids_stride : nullptr;
   float* row = hist.slot(b, qh, hist.count[b] % hist.history);
@@ -1226,16 +1289,29 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
       (size_t(batch) * num_q_heads * max_tokens * sizeof(float) + 255) / 256 * 256);
   const dim3 grid(batch * num_kv_heads, chunks);
   // Mapped host memory is read far better by 16-byte lanes per key: offload mode's 128K step
-  // measured 1273-1278 us with them against 1333-1335 with the tensor-core form.
-  auto kernel = view.head_dim == 128
-                    ? (keys_on_host ? row_scores_kernel<128> : row_scores_mma_kernel<128>)
-                    : (keys_on_host ? row_scores_kernel<64> : row_scores_mma_kernel<64>);
+  // measured 1273-1278 us with them against 1333-1335 with the tensor-core form. A full row
+  // from device memory pools its block maxima in the score kernel (blocks of 8, 16 or 32
+  // tokens: whole blocks in a warp's 32 keys); any other row writes every score, and
+  // row_pool_kernel pools them.
+  const bool pooled = !sub && !keys_on_host && (g.block == 8 || g.block == 16 || g.block == 32);
+  auto kernel = view.head_dim == 128 ? (keys_on_host ? row_scores_kernel<128>
+                                        : pooled     ? row_scores_mma_kernel<128, true>
+                                                     : row_scores_mma_kernel<128, false>)
+                                     : (keys_on_host ? row_scores_kernel<64>
+                                        : pooled     ? row_scores_mma_kernel<64, true>
+                                                     : row_scores_mma_kernel<64, false>);
   kernel<<<grid, kThreads, 0, stream>>>(q, num_q_heads, view, sub, num_kv_heads, scale, scores,
-                                        max_tokens, partials, chunks, hist);
-  const int pool_chunks = (max_tokens + kRowChunk - 1) / kRowChunk;
-  row_pool_kernel<<<dim3(batch * num_q_heads, pool_chunks), kThreads, 0, stream>>>(
-      num_q_heads, view, sub, token_ids, ids_stride, num_kv_heads, scores, max_tokens, partials,
-      chunks, g, hist);
+                                        max_tokens, partials, chunks, hist, pooled ? g.block : 0);
+  if (pooled) {
+    const int parts = (hist.max_blocks + kPoolMaxBlocks - 1) / kPoolMaxBlocks;
+    row_pool_max_kernel<<<dim3(batch * num_q_heads, parts), kThreads, 0, stream>>>(
+        num_q_heads, view, scores, partials, chunks, g, hist);
+  } else {
+    const int pool_chunks = (max_tokens + kRowChunk - 1) / kRowChunk;
+    row_pool_kernel<<<dim3(batch * num_q_heads, pool_chunks), kThreads, 0, stream>>>(
+        num_q_heads, view, sub, token_ids, ids_stride, num_kv_heads, scores, max_tokens, partials,
+        chunks, g, hist);
+  }
   advance_history_kernel<<<(batch + 127) / 128, 128, 0, stream>>>(hist, kv_lens, batch);
   return cudaGetLastError();
 }

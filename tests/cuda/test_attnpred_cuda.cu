@@ -398,88 +398,94 @@ void run_against_cpu(bool offload) {
 }
 
 // append_row_cuda's full row against fp64: the softmax of q.k * scale over every token,
-// max-pooled into blocks of 16, for head_dim 64 and 128, GQA groups 1, 4 and 8, keys in device
+// max-pooled into blocks, for head_dim 64 and 128, GQA groups 1, 4 and 8, keys in device
 // memory (the tensor-core scores) and in mapped host memory (the lane form), two sequences
 // whose lengths are not multiples of the page, the block or the kernels' 256-key chunks.
+// Blocks of 8, 16 and 32 take the block maxima pooled inside the score kernel (device keys);
+// blocks of 4 take the per-token scores and the pool kernel, as host keys always do.
 // The slot the row goes to starts as garbage, so unwritten columns show; columns past a
 // sequence's blocks must be 0; count and tokens advance.
 TEST(AttnPredCuda, FullRowEqualsFp64AcrossShapes) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-  const int B = 2, hq = 8, page = 16, H = 4, mb = 90;
+  const int B = 2, hq = 8, page = 16, H = 4;
   const int lens[B] = {700, 1301};
   const int pages_per_seq = (1301 + page - 1) / page, num_pages = B * pages_per_seq;
-  const ap::Geometry geo{H, 16, 64, 64};
-  for (int d : {64, 128})
-    for (int hkv : {8, 2, 1})
-      for (bool on_host : {false, true}) {
-        SCOPED_TRACE("d " + std::to_string(d) + " hkv " + std::to_string(hkv) +
-                     (on_host ? " host keys" : " device keys"));
-        const int group = hq / hkv;
-        std::mt19937 rng(uint32_t(d * 100 + hkv * 10 + on_host));
-        std::normal_distribution<float> nd(0.f, 1.f);
-        std::vector<bf16> q(size_t(B) * hq * d), k(size_t(num_pages) * page * hkv * d);
-        for (auto& x : q) x = float_to_bf16(nd(rng));
-        for (auto& x : k) x = float_to_bf16(nd(rng));
-        std::vector<int32_t> table(static_cast<size_t>(num_pages));
-        for (int i = 0; i < num_pages; ++i) table[size_t(i)] = i;
-        std::shuffle(table.begin(), table.end(), rng);
-        const std::vector<int32_t> len_h(lens, lens + B), count_h = {1, 6};
-        std::vector<float> rows_h(size_t(B) * hq * H * mb, 7.f);
-        Dev<bf16> dq(q), dk(k);
-        bf16* hk = nullptr;
-        if (on_host) {
-          KVS_CUDA_CHECK(cudaHostAlloc(&hk, k.size() * sizeof(bf16), cudaHostAllocMapped));
-          std::copy(k.begin(), k.end(), hk);
-        }
-        Dev<int32_t> dtable(table), dlen(len_h), dcount(count_h), dtokens(B);
-        Dev<float> drows(rows_h);
-        const bf16* keys = on_host ? hk : dk.p;  // also as V: the row reads only K
-        const PagedKV view{keys, keys, dtable.p, dlen.p, B, num_pages, page, hkv, d, pages_per_seq};
-        const ap::HistoryState hist{drows.p, dcount.p, dtokens.p, B, hq, H, mb};
-        const size_t scratch_bytes = ap::row_scratch_bytes(B, hq, mb * geo.block);
-        Dev<char> scratch(scratch_bytes);
-        const float scale = 1.f / std::sqrt(float(d));
-        KVS_CUDA_CHECK(ap::append_row_cuda(dq.p, hq, view, nullptr, 0, dlen.p, B, hkv, scale, geo,
-                                           hist, scratch.p, scratch_bytes, on_host, nullptr));
-        KVS_CUDA_CHECK(cudaDeviceSynchronize());
-        const std::vector<float> got = drows.get(rows_h.size());
-        const std::vector<int32_t> count = dcount.get(B), tokens = dtokens.get(B);
-        for (int b = 0; b < B; ++b) {
-          EXPECT_EQ(count[size_t(b)], count_h[size_t(b)] + 1);
-          EXPECT_EQ(tokens[size_t(b)], lens[b]);
-          const int n = lens[b], nb = (n + 15) / 16;
-          for (int h = 0; h < hq; ++h) {
-            std::vector<double> sc(static_cast<size_t>(n));
-            double m = -INFINITY;
-            for (int t = 0; t < n; ++t) {
-              const int pg = table[size_t(b * pages_per_seq + t / page)];
-              const bf16* kr = k.data() + ((size_t(pg) * page + t % page) * hkv + h / group) * d;
-              const bf16* qr = q.data() + (size_t(b) * hq + h) * d;
-              double dot = 0;
-              for (int e = 0; e < d; ++e)
-                dot += double(bf16_to_float(qr[e])) * double(bf16_to_float(kr[e]));
-              sc[size_t(t)] = dot * scale;
-              m = std::max(m, sc[size_t(t)]);
-            }
-            double z = 0;
-            for (double v : sc) z += std::exp(v - m);
-            const float* row =
-                got.data() + ((size_t(b) * hq + h) * H + count_h[size_t(b)] % H) * mb;
-            for (int j = 0; j < mb; ++j) {
-              double want = 0;
-              for (int t = j * 16; t < std::min(n, j * 16 + 16); ++t)
-                want = std::max(want, std::exp(sc[size_t(t)] - m) / z);
-              if (j >= nb) {
-                ASSERT_EQ(row[j], 0.f) << "b " << b << " head " << h << " block " << j;
-              } else {
-                ASSERT_NEAR(row[j], want, 1e-6 + 1e-4 * want)
-                    << "b " << b << " head " << h << " block " << j;
+  for (int blk : {16, 8, 32, 4})
+    for (int d : {64, 128})
+      for (int hkv : {8, 2, 1})
+        for (bool on_host : {false, true}) {
+          if (blk != 16 && on_host) continue;  // the lane form has one pooling path
+          SCOPED_TRACE("block " + std::to_string(blk) + " d " + std::to_string(d) + " hkv " +
+                       std::to_string(hkv) + (on_host ? " host keys" : " device keys"));
+          const ap::Geometry geo{H, blk, 64, 64};
+          const int mb = (1301 + blk - 1) / blk + 8;  // columns past the longer row stay 0
+          const int group = hq / hkv;
+          std::mt19937 rng(uint32_t(d * 100 + hkv * 10 + on_host));
+          std::normal_distribution<float> nd(0.f, 1.f);
+          std::vector<bf16> q(size_t(B) * hq * d), k(size_t(num_pages) * page * hkv * d);
+          for (auto& x : q) x = float_to_bf16(nd(rng));
+          for (auto& x : k) x = float_to_bf16(nd(rng));
+          std::vector<int32_t> table(static_cast<size_t>(num_pages));
+          for (int i = 0; i < num_pages; ++i) table[size_t(i)] = i;
+          std::shuffle(table.begin(), table.end(), rng);
+          const std::vector<int32_t> len_h(lens, lens + B), count_h = {1, 6};
+          std::vector<float> rows_h(size_t(B) * hq * H * mb, 7.f);
+          Dev<bf16> dq(q), dk(k);
+          bf16* hk = nullptr;
+          if (on_host) {
+            KVS_CUDA_CHECK(cudaHostAlloc(&hk, k.size() * sizeof(bf16), cudaHostAllocMapped));
+            std::copy(k.begin(), k.end(), hk);
+          }
+          Dev<int32_t> dtable(table), dlen(len_h), dcount(count_h), dtokens(B);
+          Dev<float> drows(rows_h);
+          const bf16* keys = on_host ? hk : dk.p;  // also as V: the row reads only K
+          const PagedKV view{keys,      keys, dtable.p, dlen.p, B,
+                             num_pages, page, hkv,      d,      pages_per_seq};
+          const ap::HistoryState hist{drows.p, dcount.p, dtokens.p, B, hq, H, mb};
+          const size_t scratch_bytes = ap::row_scratch_bytes(B, hq, mb * geo.block);
+          Dev<char> scratch(scratch_bytes);
+          const float scale = 1.f / std::sqrt(float(d));
+          KVS_CUDA_CHECK(ap::append_row_cuda(dq.p, hq, view, nullptr, 0, dlen.p, B, hkv, scale, geo,
+                                             hist, scratch.p, scratch_bytes, on_host, nullptr));
+          KVS_CUDA_CHECK(cudaDeviceSynchronize());
+          const std::vector<float> got = drows.get(rows_h.size());
+          const std::vector<int32_t> count = dcount.get(B), tokens = dtokens.get(B);
+          for (int b = 0; b < B; ++b) {
+            EXPECT_EQ(count[size_t(b)], count_h[size_t(b)] + 1);
+            EXPECT_EQ(tokens[size_t(b)], lens[b]);
+            const int n = lens[b], nb = (n + blk - 1) / blk;
+            for (int h = 0; h < hq; ++h) {
+              std::vector<double> sc(static_cast<size_t>(n));
+              double m = -INFINITY;
+              for (int t = 0; t < n; ++t) {
+                const int pg = table[size_t(b * pages_per_seq + t / page)];
+                const bf16* kr = k.data() + ((size_t(pg) * page + t % page) * hkv + h / group) * d;
+                const bf16* qr = q.data() + (size_t(b) * hq + h) * d;
+                double dot = 0;
+                for (int e = 0; e < d; ++e)
+                  dot += double(bf16_to_float(qr[e])) * double(bf16_to_float(kr[e]));
+                sc[size_t(t)] = dot * scale;
+                m = std::max(m, sc[size_t(t)]);
+              }
+              double z = 0;
+              for (double v : sc) z += std::exp(v - m);
+              const float* row =
+                  got.data() + ((size_t(b) * hq + h) * H + count_h[size_t(b)] % H) * mb;
+              for (int j = 0; j < mb; ++j) {
+                double want = 0;
+                for (int t = j * blk; t < std::min(n, j * blk + blk); ++t)
+                  want = std::max(want, std::exp(sc[size_t(t)] - m) / z);
+                if (j >= nb) {
+                  ASSERT_EQ(row[j], 0.f) << "b " << b << " head " << h << " block " << j;
+                } else {
+                  ASSERT_NEAR(row[j], want, 1e-6 + 1e-4 * want)
+                      << "b " << b << " head " << h << " block " << j;
+                }
               }
             }
           }
+          if (hk) cudaFreeHost(hk);
         }
-        if (hk) cudaFreeHost(hk);
-      }
 }
 
 TEST(AttnPredCuda, GpuResidentEngineMatchesCpu) {
