@@ -130,6 +130,16 @@ __device__ int plan_chunk(const int32_t* seq_lens, int batch, int chunks_per_hea
   return int(chunk);
 }
 
+// A sequence's own chunk length: its plan_chunk(...) share of items, cut equally (up to a
+// round of tiles), so that its last chunk is not a remainder. The item count stays
+// chunks_of(len, chunk), as the merge kernel counts it, and no chunk grows past `chunk`.
+// (Cut at `chunk`, 32K batch 8 ran CTAs of 9728 and 3584 tokens, and the long ones set the
+// time; cut equally, every CTA gets 8192.)
+__device__ __forceinline__ int seq_chunk(int len, int chunk, int align) {
+  const int n = chunks_of(len, chunk);
+  return len > 0 ? int(round_up((len + n - 1) / n, align)) : chunk;
+}
+
 // Maps work item `item` to its sequence and token range (items are numbered sequence by
 // sequence).
 __device__ WorkItem find_work_item(const DecodeParams& p, int align, int item, int lane) {
@@ -156,9 +166,10 @@ __device__ WorkItem find_work_item(const DecodeParams& p, int align, int item, i
       w.first_item = __shfl_sync(0xffffffffu, first, src);
       w.num_items = __shfl_sync(0xffffffffu, n, src);
       const int len_b = __shfl_sync(0xffffffffu, len, src);
-      const int64_t begin = int64_t(item - w.first_item) * chunk;
+      const int chunk_b = seq_chunk(len_b, chunk, align);
+      const int64_t begin = int64_t(item - w.first_item) * chunk_b;
       w.begin = int(begin);
-      w.end = int(begin + chunk < len_b ? begin + chunk : len_b);
+      w.end = int(begin + chunk_b < len_b ? begin + chunk_b : len_b);
       return w;
     }
     base += __shfl_sync(0xffffffffu, incl, 31);
