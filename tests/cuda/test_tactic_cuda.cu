@@ -207,7 +207,7 @@ void check_decode(int hq, int hkv, int d, const std::vector<int>& lens, double P
                   int max_context = 4096, bool zero_queries = false) {
   const ModelShape s = shape(hq, hkv, d);
   const int B = int(lens.size()), g = hq / hkv;
-  Pair p(s, lens, 4096, seed);
+  Pair p(s, lens, std::max(4096, *std::max_element(lens.begin(), lens.end())), seed);
   if (zero_queries) std::fill(p.q.begin(), p.q.end(), float_to_bf16(0.f));
   auto ge = make(s, Backend::Cuda, B, P, 2048, max_context);
   auto& te = dynamic_cast<TacticEngine&>(*ge);
@@ -296,6 +296,14 @@ TEST(TacticCuda, SelectionAndAttentionMatchCpuGqa8) {
   KVS_SKIP_WITHOUT_CUDA();
   check_decode(16, 2, 128, {2500, 1, 900}, 0.9, 23);
   check_decode(32, 4, 64, {1200}, 0.75, 24);
+}
+
+// A full-size list for the one-CTA bucket sort: 8192 clusters per kv head at 128K, whose
+// centroids bunch around the data's 64 centres, so that the scores crowd into a few parts
+// of their range (the coarse histogram has to cut those finer).
+TEST(TacticCuda, FullSizeClusterListsMatchCpu) {
+  KVS_SKIP_WITHOUT_CUDA();
+  check_decode(8, 2, 128, {131072}, 0.9, 27, 131072);
 }
 
 // Cluster capacities above 8192 (contexts beyond 128K) sort with the CUB segmented radix
