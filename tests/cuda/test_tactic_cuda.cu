@@ -300,7 +300,8 @@ TEST(TacticCuda, SelectionAndAttentionMatchCpuGqa8) {
 
 // A full-size list for the one-CTA bucket sort: 8192 clusters per kv head at 128K, whose
 // centroids bunch around the data's 64 centres, so that the scores crowd into a few parts
-// of their range (the coarse histogram has to cut those finer).
+// of their range and many clusters share a bucket (or, past kOrderMaxBucket, the radix-sort
+// fallback takes over).
 TEST(TacticCuda, FullSizeClusterListsMatchCpu) {
   KVS_SKIP_WITHOUT_CUDA();
   check_decode(8, 2, 128, {131072}, 0.9, 27, 131072);
