@@ -378,8 +378,10 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int C = T / cluster_size;
   if (kv.seq_lens[b] - start < T) return;  // nothing due: the common case, one load
   if (start + T > st.max_tokens || c0 + C > st.max_clusters) return;
-  extern __shared__ __align__(16) unsigned char smem[];
-  bf* mu = reinterpret_cast<bf*>(smem);                // [C][D]
+  // Named apart from assign_kernel's 128-byte aligned `smem`: one name declared with two
+  // alignments is a compiler warning (#1886).
+  extern __shared__ __align__(16) unsigned char recluster_smem[];
+  bf* mu = reinterpret_cast<bf*>(recluster_smem);      // [C][D]
   float* norm = reinterpret_cast<float*>(mu + C * D);  // [C]
   int32_t* cursor = reinterpret_cast<int32_t*>(norm + C);
   int32_t* labels = cursor + C;  // [T]
