@@ -71,10 +71,6 @@ struct Problem {
   int64_t cscratch;  // first cluster of this problem in the per-cluster scratch
 };
 
-struct MinOp {
-  __device__ __forceinline__ float operator()(float a, float b) const { return fminf(a, b); }
-};
-
 struct MaxOp {
   __device__ __forceinline__ int operator()(int a, int b) const { return a > b ? a : b; }
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
@@ -667,7 +663,13 @@ __device__ __forceinline__ int padded(int i) { return i + (i >> 5); }
 
 using OrderSort = cub::BlockRadixSort<float, kOrderThreads, kOrderItems, int>;
 using OrderScan = cub::BlockScan<int, kOrderThreads>;
-using OrderReduce = cub::BlockReduce<float, kOrderThreads>;
+using OrderReduce = cub::BlockReduce<float2, kOrderThreads>;
+// (min, max) of a score range, reduced together: one block reduction instead of two.
+struct RangeOp {
+  __device__ __forceinline__ float2 operator()(float2 a, float2 b) const {
+    return make_float2(fminf(a.x, b.x), fmaxf(a.y, b.y));
+  }
+};
 
 struct OrderBuckets {
   int count[kOrderCountWords];  // clusters per bucket, then (scanned) each bucket's first rank
@@ -746,12 +748,10 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
       hi = fmaxf(hi, k[i]);
       if (!isfinite(k[i])) hi = INFINITY;
     }
-  lo = OrderReduce(sm.t.reduce).Reduce(lo, MinOp());
-  __syncthreads();
-  hi = OrderReduce(sm.t.reduce).Reduce(hi, MaxOp());
+  const float2 range = OrderReduce(sm.t.reduce).Reduce(make_float2(lo, hi), RangeOp());
   if (tid == 0) {
-    sm.lo = lo;
-    sm.hi = hi;
+    sm.lo = range.x;
+    sm.hi = range.y;
     sm.max_bucket = 0;
   }
   for (int x = tid; x < kOrderCountWords; x += kOrderThreads) sm.u.buckets.count[x] = 0;
@@ -1172,20 +1172,43 @@ __global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
     typename Scan::TempStorage scan;
     typename Reduce::TempStorage reduce;
   } tmp;
-  __shared__ int s_cluster[kIndexChunk], s_pos[kIndexChunk];
+  __shared__ int s_first[kIndexChunk], s_size[kIndexChunk], s_pos[kIndexChunk];
   __shared__ int s_before;
   const int Hkv = p.kv.num_kv_heads;
   const int sub = blockIdx.y;
   const int b = sub / Hkv, h = sub % Hkv;
   const int64_t slot = p.st.slot(b, h);
-  const int C = p.st.num_clusters[slot], clen = p.st.clustered_len[slot];
-  const int last = C > 0 ? (C - 1) / kIndexChunk : 0;
-  if (int(blockIdx.x) > last) return;
-  const int len = p.kv.seq_lens[b];
+  const int M = p.st.max_clusters;
   const int32_t* off = p.st.offsets_of(b, h);
-  const int32_t* members = p.st.members_of(b, h);
   const uint32_t* bits = p.bitmap + slot * p.words;
-  auto flagged = [&](int c) { return (bits[c / 32] >> (c % 32)) & 1u; };
+  const int c0 = blockIdx.x * kIndexChunk, c = c0 + int(threadIdx.x);
+  // The chunk's own bitmap word and offsets go out with the cluster count (loaded to the
+  // state's capacity, allocated, and cut at the count below).
+  const uint32_t own_word = c < M ? bits[c / 32] : 0u;
+  const int own_lo = c < M ? off[c] : 0, own_hi = c < M ? off[c + 1] : 0;
+  const int C = p.st.num_clusters[slot], clen = p.st.clustered_len[slot];
+  const int len = p.kv.seq_lens[b];
+  const int last = C > 0 ? (C - 1) / kIndexChunk : 0;
+  if (int(blockIdx.x) > last) return;  // uniform: a chunk past the list
+  int before = 0;
+  constexpr int kBatch = 8;  // independent loads per round: the pass is latency-bound
+  // The clusters before the chunk (all below C). Their offsets are loaded with their bitmap
+  // words, not after them: one round trip a round instead of two.
+  for (int cb = threadIdx.x; cb < c0; cb += kIndexThreads * kBatch) {
+    uint32_t word[kBatch];
+    int lo[kBatch], hi[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int x = cb + i * kIndexThreads;
+      word[i] = x < c0 ? bits[x / 32] : 0u;
+      lo[i] = x < c0 ? off[x] : 0;
+      hi[i] = x < c0 ? off[x + 1] : 0;
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i)
+      before += (word[i] >> ((cb + i * kIndexThreads) % 32)) & 1u ? hi[i] - lo[i] : 0;
+  }
+  const int32_t* members = p.st.members_of(b, h);
   int32_t* tokens = p.sel.tokens + sub * int64_t(p.sel.max_tokens);
   int32_t* rows = p.sel.rows + sub * int64_t(p.sel.max_tokens);
   auto put = [&](int i, int t) {
@@ -1193,46 +1216,25 @@ __global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
     tokens[i] = t;
     rows[i] = int32_t((page * p.kv.page_size + t % p.kv.page_size) * Hkv + h);
   };
-  const int c0 = blockIdx.x * kIndexChunk;
-  int before = 0;
-  constexpr int kBatch = 8;  // independent loads per round: the pass is latency-bound
-  for (int cb = threadIdx.x; cb < c0; cb += kIndexThreads * kBatch) {
-    bool f[kBatch];
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int c = cb + i * kIndexThreads;
-      f[i] = c < c0 && flagged(c);
-    }
-    int lo[kBatch], hi[kBatch];
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int c = cb + i * kIndexThreads;
-      lo[i] = f[i] ? off[c] : 0;
-      hi[i] = f[i] ? off[c + 1] : 0;
-    }
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) before += hi[i] - lo[i];
-  }
   before = Reduce(tmp.reduce).Sum(before);
   if (threadIdx.x == 0) s_before = before;  // thread 0 holds the block sum
   __syncthreads();
   before = s_before;
-  const int c = c0 + int(threadIdx.x);
-  const bool mine = c < C && flagged(c);
+  const bool mine = c < C && ((own_word >> (c % 32)) & 1u);
   int pos, total;
-  Scan(tmp.scan).ExclusiveSum(mine ? off[c + 1] - off[c] : 0, pos, total);
+  Scan(tmp.scan).ExclusiveSum(mine ? own_hi - own_lo : 0, pos, total);
   __syncthreads();
   int k, count;
   Scan(tmp.scan).ExclusiveSum(mine ? 1 : 0, k, count);
   if (mine) {
-    s_cluster[k] = c;
+    s_first[k] = own_lo;
+    s_size[k] = own_hi - own_lo;
     s_pos[k] = before + pos;
   }
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int f = warp; f < count; f += kIndexThreads / 32) {
-    const int cl = s_cluster[f], at = s_pos[f];
-    const int lo = off[cl], n = off[cl + 1] - lo;
+    const int lo = s_first[f], n = s_size[f], at = s_pos[f];
     for (int i = lane; i < n; i += 32) put(at + i, members[lo + i]);
   }
   if (int(blockIdx.x) == last) {
