@@ -281,6 +281,11 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAtBatchOneWideHidden) {
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineThirtyTwoOfAThousandClusters) {
   run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32);
 }
+// 2048 clusters: more than the route sorts in registers (kRouteThreads, 1024), so it takes
+// the shared-memory bitonic sort.
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithTwoThousandClusters) {
+  run_pair(SaapRouter::Mlp, {2000}, 32, 2048, 32);
+}
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithFortyProbes) {
   run_pair(SaapRouter::Mlp, {900, 1300}, 32, 64, 40);
 }
