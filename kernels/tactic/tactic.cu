@@ -662,7 +662,9 @@ constexpr int kOrderCountWords = kOrderBuckets + kOrderBuckets / 32;
 __device__ __forceinline__ int padded(int i) { return i + (i >> 5); }
 
 using OrderSort = cub::BlockRadixSort<float, kOrderThreads, kOrderItems, int>;
-using OrderScan = cub::BlockScan<int, kOrderThreads>;
+// Warp scans, not the default raking: a 1024-thread raking scan runs its upsweep and downsweep
+// on one warp, a serial chain of 32 items each (this kernel scans twice).
+using OrderScan = cub::BlockScan<int, kOrderThreads, cub::BLOCK_SCAN_WARP_SCANS>;
 using OrderReduce = cub::BlockReduce<float2, kOrderThreads>;
 // (min, max) of a score range, reduced together: one block reduction instead of two.
 struct RangeOp {
@@ -791,20 +793,26 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
         sm.u.buckets.id[at] = tid * kOrderItems + i;
       }
     __syncthreads();
+    // Each cluster's rank among its bucket mates, by bucket position, striped: a warp's lanes
+    // hold neighbouring positions, so they walk the same bucket together (the same trip count,
+    // every mate's key and id read once for all lanes). By cluster (each lane's mates in a
+    // bucket of its own) a warp paid its largest bucket for each of its items.
 #pragma unroll
     for (int i = 0; i < kOrderItems; ++i) {
-      const int c = tid * kOrderItems + i;
-      if (c >= C) continue;
-      const int first = sm.u.buckets.count[padded(bucket[i])];
-      const int last =
-          bucket[i] + 1 < kOrderBuckets ? sm.u.buckets.count[padded(bucket[i] + 1)] : C;
+      const int at = tid + i * kOrderThreads;
+      if (at >= C) continue;
+      const float ka = sm.u.buckets.key[at];
+      const int ca = sm.u.buckets.id[at];
+      const int bk = min(kOrderBuckets - 1, int((hi - ka) * inv));  // the scatter's bucket
+      const int first = sm.u.buckets.count[padded(bk)];
+      const int last = bk + 1 < kOrderBuckets ? sm.u.buckets.count[padded(bk + 1)] : C;
       int rank = first;
 #pragma unroll 4
       for (int j = first; j < last; ++j) {
         const float kj = sm.u.buckets.key[j];
-        rank += (kj > k[i] || (kj == k[i] && sm.u.buckets.id[j] < c)) ? 1 : 0;
+        rank += (kj > ka || (kj == ka && sm.u.buckets.id[j] < ca)) ? 1 : 0;
       }
-      sm.ranked[rank] = c;
+      sm.ranked[rank] = ca;
     }
   } else {
     int v[kOrderItems];
