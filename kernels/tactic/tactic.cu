@@ -438,11 +438,13 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // ---- decode selection ------------------------------------------------------------------------
 
+constexpr int kIndexThreads = 256;
+constexpr int kIndexChunk = kIndexThreads;  // clusters per index CTA (and per member count)
+
 struct SelectLayout {
   size_t keys_a, keys_b, vals_a, vals_b, seg_begin, seg_end, prefix, sample_tokens, logits, exact,
-      bitmap, temp,
-      temp_bytes, total;
-  int smax, words;
+      bitmap, chunk_members, temp, temp_bytes, total;
+  int smax, words, chunks;
 };
 
 // max_samples scans every length up to max_tokens; decode calls must not pay that each step.
@@ -475,6 +477,7 @@ SelectLayout select_layout(int max_batch, int Hq, int Hkv, int max_clusters, int
   const size_t items = rows * size_t(max_clusters);
   l.smax = cached_max_samples(max_tokens, fit);
   l.words = (max_clusters + 31) / 32;
+  l.chunks = (max_clusters + kIndexChunk - 1) / kIndexChunk;
   size_t o = 0;
   l.keys_a = o;
   o += up(items * sizeof(float));
@@ -498,6 +501,8 @@ SelectLayout select_layout(int max_batch, int Hq, int Hkv, int max_clusters, int
   o += up(rows * size_t(l.smax) * sizeof(double));
   l.bitmap = o;
   o += up(size_t(max_batch) * Hkv * size_t(l.words) * sizeof(uint32_t));
+  l.chunk_members = o;
+  o += up(size_t(max_batch) * Hkv * size_t(l.chunks) * sizeof(int));
   l.temp_bytes = sort_temp_bytes(int(rows), max_clusters);
   l.temp = o;
   o += up(l.temp_bytes);
@@ -512,7 +517,7 @@ struct SelectParams {
   Selection sel;
   FitParams fit;
   float scale;
-  int num_q_heads, group, smax, words;
+  int num_q_heads, group, smax, words, chunks;
   float* keys;        // unsorted scores [rows, max_clusters]
   int* vals;          // unsorted ids
   const int* sorted;  // sorted ids (the sort's current buffer)
@@ -523,6 +528,7 @@ struct SelectParams {
   float* logits;
   double* exact;
   uint32_t* bitmap;
+  int* chunk_members;  // [subs, chunks] members of the union's clusters in each index chunk
   unsigned long long* counters;
 };
 
@@ -582,6 +588,7 @@ __global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
   }
   if (int(threadIdx.x) < tile && (c0 + threadIdx.x) % 32 == 0)
     p.bitmap[slot * p.words + (c0 + threadIdx.x) / 32] = 0u;
+  if (threadIdx.x == 0 && c0 % kIndexChunk == 0) p.chunk_members[slot * p.chunks + c0 / kIndexChunk] = 0;
   __syncthreads();
   // Scores on the tensor cores: the queries as A, 8 centroids a tile as B (rows of cs are
   // B's columns), a warp per tile of 8. The per-thread FMA form (each centroid against the
@@ -1157,21 +1164,24 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
     p.sel.selected[row] = prefix[1 + below];
   }
   __syncthreads();
+  // The union, and the members it adds to each index chunk: the row that sets a cluster's bit
+  // first adds its size, so a cluster chosen by several heads of the group counts once.
   for (int j = threadIdx.x; j < s_clusters; j += kRowThreads) {
     const int c = j < kRowThreads ? first_id : ids[j];
-    atomicOr(&p.bitmap[slot * p.words + c / 32], 1u << (c % 32));
+    const int size = prefix[j + 1] - prefix[j];
+    const uint32_t bit = 1u << (c % 32);
+    if (!(atomicOr(&p.bitmap[slot * p.words + c / 32], bit) & bit))
+      atomicAdd(&p.chunk_members[slot * p.chunks + c / kIndexChunk], size);
   }
 }
 
 // Compaction of the union into the sub-request page table: one CTA per (chunk of
-// kIndexChunk clusters, sequence, kv head). A CTA counts the flagged members of the clusters
-// before its chunk (a strided pass over the bitmap and offsets, read from L2 by every CTA of
-// the pair: cheaper than a second launch for a scan), scans its own chunk, and its warps copy
-// the flagged clusters' members, a lane per member. The CTA of the last chunk also appends the
-// recent tokens and writes the count. Output order: flagged clusters ascending, members in CSR
-// order, then the recent tokens.
-constexpr int kIndexThreads = 256;
-constexpr int kIndexChunk = kIndexThreads;  // clusters per CTA
+// kIndexChunk clusters, sequence, kv head). A CTA sums the union's members in the chunks
+// before its own (the budget counted them per chunk as it set the bits: one load per earlier
+// chunk, where a pass over the earlier clusters' bits and offsets took several rounds of
+// loads), scans its own chunk, and its warps copy the flagged clusters' members, a lane per
+// member. The CTA of the last chunk also appends the recent tokens and writes the count.
+// Output order: flagged clusters ascending, members in CSR order, then the recent tokens.
 
 __global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
   using Scan = cub::BlockScan<int, kIndexThreads>;
@@ -1194,28 +1204,16 @@ __global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
   // state's capacity, allocated, and cut at the count below).
   const uint32_t own_word = c < M ? bits[c / 32] : 0u;
   const int own_lo = c < M ? off[c] : 0, own_hi = c < M ? off[c + 1] : 0;
+  // And the members of the earlier chunks, a chunk per thread (one round up to 256 chunks:
+  // 1M tokens at cluster size 16).
+  const int* counted = p.chunk_members + slot * p.chunks;
+  int before = int(threadIdx.x) < int(blockIdx.x) ? counted[threadIdx.x] : 0;
   const int C = p.st.num_clusters[slot], clen = p.st.clustered_len[slot];
   const int len = p.kv.seq_lens[b];
   const int last = C > 0 ? (C - 1) / kIndexChunk : 0;
   if (int(blockIdx.x) > last) return;  // uniform: a chunk past the list
-  int before = 0;
-  constexpr int kBatch = 8;  // independent loads per round: the pass is latency-bound
-  // The clusters before the chunk (all below C). Their offsets are loaded with their bitmap
-  // words, not after them: one round trip a round instead of two.
-  for (int cb = threadIdx.x; cb < c0; cb += kIndexThreads * kBatch) {
-    uint32_t word[kBatch];
-    int lo[kBatch], hi[kBatch];
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int x = cb + i * kIndexThreads;
-      word[i] = x < c0 ? bits[x / 32] : 0u;
-      lo[i] = x < c0 ? off[x] : 0;
-      hi[i] = x < c0 ? off[x + 1] : 0;
-    }
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i)
-      before += (word[i] >> ((cb + i * kIndexThreads) % 32)) & 1u ? hi[i] - lo[i] : 0;
-  }
+  for (int x = int(threadIdx.x) + kIndexThreads; x < int(blockIdx.x); x += kIndexThreads)
+    before += counted[x];
   const int32_t* members = p.st.members_of(b, h);
   int32_t* tokens = p.sel.tokens + sub * int64_t(p.sel.max_tokens);
   int32_t* rows = p.sel.rows + sub * int64_t(p.sel.max_tokens);
@@ -1461,6 +1459,8 @@ cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv
   p.logits = reinterpret_cast<float*>(ws + l.logits);
   p.exact = reinterpret_cast<double*>(ws + l.exact);
   p.bitmap = reinterpret_cast<uint32_t*>(ws + l.bitmap);
+  p.chunk_members = reinterpret_cast<int*>(ws + l.chunk_members);
+  p.chunks = l.chunks;
   p.counters = counters;
   return d == 64 ? launch_select<64>(p, l, ws, kv.batch, stream)
                  : launch_select<128>(p, l, ws, kv.batch, stream);
