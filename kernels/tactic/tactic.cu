@@ -30,9 +30,10 @@
 //           token (one coalesced key-row read, shuffle sum), several tokens per group
 //   budget  max, exact prefix (in shared memory), window means, fit, K (a block-parallel
 //           search), round up to clusters by a block-wide count over the prefix, bitmap OR
-//           (union)
+//           (union), and the members each newly set bit adds to its index chunk
 //   index   compaction of the union's members + recent tokens into the sub-request page
-//           table: a CTA per 256-cluster chunk, a warp per flagged cluster
+//           table: a CTA per 256-cluster chunk (its start from the earlier chunks' counts),
+//           a warp per flagged cluster
 // Attention is then the dense split-KV kernel over the sub-request view (tactic.h).
 #include <cuda_bf16.h>
 #include <mma.h>
