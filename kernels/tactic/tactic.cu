@@ -589,7 +589,8 @@ __global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
   }
   if (int(threadIdx.x) < tile && (c0 + threadIdx.x) % 32 == 0)
     p.bitmap[slot * p.words + (c0 + threadIdx.x) / 32] = 0u;
-  if (threadIdx.x == 0 && c0 % kIndexChunk == 0) p.chunk_members[slot * p.chunks + c0 / kIndexChunk] = 0;
+  if (threadIdx.x == 0 && c0 % kIndexChunk == 0)
+    p.chunk_members[slot * p.chunks + c0 / kIndexChunk] = 0;
   __syncthreads();
   // Scores on the tensor cores: the queries as A, 8 centroids a tile as B (rows of cs are
   // B's columns), a warp per tile of 8. The per-thread FMA form (each centroid against the

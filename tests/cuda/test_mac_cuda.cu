@@ -11,14 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "artifacts/capture_file.h"
 #include "kernels/mac/mac.h"
 #include "runtime/dense_engine.h"
 #include "runtime/engine.h"
-#include "runtime/eval/replay.h"
 #include "runtime/kv_cache.h"
 #include "runtime/mac_engine.h"
 #include "tests/cpu/mac_scene.h"
+#include "tests/cuda/captured_replay.h"
 #include "tests/cuda/cuda_test_util.h"
 
 namespace kvs {
@@ -333,43 +332,17 @@ TEST(MacCuda, GraphCapturedStepsMatchCpu) {
   cudaStreamDestroy(stream);
 }
 
-// Captured data: tests/fixtures/kvs_tiny_a_capture_l1.h5 holds 640 tokens of the embedded
-// model (layer 1, kv head 0 with its 4 query heads, 96 recorded decode steps), made by
-//   kvs-capture --text data/corpus/docs.val.txt.gz --context 640 --decode-steps 96
-//               --layers 1 --kv-heads 0 --device cpu -o tests/fixtures/kvs_tiny_a_capture_l1.h5
-// Both threshold rules, W 64, B 32, no minimum context, replayed on the CPU and the CUDA
-// engine. Real queries can sit near a threshold, where the engines' fp32 sums (in different
-// orders) may decide differently, so reads and output errors are compared with room for a
-// flip or two rather than exactly.
+// Captured data (tests/cuda/captured_replay.h): both threshold rules, W 64, B 32, no minimum
+// context, replayed on the CPU and the CUDA engine.
 TEST(MacCuda, CapturedQueriesMatchCpu) {
   KVS_SKIP_WITHOUT_CUDA();
-  const CaptureFile capture =
-      CaptureFile::open(std::string(KVS_SOURCE_DIR) + "/tests/fixtures/kvs_tiny_a_capture_l1.h5");
-  eval::ReplayConfig rc;
-  rc.methods = {"mac:window=64,band=32,min_context=0",
-                "mac:window=64,band=32,min_context=0,threshold=paper"};
-  rc.budget_fractions.clear();
-  rc.baselines_at_method_read = false;
-  rc.engine.backend = Backend::Cpu;
-  const std::vector<eval::ResultRow> cpu = eval::replay_capture(capture, rc).rows_over_layers();
-  rc.engine.backend = Backend::Cuda;
-  const std::vector<eval::ResultRow> gpu = eval::replay_capture(capture, rc).rows_over_layers();
-  ASSERT_EQ(cpu.size(), gpu.size());
-  int compared = 0;
-  for (size_t i = 0; i < cpu.size(); ++i) {
-    if (cpu[i].method != "mac") continue;
-    SCOPED_TRACE(cpu[i].knob);
-    ASSERT_EQ(gpu[i].method, cpu[i].method);
-    ASSERT_EQ(gpu[i].knob, cpu[i].knob);
-    EXPECT_EQ(gpu[i].steps, cpu[i].steps);
-    EXPECT_GT(cpu[i].steps, 0);
-    EXPECT_LT(cpu[i].kv_read_fraction_mean, 0.6);  // reuse happened: the test compares hits
-    EXPECT_NEAR(gpu[i].kv_read_fraction_mean, cpu[i].kv_read_fraction_mean, 0.02);
-    EXPECT_NEAR(gpu[i].rel_l2_mean, cpu[i].rel_l2_mean, 0.01);
-    EXPECT_NEAR(gpu[i].mass_recall_mean, cpu[i].mass_recall_mean, 0.02);
-    ++compared;
-  }
-  EXPECT_EQ(compared, 2);
+  test::ReplayTolerance tol;
+  tol.max_read = 0.6;  // reuse happened: the test compares hits
+  EXPECT_EQ(
+      test::expect_captured_replays_agree({"mac:window=64,band=32,min_context=0",
+                                           "mac:window=64,band=32,min_context=0,threshold=paper"},
+                                          "mac", tol),
+      2);
 }
 
 }  // namespace
