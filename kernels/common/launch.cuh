@@ -3,7 +3,30 @@
 
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
+
 namespace kvs::kernels {
+
+// The current device's SM count, read once per device and cached, so that a captured decode
+// step that sizes its grids by it does nothing but launch.
+inline cudaError_t sm_count(int* out) {
+  static std::mutex mu;
+  static std::map<int, int> cache;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(dev);
+  if (it == cache.end()) {
+    int sms = 0;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (err != cudaSuccess) return err;
+    it = cache.emplace(dev, sms).first;
+  }
+  *out = it->second;
+  return cudaSuccess;
+}
 
 // kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent launch: the
 // kernel's CTAs may become resident once every CTA of the kernel before it on the stream has

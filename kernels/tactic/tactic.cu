@@ -22,10 +22,12 @@
 //           stages the (contiguous) centroids through shared memory with coalesced loads and
 //           scores them on the tensor cores (bf16 mma, fp32 accumulation)
 //   order   descending, per (sequence, query head), with the sorted-position prefix of
-//           cluster sizes and the token of every sampled position. One CTA per row up to
-//           8192 clusters (128K tokens): a bucket sort over the score range (block radix
-//           sort when the spread is degenerate). Longer lists: a CUB segmented radix sort, a
-//           prefix kernel and a locate kernel ((L+1)-ary search of the prefix per sample)
+//           cluster sizes and the token of every sampled position. Up to 8192 clusters (128K
+//           tokens): a bucket sort over the score range (block radix sort when the spread is
+//           degenerate), by one CTA per row, or by up to 4 when the rows leave SMs idle,
+//           each ranking a share of the sorted positions. Longer lists: a CUB segmented
+//           radix sort, a prefix kernel and a locate kernel ((L+1)-ary search of the prefix
+//           per sample)
 //   sample  logits of the exact and window positions: a group of d / 8 lanes per sampled
 //           token (one coalesced key-row read, shuffle sum), several tokens per group
 //   budget  max, exact prefix (in shared memory), window means, fit, K (a block-parallel
@@ -48,6 +50,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/common/launch.cuh"
 #include "kernels/common/ptx.cuh"
 #include "kernels/tactic/tactic.h"
 
@@ -642,9 +645,18 @@ __global__ void __launch_bounds__(kRowThreads) prefix_kernel(SelectParams p) {
   }
 }
 
-// Sorted order, prefix and sample tokens in one CTA per (sequence, query head) when every
-// cluster list fits the CTA (max_clusters <= 8192, i.e. contexts up to 128K at cluster size
-// 16). The order is the CPU's: descending score, ties to the lower cluster id.
+// Sorted order, prefix and sample tokens per (sequence, query head) when every cluster list
+// fits a CTA (max_clusters <= 8192, i.e. contexts up to 128K at cluster size 16). The order
+// is the CPU's: descending score, ties to the lower cluster id.
+//
+// A row may take several CTAs (parts) when the rows alone leave SMs idle (32 rows on 132 SMs
+// at batch 1). Every part repeats the cheap whole-row phases (loads, range, histogram, bucket
+// scan), which need no exchange between CTAs, and then does the per-item phases (rank, sorted
+// sizes, outputs, sample tokens) only for its share of the sorted positions: the buckets whose
+// first rank falls in [C * part / parts, C * (part + 1) / parts). A share starts and ends on a
+// bucket boundary, so a part ranks exactly the items of its positions, and its prefix starts
+// from the sizes of the items in earlier buckets. Those per-item phases were about 60 % of the
+// one-CTA kernel (docs/gpu.md). The radix-sort fallback runs on part 0 alone.
 //
 // A bucket sort, not a radix sort: the scores are spread over a range, so kOrderBuckets
 // equal-width buckets of [min, max] (bucket index nonincreasing in the score) hold a handful
@@ -688,6 +700,8 @@ struct OrderBuckets {
   int id[kOrderMax];
 };
 
+constexpr int kOrderMaxParts = 4;
+
 struct OrderSmem {
   union {
     typename OrderSort::TempStorage sort;
@@ -701,12 +715,14 @@ struct OrderSmem {
   int offsets[kOrderMax + 1];  // the list's CSR offsets, then the prefix of sorted sizes
   float lo, hi;
   int max_bucket;
+  int first, last;  // this part's sorted positions [first, last)
+  int carry;        // members of the clusters sorted before `first`
 };
 
-// Sorted position x (0-based, < prefix[C]) -> index j of the sorted cluster holding it: the
-// largest j with prefix[j] <= x (the CPU's upper_bound - 1; empty clusters are skipped).
-__device__ __forceinline__ int sorted_cluster_at(const int* prefix, int C, int x) {
-  int lo = 0, hi = C;  // prefix[lo] <= x < prefix[hi]
+// Sorted position x (0-based, prefix[lo] <= x < prefix[hi]) -> index j in [lo, hi) of the
+// sorted cluster holding it: the largest j with prefix[j] <= x (the CPU's upper_bound - 1;
+// empty clusters are skipped).
+__device__ __forceinline__ int sorted_cluster_at(const int* prefix, int lo, int hi, int x) {
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
     if (prefix[mid] <= x)
@@ -717,10 +733,24 @@ __device__ __forceinline__ int sorted_cluster_at(const int* prefix, int C, int x
   return lo;
 }
 
+__device__ __forceinline__ int warp_min(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Grid (rows, parts): blockIdx.y is the part (see above).
 __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, int* sorted) {
   extern __shared__ __align__(16) char order_smem[];
   OrderSmem& sm = *reinterpret_cast<OrderSmem*>(order_smem);
-  const int row = blockIdx.x, tid = threadIdx.x;
+  const int row = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
+  const int lane = tid % 32;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
   const float* keys = p.keys + int64_t(row) * p.st.max_clusters;
@@ -764,6 +794,9 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
     sm.lo = range.x;
     sm.hi = range.y;
     sm.max_bucket = 0;
+    sm.first = C;
+    sm.last = C;
+    sm.carry = 0;
   }
   for (int x = tid; x < kOrderCountWords; x += kOrderThreads) sm.u.buckets.count[x] = 0;
   __syncthreads();
@@ -785,7 +818,12 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
     __syncthreads();
     bucketed = sm.max_bucket <= kOrderMaxBucket;  // uniform
   }
+  int first = 0, last = C, carry = 0;  // this part's sorted positions, members before them
   if (bucketed) {
+    // Each bucket's first rank, and this part's share: it starts at the first bucket whose
+    // first rank is >= C * part / parts and ends where the next part's starts.
+    const int want_first = int(int64_t(C) * part / parts);
+    const int want_last = int(int64_t(C) * (part + 1) / parts);
     constexpr int kPer = kOrderBuckets / kOrderThreads;
     int cnt[kPer];
 #pragma unroll
@@ -793,37 +831,69 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
     OrderScan(sm.t.scan).ExclusiveSum(cnt, cnt);
 #pragma unroll
     for (int i = 0; i < kPer; ++i) sm.u.buckets.count[padded(tid * kPer + i)] = cnt[i];
-    __syncthreads();
+    if (parts > 1) {  // uniform
+      int f = C, l = C;
 #pragma unroll
-    for (int i = 0; i < kOrderItems; ++i)
-      if (tid * kOrderItems + i < C) {
-        const int at = sm.u.buckets.count[padded(bucket[i])] + slot_in[i];
-        sm.u.buckets.key[at] = k[i];
-        sm.u.buckets.id[at] = tid * kOrderItems + i;
+      for (int i = 0; i < kPer; ++i) {
+        if (cnt[i] >= want_first) f = min(f, cnt[i]);
+        if (cnt[i] >= want_last) l = min(l, cnt[i]);
       }
+      f = warp_min(f);
+      l = warp_min(l);
+      if (lane == 0) {
+        atomicMin(&sm.first, f);
+        atomicMin(&sm.last, l);
+      }
+    }
     __syncthreads();
+    if (parts > 1) {
+      first = sm.first;
+      last = sm.last;
+    }
+    // Scatter this part's items into bucket order; count the members of the clusters in
+    // earlier buckets (sorted before `first`).
+    int before = 0;
+#pragma unroll
+    for (int i = 0; i < kOrderItems; ++i) {
+      const int c = tid * kOrderItems + i;
+      if (c >= C) continue;
+      const int start = sm.u.buckets.count[padded(bucket[i])];
+      if (start >= first && start < last) {
+        sm.u.buckets.key[start + slot_in[i]] = k[i];
+        sm.u.buckets.id[start + slot_in[i]] = c;
+      } else if (start < first) {
+        before += sm.offsets[c + 1] - sm.offsets[c];
+      }
+    }
+    if (parts > 1) {  // uniform; one part has nothing before it
+      before = warp_sum(before);
+      if (lane == 0 && before > 0) atomicAdd(&sm.carry, before);
+    }
+    __syncthreads();
+    carry = sm.carry;
     // Each cluster's rank among its bucket mates, by bucket position, striped: a warp's lanes
     // hold neighbouring positions, so they walk the same bucket together (the same trip count,
     // every mate's key and id read once for all lanes). By cluster (each lane's mates in a
     // bucket of its own) a warp paid its largest bucket for each of its items.
 #pragma unroll
     for (int i = 0; i < kOrderItems; ++i) {
-      const int at = tid + i * kOrderThreads;
-      if (at >= C) continue;
+      const int at = first + tid + i * kOrderThreads;
+      if (at >= last) continue;
       const float ka = sm.u.buckets.key[at];
       const int ca = sm.u.buckets.id[at];
       const int bk = min(kOrderBuckets - 1, int((hi - ka) * inv));  // the scatter's bucket
-      const int first = sm.u.buckets.count[padded(bk)];
-      const int last = bk + 1 < kOrderBuckets ? sm.u.buckets.count[padded(bk + 1)] : C;
-      int rank = first;
+      const int bfirst = sm.u.buckets.count[padded(bk)];
+      const int blast = bk + 1 < kOrderBuckets ? sm.u.buckets.count[padded(bk + 1)] : C;
+      int rank = bfirst;
 #pragma unroll 4
-      for (int j = first; j < last; ++j) {
+      for (int j = bfirst; j < blast; ++j) {
         const float kj = sm.u.buckets.key[j];
         rank += (kj > ka || (kj == ka && sm.u.buckets.id[j] < ca)) ? 1 : 0;
       }
       sm.ranked[rank] = ca;
     }
   } else {
+    if (part != 0) return;  // uniform: part 0 sorts the whole row
     int v[kOrderItems];
 #pragma unroll
     for (int i = 0; i < kOrderItems; ++i) v[i] = tid * kOrderItems + i;
@@ -833,14 +903,14 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
     for (int i = 0; i < kOrderItems; ++i) sm.ranked[tid * kOrderItems + i] = v[i];
   }
   __syncthreads();
-  // This thread's sorted clusters j = tid * kOrderItems + i: first member and size.
-  int first[kOrderItems], size[kOrderItems];
+  // This thread's sorted clusters j = first + tid * kOrderItems + i: first member and size.
+  int fm[kOrderItems], size[kOrderItems];
 #pragma unroll
   for (int i = 0; i < kOrderItems; ++i) {
-    const int j = tid * kOrderItems + i;
-    const int c = j < C ? sm.ranked[j] : 0;
-    first[i] = j < C ? sm.offsets[c] : 0;
-    size[i] = j < C ? sm.offsets[c + 1] - first[i] : 0;
+    const int j = first + tid * kOrderItems + i;
+    const int c = j < last ? sm.ranked[j] : 0;
+    fm[i] = j < last ? sm.offsets[c] : 0;
+    size[i] = j < last ? sm.offsets[c + 1] - fm[i] : 0;
   }
   int end[kOrderItems];
   OrderScan(sm.t.scan).InclusiveSum(size, end);
@@ -848,35 +918,41 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
   int* base = sm.u.buckets.id;  // first member of each sorted cluster (the buckets are done)
 #pragma unroll
   for (int i = 0; i < kOrderItems; ++i) {
-    sm.offsets[tid * kOrderItems + i + 1] = end[i];
-    base[tid * kOrderItems + i] = first[i];
+    const int j = first + tid * kOrderItems + i;
+    if (j < last) {
+      sm.offsets[j + 1] = carry + end[i];
+      base[j] = fm[i];
+    }
   }
-  if (tid == 0) sm.offsets[0] = 0;
+  if (tid == 0) sm.offsets[first] = carry;
   __syncthreads();
   int* ids = sorted + int64_t(row) * p.st.max_clusters;
   int* prefix = p.prefix + int64_t(row) * (p.st.max_clusters + 1);
-  for (int x = tid; x < C; x += kOrderThreads) ids[x] = sm.ranked[x];
-  for (int x = tid; x <= C; x += kOrderThreads) prefix[x] = sm.offsets[x];
-  // Sample tokens: kOrderRun consecutive samples per thread (consecutive sorted positions
-  // within a range), one binary search of the prefix per run and a forward walk, then the
-  // run's member loads together.
+  for (int x = first + tid; x < last; x += kOrderThreads) ids[x] = sm.ranked[x];
+  for (int x = first + 1 + tid; x <= last; x += kOrderThreads) prefix[x] = sm.offsets[x];
+  if (part == 0 && tid == 0) prefix[0] = 0;
+  // Sample tokens of this part's sorted positions: kOrderRun consecutive samples per thread
+  // (consecutive sorted positions within a range), one binary search of the prefix per run
+  // and a forward walk, then the run's member loads together.
   const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
   const int S = plan.num_samples();
+  const int x_first = sm.offsets[first], x_last = sm.offsets[last];
   const int32_t* members = p.st.members_of(b, h);
   int* tokens = p.sample_tokens + int64_t(row) * p.smax;
   constexpr int kOrderRun = 4;
   for (int s0 = tid * kOrderRun; s0 < S; s0 += kOrderThreads * kOrderRun) {
     int at[kOrderRun];
-    int j = 0, last_x = -2;
+    int j = first, last_x = -2;
 #pragma unroll
     for (int u = 0; u < kOrderRun; ++u) {
       at[u] = -1;
       if (s0 + u < S) {
         const int x = plan.position(s0 + u) - 1;
+        if (x < x_first || x >= x_last) continue;  // another part's position
         if (x == last_x + 1) {
           while (sm.offsets[j + 1] <= x) ++j;
         } else {
-          j = sorted_cluster_at(sm.offsets, C, x);
+          j = sorted_cluster_at(sm.offsets, first, last, x);
         }
         last_x = x;
         at[u] = base[j] + (x - sm.offsets[j]);
@@ -1256,9 +1332,15 @@ __global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
   }
 }
 
+// CTAs per order row: as many as leave every CTA an SM of its own (one wave), up to
+// kOrderMaxParts. At batch 1 (32 rows on 132 SMs) that is 4; from batch 4 it is 1.
+int order_parts_for(int rows, int sms) {
+  return std::max(1, std::min(kOrderMaxParts, sms / rows));
+}
+
 template <int D>
 cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int batch,
-                          cudaStream_t stream) {
+                          int order_parts, cudaStream_t stream) {
   const int rows = batch * p.num_q_heads;
   const int subs = batch * p.kv.num_kv_heads;
   const int M = p.st.max_clusters;
@@ -1268,7 +1350,8 @@ cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int 
   if (err != cudaSuccess) return err;
   if (M <= kOrderMax) {
     int* sorted = reinterpret_cast<int*>(ws + l.vals_b);
-    order_kernel<<<rows, kOrderThreads, sizeof(OrderSmem), stream>>>(p, sorted);
+    order_kernel<<<dim3(unsigned(rows), unsigned(order_parts)), kOrderThreads, sizeof(OrderSmem),
+                   stream>>>(p, sorted);
     p.sorted = sorted;
   } else {
     cub::DoubleBuffer<float> keys(p.keys, reinterpret_cast<float*>(ws + l.keys_b));
@@ -1426,16 +1509,24 @@ size_t select_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, 
 cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, float scale,
                                const FitParams& fit, const ClusterState& st, const Selection& sel,
                                unsigned long long* counters, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream) {
+                               size_t workspace_bytes, cudaStream_t stream, int order_parts) {
   const int d = kv.head_dim;
   if ((d != 64 && d != 128) || st.head_dim != d || kv.num_kv_heads != st.num_kv_heads ||
       kv.batch > st.max_batch || num_q_heads % kv.num_kv_heads != 0 ||
       num_q_heads / kv.num_kv_heads > kMaxGroup || !q || !workspace || !sel.rows || !sel.tokens ||
-      !sel.counts || !sel.selected || sel.max_tokens < st.max_tokens)
+      !sel.counts || !sel.selected || sel.max_tokens < st.max_tokens || order_parts < 0 ||
+      order_parts > kOrderMaxParts)
     return cudaErrorInvalidValue;
   if (kv.batch <= 0) return cudaSuccess;
   const cudaError_t prepared = prepare_cuda(d);  // order_kernel's shared memory
   if (prepared != cudaSuccess) return prepared;
+  int parts = order_parts;
+  if (parts == 0) {
+    int sms = 0;
+    const cudaError_t counted = sm_count(&sms);
+    if (counted != cudaSuccess) return counted;
+    parts = order_parts_for(kv.batch * num_q_heads, sms);
+  }
   const SelectLayout l = select_layout(st.max_batch, num_q_heads, st.num_kv_heads, st.max_clusters,
                                        st.max_tokens, fit);
   if (workspace_bytes < l.total) return cudaErrorInvalidValue;
@@ -1464,8 +1555,8 @@ cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv
   p.chunk_members = reinterpret_cast<int*>(ws + l.chunk_members);
   p.chunks = l.chunks;
   p.counters = counters;
-  return d == 64 ? launch_select<64>(p, l, ws, kv.batch, stream)
-                 : launch_select<128>(p, l, ws, kv.batch, stream);
+  return d == 64 ? launch_select<64>(p, l, ws, kv.batch, parts, stream)
+                 : launch_select<128>(p, l, ws, kv.batch, parts, stream);
 }
 
 }  // namespace kvs::kernels::tactic

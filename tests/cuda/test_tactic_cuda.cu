@@ -323,6 +323,82 @@ TEST(TacticCuda, EqualScoresTakeTheRadixSortFallback) {
   check_decode(8, 2, 128, {1500, 300}, 0.75, 26, 4096, true);
 }
 
+// The order kernel may split a row over 1-4 CTAs, each ranking a share of the sorted
+// positions after repeating the row's histogram (tactic.cu). Every split must give the
+// selection of one CTA bit for bit: the tokens, their count and each head's budget, on
+// workspaces poisoned beforehand so that a position no part wrote is caught.
+void check_order_parts(int hq, int hkv, const std::vector<int>& lens, int max_context,
+                       uint32_t seed, bool zero_queries = false) {
+  const ModelShape s = shape(hq, hkv, 128);
+  const int B = int(lens.size());
+  Pair p(s, lens, std::max(4096, *std::max_element(lens.begin(), lens.end())), seed);
+  if (zero_queries) std::fill(p.q.begin(), p.q.end(), float_to_bf16(0.f));
+  auto ge = make(s, Backend::Cuda, B, 0.9, 2048, max_context);
+  auto& te = dynamic_cast<TacticEngine&>(*ge);
+  DeviceBuffer<char> ws(ge->workspace_bytes());
+  ge->bind_workspace({ws.get(), ws.size()});
+  ge->prefill(1, p.gpu.view(1), nullptr);
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  const tk::ClusterState st = te.cluster_state(1);
+  const PagedKV kv = p.gpu.view(1);
+  DeviceBuffer<bf16> dq(p.q);
+  tk::FitParams fit;
+  fit.target = 0.9;
+  const size_t bytes =
+      tk::select_workspace_bytes(B, hq, hkv, 128, st.max_clusters, st.max_tokens, fit);
+  struct Out {
+    std::vector<int32_t> counts, selected;
+    std::vector<std::vector<int32_t>> tokens;
+  };
+  auto run = [&](int parts) {
+    const size_t list = size_t(st.max_tokens);
+    DeviceBuffer<int32_t> rows(size_t(B) * hkv * list), tokens(size_t(B) * hkv * list),
+        counts(size_t(B) * hkv), selected(size_t(B) * hq);
+    DeviceBuffer<char> scratch(bytes);
+    scratch.poison();
+    tk::Selection sel;
+    sel.rows = rows.get();
+    sel.tokens = tokens.get();
+    sel.counts = counts.get();
+    sel.selected = selected.get();
+    sel.max_tokens = st.max_tokens;
+    KVS_CUDA_CHECK(tk::select_tokens_cuda(dq.get(), hq, kv, s.scale(), fit, st, sel, nullptr,
+                                          scratch.get(), bytes, nullptr, parts));
+    KVS_CUDA_CHECK(cudaDeviceSynchronize());
+    Out o;
+    o.counts = counts.download();
+    o.selected = selected.download();
+    const std::vector<int32_t> all = tokens.download();
+    for (size_t x = 0; x < o.counts.size(); ++x)
+      o.tokens.emplace_back(all.begin() + int64_t(x * list),
+                            all.begin() + int64_t(x * list) + o.counts[x]);
+    return o;
+  };
+  const Out one = run(1);
+  for (int parts = 2; parts <= 4; ++parts) {
+    const Out got = run(parts);
+    const std::string tag = "parts " + std::to_string(parts);
+    EXPECT_EQ(got.selected, one.selected) << tag;
+    EXPECT_EQ(got.counts, one.counts) << tag;
+    EXPECT_EQ(got.tokens, one.tokens) << tag;
+  }
+  // The budgets are not trivially empty or whole.
+  for (size_t r = 0; r < one.selected.size(); ++r) {
+    EXPECT_GT(one.selected[r], 0) << "row " << r;
+    EXPECT_LE(one.selected[r], lens[r / size_t(hq)]) << "row " << r;
+  }
+  EXPECT_EQ(tk::select_tokens_cuda(dq.get(), hq, kv, s.scale(), fit, st, te.last_selection(),
+                                   nullptr, ws.get(), bytes, nullptr, 5),
+            cudaErrorInvalidValue);
+}
+
+TEST(TacticCuda, OrderRowsSplitOverCtasGiveTheSameSelection) {
+  KVS_SKIP_WITHOUT_CUDA();
+  check_order_parts(8, 2, {1500, 200, 777}, 4096, 41);
+  check_order_parts(8, 2, {131072}, 131072, 42);  // 8192 clusters a list
+  check_order_parts(8, 2, {1500, 300}, 4096, 43, true);  // the radix-sort fallback
+}
+
 TEST(TacticCuda, TargetOneIsDenseAttention) {
   KVS_SKIP_WITHOUT_CUDA();
   const ModelShape s = shape(8, 2, 128);
