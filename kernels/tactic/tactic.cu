@@ -36,6 +36,9 @@
 //   index   compaction of the union's members + recent tokens into the sub-request page
 //           table: a CTA per 256-cluster chunk (its start from the earlier chunks' counts),
 //           a warp per flagged cluster
+// The budget and the index are launched programmatically behind the kernel before them: their
+// CTAs get resident while it ends and issue the loads that do not depend on it (the sorted
+// prefix, the CSR offsets) before griddepcontrol.wait.
 // Attention is then the dense split-KV kernel over the sub-request view (tactic.h).
 #include <cuda_bf16.h>
 #include <mma.h>
@@ -1034,6 +1037,8 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(SelectParams p) 
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
   const int s0 = int(blockIdx.x) * kPerCta + int(threadIdx.x) / L;
+  // The budget kernel may get resident now and load what does not depend on the logits.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   // The sample tokens (read up to the buffer's width smax, checked against S below), the
   // query and the length in one round trip; then the key rows.
   const int* tokens = p.sample_tokens + int64_t(row) * p.smax;
@@ -1145,15 +1150,19 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
     pre[i] = j < M ? prefix[j] : 0;
   }
   const int first_id = int(threadIdx.x) < M ? ids[threadIdx.x] : 0;
+  const int C = p.st.num_clusters[slot];
+  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
+  const int S = plan.num_samples();
+  // Launched programmatically behind the sample kernel: everything above was written before it
+  // started, so those loads are in flight while it ends; the logits are its output.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   float v0[kBudgetItems];
 #pragma unroll
   for (int i = 0; i < kBudgetItems; ++i) {
     const int s = int(threadIdx.x) + i * kRowThreads;
     v0[i] = s < p.smax ? logits[s] : -INFINITY;
   }
-  const int C = p.st.num_clusters[slot];
-  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
-  const int S = plan.num_samples();
   if (S == 0 || C == 0) {
     if (threadIdx.x == 0) p.sel.selected[row] = 0;
     return;
@@ -1278,16 +1287,18 @@ __global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
   const int32_t* off = p.st.offsets_of(b, h);
   const uint32_t* bits = p.bitmap + slot * p.words;
   const int c0 = blockIdx.x * kIndexChunk, c = c0 + int(threadIdx.x);
-  // The chunk's own bitmap word and offsets go out with the cluster count (loaded to the
-  // state's capacity, allocated, and cut at the count below).
-  const uint32_t own_word = c < M ? bits[c / 32] : 0u;
+  // The chunk's offsets go out with the cluster count and the lengths (loaded to the state's
+  // capacity, allocated, and cut at the count below). Launched programmatically behind the
+  // budget kernel, the CTA issues them before waiting for the budget's bitmap and counts.
   const int own_lo = c < M ? off[c] : 0, own_hi = c < M ? off[c + 1] : 0;
-  // And the members of the earlier chunks, a chunk per thread (one round up to 256 chunks:
-  // 1M tokens at cluster size 16).
-  const int* counted = p.chunk_members + slot * p.chunks;
-  int before = int(threadIdx.x) < int(blockIdx.x) ? counted[threadIdx.x] : 0;
   const int C = p.st.num_clusters[slot], clen = p.st.clustered_len[slot];
   const int len = p.kv.seq_lens[b];
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  // The chunk's own bitmap word and the members of the earlier chunks, a chunk per thread
+  // (one round up to 256 chunks: 1M tokens at cluster size 16).
+  const uint32_t own_word = c < M ? bits[c / 32] : 0u;
+  const int* counted = p.chunk_members + slot * p.chunks;
+  int before = int(threadIdx.x) < int(blockIdx.x) ? counted[threadIdx.x] : 0;
   const int last = C > 0 ? (C - 1) / kIndexChunk : 0;
   if (int(blockIdx.x) > last) return;  // uniform: a chunk past the list
   for (int x = int(threadIdx.x) + kIndexThreads; x < int(blockIdx.x); x += kIndexThreads)
@@ -1375,10 +1386,13 @@ cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int 
   constexpr int kSamplesPerCta = samples_per_cta<D>();
   sample_kernel<D><<<dim3(unsigned((p.smax + kSamplesPerCta - 1) / kSamplesPerCta), unsigned(rows)),
                      kSampleThreads, 0, stream>>>(p);
-  budget_kernel<<<rows, kRowThreads, 0, stream>>>(p);
-  index_kernel<<<dim3(unsigned((M + kIndexChunk - 1) / kIndexChunk), unsigned(subs)),
-                 kIndexThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = launch_programmatic(budget_kernel, dim3(unsigned(rows)), dim3(kRowThreads), 0, stream, p);
+  if (err != cudaSuccess) return err;
+  return launch_programmatic(index_kernel,
+                             dim3(unsigned((M + kIndexChunk - 1) / kIndexChunk), unsigned(subs)),
+                             dim3(kIndexThreads), 0, stream, p);
 }
 
 }  // namespace
