@@ -714,8 +714,9 @@ struct OrderSmem {
     typename OrderScan::TempStorage scan;
     typename OrderReduce::TempStorage reduce;
   } t;
-  int ranked[kOrderMax];       // cluster id at each sorted position
-  int offsets[kOrderMax + 1];  // the list's CSR offsets, then the prefix of sorted sizes
+  int ranked[kOrderMax];  // cluster id at each sorted position
+  // The list's CSR offsets, then the prefix of sorted sizes (16-byte aligned: read as int4).
+  alignas(16) int offsets[kOrderMax + 1];
   float lo, hi;
   int max_bucket;
   int first, last;  // this part's sorted positions [first, last)
@@ -748,6 +749,36 @@ __device__ __forceinline__ int warp_sum(int v) {
   return v;
 }
 
+// Prefix of sorted cluster sizes over positions [first, last), ITEMS consecutive positions a
+// thread, into sm.offsets[first .. last] starting from `carry`, and the first member of each
+// sorted cluster into base[j]. The offsets are read before the barrier that precedes the
+// prefix's writes over them.
+template <int ITEMS>
+__device__ __forceinline__ void order_prefix(OrderSmem& sm, int first, int last, int carry,
+                                             int* base) {
+  const int tid = threadIdx.x;
+  int fm[ITEMS], size[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int j = first + tid * ITEMS + i;
+    const int c = j < last ? sm.ranked[j] : 0;
+    fm[i] = j < last ? sm.offsets[c] : 0;
+    size[i] = j < last ? sm.offsets[c + 1] - fm[i] : 0;
+  }
+  int end[ITEMS];
+  OrderScan(sm.t.scan).InclusiveSum(size, end);
+  __syncthreads();  // every offsets read before the prefix overwrites them
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int j = first + tid * ITEMS + i;
+    if (j < last) {
+      sm.offsets[j + 1] = carry + end[i];
+      base[j] = fm[i];
+    }
+  }
+  if (tid == 0) sm.offsets[first] = carry;
+}
+
 // Grid (rows, parts): blockIdx.y is the part (see above).
 __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, int* sorted) {
   extern __shared__ __align__(16) char order_smem[];
@@ -775,6 +806,9 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
     o[i] = x <= M ? off[x] : 0;
   }
   const int C = p.st.num_clusters[slot];
+  const int clustered = p.st.clustered_len[slot];  // for the sample positions, at the end
+  // Counters zeroed while the loads are in flight.
+  for (int x = tid; x < kOrderCountWords; x += kOrderThreads) sm.u.buckets.count[x] = 0;
 #pragma unroll
   for (int i = 0; i < kOrderItems; ++i)
     if (tid * kOrderItems + i >= C) k[i] = -INFINITY;
@@ -801,7 +835,6 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
     sm.last = C;
     sm.carry = 0;
   }
-  for (int x = tid; x < kOrderCountWords; x += kOrderThreads) sm.u.buckets.count[x] = 0;
   __syncthreads();
   lo = sm.lo;
   hi = sm.hi;
@@ -853,22 +886,30 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
       first = sm.first;
       last = sm.last;
     }
-    // Scatter this part's items into bucket order; count the members of the clusters in
-    // earlier buckets (sorted before `first`).
-    int before = 0;
+    // Scatter this part's items into bucket order.
 #pragma unroll
     for (int i = 0; i < kOrderItems; ++i) {
       const int c = tid * kOrderItems + i;
-      if (c >= C) continue;
       const int start = sm.u.buckets.count[padded(bucket[i])];
-      if (start >= first && start < last) {
+      if (c < C && start >= first && start < last) {
         sm.u.buckets.key[start + slot_in[i]] = k[i];
         sm.u.buckets.id[start + slot_in[i]] = c;
-      } else if (start < first) {
-        before += sm.offsets[c + 1] - sm.offsets[c];
       }
     }
-    if (parts > 1) {  // uniform; one part has nothing before it
+    if (parts > 1) {  // uniform: the members of the clusters sorted before `first`
+      // This thread's clusters' offsets as two 16-byte loads (scalar loads at a stride of 8
+      // words hit 4 banks: 8-way conflicts).
+      static_assert(kOrderItems == 8, "two int4 loads per thread");
+      const int4* o4 = reinterpret_cast<const int4*>(sm.offsets + tid * kOrderItems);
+      const int4 u = o4[0], v = o4[1];
+      const int e[kOrderItems + 1] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w,
+                                      sm.offsets[tid * kOrderItems + kOrderItems]};
+      int before = 0;
+#pragma unroll
+      for (int i = 0; i < kOrderItems; ++i) {
+        const int c = tid * kOrderItems + i;
+        if (c < C && sm.u.buckets.count[padded(bucket[i])] < first) before += e[i + 1] - e[i];
+      }
       before = warp_sum(before);
       if (lane == 0 && before > 0) atomicAdd(&sm.carry, before);
     }
@@ -906,28 +947,14 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
     for (int i = 0; i < kOrderItems; ++i) sm.ranked[tid * kOrderItems + i] = v[i];
   }
   __syncthreads();
-  // This thread's sorted clusters j = first + tid * kOrderItems + i: first member and size.
-  int fm[kOrderItems], size[kOrderItems];
-#pragma unroll
-  for (int i = 0; i < kOrderItems; ++i) {
-    const int j = first + tid * kOrderItems + i;
-    const int c = j < last ? sm.ranked[j] : 0;
-    fm[i] = j < last ? sm.offsets[c] : 0;
-    size[i] = j < last ? sm.offsets[c + 1] - fm[i] : 0;
-  }
-  int end[kOrderItems];
-  OrderScan(sm.t.scan).InclusiveSum(size, end);
-  __syncthreads();  // every offsets read before the prefix overwrites them
+  // The prefix of sorted sizes over this part's positions: 3 positions a thread when the share
+  // is small (parts of a row), so that all warps take part and their loads of `ranked` do not
+  // conflict; 8 when one CTA has the row.
   int* base = sm.u.buckets.id;  // first member of each sorted cluster (the buckets are done)
-#pragma unroll
-  for (int i = 0; i < kOrderItems; ++i) {
-    const int j = first + tid * kOrderItems + i;
-    if (j < last) {
-      sm.offsets[j + 1] = carry + end[i];
-      base[j] = fm[i];
-    }
-  }
-  if (tid == 0) sm.offsets[first] = carry;
+  if (last - first <= 3 * kOrderThreads)
+    order_prefix<3>(sm, first, last, carry, base);
+  else
+    order_prefix<kOrderItems>(sm, first, last, carry, base);
   __syncthreads();
   int* ids = sorted + int64_t(row) * p.st.max_clusters;
   int* prefix = p.prefix + int64_t(row) * (p.st.max_clusters + 1);
@@ -937,7 +964,7 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
   // Sample tokens of this part's sorted positions: kOrderRun consecutive samples per thread
   // (consecutive sorted positions within a range), one binary search of the prefix per run
   // and a forward walk, then the run's member loads together.
-  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
+  const FitPlan plan = make_fit_plan(clustered, p.fit);
   const int S = plan.num_samples();
   const int x_first = sm.offsets[first], x_last = sm.offsets[last];
   const int32_t* members = p.st.members_of(b, h);
