@@ -656,7 +656,7 @@ __global__ void __launch_bounds__(kRowThreads) prefix_kernel(SelectParams p) {
 // at batch 1). Every part repeats the cheap whole-row phases (loads, range, histogram, bucket
 // scan), which need no exchange between CTAs, and then does the per-item phases (rank, sorted
 // sizes, outputs, sample tokens) only for its share of the sorted positions: the buckets whose
-// first rank falls in [C * part / parts, C * (part + 1) / parts). A share starts and ends on a
+// first rank falls in [share_start(part), share_start(part + 1)). A share starts and ends on a
 // bucket boundary, so a part ranks exactly the items of its positions, and its prefix starts
 // from the sizes of the items in earlier buckets. Those per-item phases were about 60 % of the
 // one-CTA kernel (docs/gpu.md). The radix-sort fallback runs on part 0 alone.
@@ -747,6 +747,16 @@ __device__ __forceinline__ int warp_sum(int v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// The first sorted position of a part's share (before rounding to a bucket boundary). The first
+// part also maps the exact samples (the top 1-2 % of the tokens, all in its share) to tokens,
+// its longest phase, so it takes half a share and the others split the rest.
+__device__ __forceinline__ int share_start(int C, int part, int parts) {
+  if (part == 0) return 0;
+  if (part == parts) return C;
+  const int64_t half = int64_t(C) / (2 * parts);
+  return int(half + (int64_t(C) - half) * (part - 1) / (parts - 1));
 }
 
 // Prefix of sorted cluster sizes over positions [first, last), ITEMS consecutive positions a
@@ -857,9 +867,9 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
   int first = 0, last = C, carry = 0;  // this part's sorted positions, members before them
   if (bucketed) {
     // Each bucket's first rank, and this part's share: it starts at the first bucket whose
-    // first rank is >= C * part / parts and ends where the next part's starts.
-    const int want_first = int(int64_t(C) * part / parts);
-    const int want_last = int(int64_t(C) * (part + 1) / parts);
+    // first rank is >= share_start(part) and ends where the next part's starts.
+    const int want_first = share_start(C, part, parts);
+    const int want_last = share_start(C, part + 1, parts);
     constexpr int kPer = kOrderBuckets / kOrderThreads;
     int cnt[kPer];
 #pragma unroll
@@ -886,7 +896,19 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
       first = sm.first;
       last = sm.last;
     }
-    // Scatter this part's items into bucket order.
+    // Scatter this part's items into bucket order, and count the members of the clusters in
+    // earlier buckets (sorted before `first`; none for the first part). A thread's clusters'
+    // offsets are read as two 16-byte loads: scalar loads at a stride of 8 words hit 4 banks.
+    static_assert(kOrderItems == 8, "two int4 loads per thread");
+    int e[kOrderItems + 1] = {};
+    if (first > 0) {  // uniform
+      const int4* o4 = reinterpret_cast<const int4*>(sm.offsets + tid * kOrderItems);
+      const int4 u = o4[0], v = o4[1];
+      e[0] = u.x, e[1] = u.y, e[2] = u.z, e[3] = u.w;
+      e[4] = v.x, e[5] = v.y, e[6] = v.z, e[7] = v.w;
+      e[8] = sm.offsets[tid * kOrderItems + kOrderItems];
+    }
+    int before = 0;
 #pragma unroll
     for (int i = 0; i < kOrderItems; ++i) {
       const int c = tid * kOrderItems + i;
@@ -895,21 +917,9 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
         sm.u.buckets.key[start + slot_in[i]] = k[i];
         sm.u.buckets.id[start + slot_in[i]] = c;
       }
+      if (c < C && start < first) before += e[i + 1] - e[i];
     }
-    if (parts > 1) {  // uniform: the members of the clusters sorted before `first`
-      // This thread's clusters' offsets as two 16-byte loads (scalar loads at a stride of 8
-      // words hit 4 banks: 8-way conflicts).
-      static_assert(kOrderItems == 8, "two int4 loads per thread");
-      const int4* o4 = reinterpret_cast<const int4*>(sm.offsets + tid * kOrderItems);
-      const int4 u = o4[0], v = o4[1];
-      const int e[kOrderItems + 1] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w,
-                                      sm.offsets[tid * kOrderItems + kOrderItems]};
-      int before = 0;
-#pragma unroll
-      for (int i = 0; i < kOrderItems; ++i) {
-        const int c = tid * kOrderItems + i;
-        if (c < C && sm.u.buckets.count[padded(bucket[i])] < first) before += e[i + 1] - e[i];
-      }
+    if (first > 0) {
       before = warp_sum(before);
       if (lane == 0 && before > 0) atomicAdd(&sm.carry, before);
     }
@@ -1115,6 +1125,8 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(SelectParams p) 
 constexpr int kExactSmem = 2048;
 constexpr int kBudgetItems = 8;    // exact exponentials per thread and scan
 constexpr int kBudgetPrefix = 32;  // sorted-prefix entries per thread loaded at the start
+constexpr int kBudgetStage = 16;   // logits per thread staged in shared memory (4096 a row)
+constexpr int kLogitSmem = kBudgetStage * kRowThreads;
 
 // budget_tokens (tactic_fit.h) with its search spread over the block: the same problem
 // (BudgetSearch), so the same K. Each round every thread tests one of blockDim.x evenly
@@ -1123,8 +1135,8 @@ constexpr int kBudgetPrefix = 32;  // sorted-prefix entries per thread loaded at
 // double-precision logs and divisions on one thread (about 13K cycles in all on an H100).
 template <typename ExactPrefix>
 __device__ int block_budget_tokens(const FitPlan& f, const TailModel& t, double target,
-                                   ExactPrefix exact_prefix) {
-  const BudgetSearch<ExactPrefix> s = budget_search(f, t, target, exact_prefix);
+                                   ExactPrefix exact_prefix, double h_exact) {
+  const BudgetSearch<ExactPrefix> s = budget_search(f, t, target, exact_prefix, h_exact);
   int lo = s.lo, hi = s.hi;
   const int T = blockDim.x;
   while (lo < hi) {  // lo and hi are the same in every thread
@@ -1154,6 +1166,7 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
     typename ReduceI::TempStorage ri;
   } tmp;
   __shared__ double s_exact[kExactSmem];
+  __shared__ __align__(16) float s_logit[kLogitSmem];  // logits [0, kLogitSmem): one read each
   __shared__ float s_max;
   __shared__ double s_windows[2];
   __shared__ int s_clusters;
@@ -1180,13 +1193,19 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   const int C = p.st.num_clusters[slot];
   const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
   const int S = plan.num_samples();
+  // The fit's abscissae and H(num_exact) do not depend on the logits either: their logs and
+  // divisions (a dependent chain of double-precision sequences) run here too.
+  const double x1 = plan.fitted ? plan.x1() : 0.0, x2 = plan.fitted ? plan.x2() : 0.0;
+  const double h_exact = harmonic(plan.num_exact);
   // Launched programmatically behind the sample kernel: everything above was written before it
-  // started, so those loads are in flight while it ends; the logits are its output.
+  // started, so those loads and that arithmetic overlap its end; the logits are its output.
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  float v0[kBudgetItems];
+  // The first kLogitSmem logits in one round of loads, kept in shared memory for the max, the
+  // exact prefix and the windows (three rounds of L2 reads before).
+  float v0[kBudgetStage];
 #pragma unroll
-  for (int i = 0; i < kBudgetItems; ++i) {
+  for (int i = 0; i < kBudgetStage; ++i) {
     const int s = int(threadIdx.x) + i * kRowThreads;
     v0[i] = s < p.smax ? logits[s] : -INFINITY;
   }
@@ -1194,13 +1213,16 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
     if (threadIdx.x == 0) p.sel.selected[row] = 0;
     return;
   }
-  // Strided loops below issue kBudgetItems independent loads per round (cold L2 at decode).
   float m = -INFINITY;
 #pragma unroll
-  for (int i = 0; i < kBudgetItems; ++i)
-    if (int(threadIdx.x) + i * kRowThreads < S) m = fmaxf(m, v0[i]);
-  for (int s0 = threadIdx.x + kRowThreads * kBudgetItems; s0 < S;
-       s0 += kRowThreads * kBudgetItems) {
+  for (int i = 0; i < kBudgetStage; ++i) {
+    const int s = int(threadIdx.x) + i * kRowThreads;
+    if (s < S) m = fmaxf(m, v0[i]);
+    s_logit[s] = v0[i];
+  }
+  auto logit = [&](int s) { return s < kLogitSmem ? s_logit[s] : logits[s]; };
+  // Longer lists: strided loops of kBudgetItems independent loads per round.
+  for (int s0 = threadIdx.x + kLogitSmem; s0 < S; s0 += kRowThreads * kBudgetItems) {
     float v[kBudgetItems];
 #pragma unroll
     for (int i = 0; i < kBudgetItems; ++i) {
@@ -1216,11 +1238,27 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   const double mx = s_max;
   double carry = 0.0;
   for (int s0 = 0; s0 < plan.num_exact; s0 += kRowThreads * kBudgetItems) {
+    // Blocked: a thread's kBudgetItems logits as two 16-byte shared loads where staged (scalar
+    // loads at a stride of 8 words conflict 8 ways).
+    static_assert(kBudgetItems == 8 && kLogitSmem % (kRowThreads * kBudgetItems) == 0, "");
+    float l[kBudgetItems];
+    if (s0 < kLogitSmem) {  // uniform: the whole round is staged
+      const float4* l4 = reinterpret_cast<const float4*>(s_logit + s0) + 2 * threadIdx.x;
+      const float4 u = l4[0], v = l4[1];
+      l[0] = u.x, l[1] = u.y, l[2] = u.z, l[3] = u.w, l[4] = v.x, l[5] = v.y, l[6] = v.z;
+      l[7] = v.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kBudgetItems; ++i) {
+        const int s = s0 + int(threadIdx.x) * kBudgetItems + i;
+        l[i] = s < plan.num_exact ? logits[s] : 0.f;
+      }
+    }
     double e[kBudgetItems];
 #pragma unroll
     for (int i = 0; i < kBudgetItems; ++i) {
       const int s = s0 + int(threadIdx.x) * kBudgetItems + i;
-      e[i] = s < plan.num_exact ? exp(double(logits[s]) - mx) : 0.0;
+      e[i] = s < plan.num_exact ? exp(double(l[i]) - mx) : 0.0;
     }
     double total;
     ScanD(tmp.scan).InclusiveSum(e, e, total);
@@ -1237,8 +1275,8 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   }
   double w1 = 0.0, w2 = 0.0;
   for (int i = threadIdx.x; i < plan.w; i += kRowThreads) {
-    w1 += exp(double(logits[plan.num_exact + i]) - mx);
-    w2 += exp(double(logits[plan.num_exact + plan.w + i]) - mx);
+    w1 += exp(double(logit(plan.num_exact + i)) - mx);
+    w2 += exp(double(logit(plan.num_exact + plan.w + i)) - mx);
   }
   w1 = ReduceD(tmp.rd).Sum(w1);
   __syncthreads();
@@ -1250,10 +1288,10 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   __syncthreads();  // the window sums and the whole exact prefix are visible to every thread
   TailModel tail;
   if (plan.fitted)
-    tail = fit_tail(s_windows[0] / plan.w, s_windows[1] / plan.w, plan.x1(), plan.x2(), plan.n);
-  const int K = block_budget_tokens(plan, tail, p.fit.target, [&](int k) {
-    return k - 1 < kExactSmem ? s_exact[k - 1] : exact[k - 1];
-  });
+    tail = fit_tail(s_windows[0] / plan.w, s_windows[1] / plan.w, x1, x2, plan.n);
+  const int K = block_budget_tokens(
+      plan, tail, p.fit.target,
+      [&](int k) { return k - 1 < kExactSmem ? s_exact[k - 1] : exact[k - 1]; }, h_exact);
   // Whole clusters (spec 8.2): the smallest J in [1, C] with prefix[J] >= K. prefix is
   // nondecreasing, so J = 1 + #{j in [1, C) : prefix[j] < K}: one coalesced pass of the block
   // instead of a serial binary search of dependent loads.

@@ -157,9 +157,12 @@ struct BudgetSearch {
   }
 };
 
+// h_exact is harmonic(f.num_exact), which the CUDA budget kernel computes before its inputs
+// arrive.
 template <typename ExactPrefix>
 KVS_HOST_DEVICE BudgetSearch<ExactPrefix> budget_search(const FitPlan& f, const TailModel& t,
-                                                        double target, ExactPrefix exact_prefix) {
+                                                        double target, ExactPrefix exact_prefix,
+                                                        double h_exact) {
   BudgetSearch<ExactPrefix> s{exact_prefix, t};
   s.num_exact = f.num_exact;
   if (f.n <= 0) return s;  // [0, 0]: K = 0
@@ -168,7 +171,7 @@ KVS_HOST_DEVICE BudgetSearch<ExactPrefix> budget_search(const FitPlan& f, const 
     return s;
   }
   s.exact_sum = exact_prefix(f.num_exact);
-  s.h_exact = harmonic(f.num_exact);
+  s.h_exact = h_exact;
   const double total =
       s.exact_sum + (f.fitted ? tail_sum_from(t, f.num_exact, s.h_exact, f.n) : 0.0);
   s.goal = target * total;
@@ -181,7 +184,8 @@ KVS_HOST_DEVICE BudgetSearch<ExactPrefix> budget_search(const FitPlan& f, const 
 template <typename ExactPrefix>
 KVS_HOST_DEVICE int budget_tokens(const FitPlan& f, const TailModel& t, double target,
                                   ExactPrefix exact_prefix) {
-  const BudgetSearch<ExactPrefix> s = budget_search(f, t, target, exact_prefix);
+  const BudgetSearch<ExactPrefix> s =
+      budget_search(f, t, target, exact_prefix, harmonic(f.num_exact));
   int lo = s.lo, hi = s.hi;
   while (lo < hi) {
     const int mid = lo + (hi - lo) / 2;
