@@ -36,9 +36,9 @@
 //   index   compaction of the union's members + recent tokens into the sub-request page
 //           table: a CTA per 256-cluster chunk (its start from the earlier chunks' counts),
 //           a warp per flagged cluster
-// The budget and the index are launched programmatically behind the kernel before them: their
-// CTAs get resident while it ends and issue the loads that do not depend on it (the sorted
-// prefix, the CSR offsets) before griddepcontrol.wait.
+// The sample, budget and index kernels are launched programmatically behind the kernel before
+// them: their CTAs get resident while it ends and issue the loads that do not depend on it
+// (the query, the sorted prefix, the CSR offsets) before griddepcontrol.wait.
 // Attention is then the dense split-KV kernel over the sub-request view (tactic.h).
 #include <cuda_bf16.h>
 #include <mma.h>
@@ -795,6 +795,8 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
   OrderSmem& sm = *reinterpret_cast<OrderSmem*>(order_smem);
   const int row = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
   const int lane = tid % 32;
+  // The sample kernel's CTAs may get resident as this grid's CTAs end (they wait for all of it).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
   const float* keys = p.keys + int64_t(row) * p.st.max_clusters;
@@ -1074,10 +1076,19 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(SelectParams p) 
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
   const int s0 = int(blockIdx.x) * kPerCta + int(threadIdx.x) / L;
-  // The budget kernel may get resident now and load what does not depend on the logits.
+  // Launched programmatically behind the order kernel: the query and the length were written
+  // before it, so they load (and the query is staged) while it ends; the sample tokens are
+  // its output. Then the key rows.
+  const bf qv = int(threadIdx.x) < D ? p.q[int64_t(row) * D + threadIdx.x] : bf();
+  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
+  const int S = plan.num_samples();
+  if (int(blockIdx.x) * kPerCta >= S) return;
+  if (int(threadIdx.x) < D) qs[threadIdx.x] = __bfloat162float(qv);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  // Only now may the budget kernel get resident: before its own wait it reads the order
+  // kernel's prefix and ids, which are complete once every CTA of this grid has passed its
+  // wait (triggering at this kernel's start let the budget read them mid-sort).
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  // The sample tokens (read up to the buffer's width smax, checked against S below), the
-  // query and the length in one round trip; then the key rows.
   const int* tokens = p.sample_tokens + int64_t(row) * p.smax;
   int t[kSampleIlp];
 #pragma unroll
@@ -1085,11 +1096,6 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(SelectParams p) 
     const int s = s0 + i * kGroups;
     t[i] = s < p.smax ? tokens[s] : -1;
   }
-  const bf qv = int(threadIdx.x) < D ? p.q[int64_t(row) * D + threadIdx.x] : bf();
-  const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
-  const int S = plan.num_samples();
-  if (int(blockIdx.x) * kPerCta >= S) return;
-  if (int(threadIdx.x) < D) qs[threadIdx.x] = __bfloat162float(qv);
   if (blockIdx.x == 0 && threadIdx.x == 0 && p.counters)
     atomicAdd(&p.counters[1], (unsigned long long)S * D * sizeof(bf));
 #pragma unroll
@@ -1197,8 +1203,9 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   // divisions (a dependent chain of double-precision sequences) run here too.
   const double x1 = plan.fitted ? plan.x1() : 0.0, x2 = plan.fitted ? plan.x2() : 0.0;
   const double h_exact = harmonic(plan.num_exact);
-  // Launched programmatically behind the sample kernel: everything above was written before it
-  // started, so those loads and that arithmetic overlap its end; the logits are its output.
+  // Launched programmatically behind the sample kernel, which lets it get resident only after
+  // the order kernel has ended: everything above was written by then, so those loads and that
+  // arithmetic overlap the sample kernel's end; the logits are its output.
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   // The first kLogitSmem logits in one round of loads, kept in shared memory for the max, the
@@ -1449,9 +1456,12 @@ cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int 
                     kLocateThreads, 0, stream>>>(p);
   }
   constexpr int kSamplesPerCta = samples_per_cta<D>();
-  sample_kernel<D><<<dim3(unsigned((p.smax + kSamplesPerCta - 1) / kSamplesPerCta), unsigned(rows)),
-                     kSampleThreads, 0, stream>>>(p);
   err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = launch_programmatic(
+      sample_kernel<D>,
+      dim3(unsigned((p.smax + kSamplesPerCta - 1) / kSamplesPerCta), unsigned(rows)),
+      dim3(kSampleThreads), 0, stream, p);
   if (err != cudaSuccess) return err;
   err = launch_programmatic(budget_kernel, dim3(unsigned(rows)), dim3(kRowThreads), 0, stream, p);
   if (err != cudaSuccess) return err;
