@@ -36,9 +36,9 @@
 //   index   compaction of the union's members + recent tokens into the sub-request page
 //           table: a CTA per 256-cluster chunk (its start from the earlier chunks' counts),
 //           a warp per flagged cluster
-// The sample, budget and index kernels are launched programmatically behind the kernel before
-// them: their CTAs get resident while it ends and issue the loads that do not depend on it
-// (the query, the sorted prefix, the CSR offsets) before griddepcontrol.wait.
+// The order, sample, budget and index kernels are launched programmatically behind the kernel
+// before them: their CTAs get resident while it ends and issue the loads that do not depend on
+// it (the CSR offsets, the query, the sorted prefix) before griddepcontrol.wait.
 // Attention is then the dense split-KV kernel over the sub-request view (tactic.h).
 #include <cuda_bf16.h>
 #include <mma.h>
@@ -555,6 +555,9 @@ __global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
   const int row0 = b * p.num_q_heads + h * p.group;
   const int c0 = blockIdx.x * kScoreTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, cq = lane % 4;
+  // The order kernel may get resident as this grid's CTAs end; it reads nothing this kernel
+  // writes before its wait.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   // Every load of the CTA in one round trip: the cluster count, the group's queries (as mma A
   // fragments: row g of the M = 16 rows is query head g, rows past the group zero) and the
   // tile's centroids, read up to the state's capacity (allocated; rows past the count are
@@ -801,15 +804,12 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
   const int64_t slot = p.st.slot(b, h);
   const float* keys = p.keys + int64_t(row) * p.st.max_clusters;
   const int32_t* off = p.st.offsets_of(b, h);
-  // The scores and the CSR offsets are read up to the state's capacity (allocated), in the
-  // same round trip as the cluster count, then cut at the count.
+  // The CSR offsets, the cluster count and the list length are read (the offsets up to the
+  // state's capacity, allocated, then cut at the count) and the bucket counters zeroed before
+  // griddepcontrol.wait: launched programmatically behind the score kernel, the CTA does that
+  // while the scores are still being written. The scores go out right after the wait, so both
+  // loads are in flight together either way.
   const int M = p.st.max_clusters;
-  float k[kOrderItems];
-#pragma unroll
-  for (int i = 0; i < kOrderItems; ++i) {
-    const int c = tid * kOrderItems + i;  // blocked: the radix sort's input order is id order
-    k[i] = c < M ? keys[c] : -INFINITY;
-  }
   constexpr int kOffLoads = kOrderMax / kOrderThreads + 1;
   int o[kOffLoads];
 #pragma unroll
@@ -819,8 +819,14 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
   }
   const int C = p.st.num_clusters[slot];
   const int clustered = p.st.clustered_len[slot];  // for the sample positions, at the end
-  // Counters zeroed while the loads are in flight.
   for (int x = tid; x < kOrderCountWords; x += kOrderThreads) sm.u.buckets.count[x] = 0;
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  float k[kOrderItems];
+#pragma unroll
+  for (int i = 0; i < kOrderItems; ++i) {
+    const int c = tid * kOrderItems + i;  // blocked: the radix sort's input order is id order
+    k[i] = c < M ? keys[c] : -INFINITY;
+  }
 #pragma unroll
   for (int i = 0; i < kOrderItems; ++i)
     if (tid * kOrderItems + i >= C) k[i] = -INFINITY;
@@ -1433,8 +1439,9 @@ cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int 
   if (err != cudaSuccess) return err;
   if (M <= kOrderMax) {
     int* sorted = reinterpret_cast<int*>(ws + l.vals_b);
-    order_kernel<<<dim3(unsigned(rows), unsigned(order_parts)), kOrderThreads, sizeof(OrderSmem),
-                   stream>>>(p, sorted);
+    err = launch_programmatic(order_kernel, dim3(unsigned(rows), unsigned(order_parts)),
+                              dim3(kOrderThreads), sizeof(OrderSmem), stream, p, sorted);
+    if (err != cudaSuccess) return err;
     p.sorted = sorted;
   } else {
     cub::DoubleBuffer<float> keys(p.keys, reinterpret_cast<float*>(ws + l.keys_b));
