@@ -1,9 +1,7 @@
-// CUDA RoPE (rope.h). Same arithmetic as rope_cpu: fp32 angle float(p) * inv_freq[i],
-// precise sincosf (not __sinf/__cosf, whose error grows with the angle: positions reach 1e5+
-// radians), and products rounded separately (no FMA contraction) as the CPU computes them,
-// so the two differ only by the last-ulp differences of the cos/sin implementations.
+// CUDA RoPE (rope.h); the arithmetic of a pair is rope_rotate_pair (rope.cuh).
 #include <cuda_bf16.h>
 
+#include "kernels/common/rope.cuh"
 #include "kernels/common/rope.h"
 
 namespace kvs::kernels {
@@ -19,14 +17,12 @@ __global__ void rope_kernel(__nv_bfloat16* x, int num_tokens, int num_heads, int
     const int64_t token_head = idx / half;
     const int h = int(token_head % num_heads);
     const int64_t t = token_head / num_heads;
-    const float angle = __fmul_rn(float(positions[t]), inv_freq[i]);
-    float s, c;
-    sincosf(angle, &s, &c);
-    if (inverse) s = -s;
     __nv_bfloat16* row = x + t * token_stride + int64_t(h) * 2 * half;
-    const float a = __bfloat162float(row[i]), b = __bfloat162float(row[i + half]);
-    row[i] = __float2bfloat16_rn(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
-    row[i + half] = __float2bfloat16_rn(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
+    const __nv_bfloat162 r =
+        rope_rotate_pair(__bfloat162float(row[i]), __bfloat162float(row[i + half]), positions[t],
+                         inv_freq[i], inverse);
+    row[i] = r.x;
+    row[i + half] = r.y;
   }
 }
 
