@@ -7,10 +7,11 @@
 // stable CUB radix sort of (cluster, token) pairs gives the CSR with members ascending.
 //
 // Decode (fixed grids, lengths read on the device, no host sync: capturable):
-//   index   per (b, h): the token that just left the window is de-RoPE'd (rope_cuda on a
-//           [B*Hkv, d] scratch) and assigned, a CTA per 64 centroids, a packed atomicMax;
-//           every fold_every assignments, the fold merges them into the CSR (copy, sort,
-//           move); on a side stream beside the router
+//   index   per (b, h): the token that just left the window is gathered and de-RoPE'd
+//           (rope_rotate_pair) by one kernel and assigned by the next, a CTA per 64
+//           centroids (staged while the gather runs: a programmatic launch), a packed
+//           atomicMax; every fold_every assignments, the fold merges them into the CSR (copy,
+//           sort, move); on a side stream beside the router
 //   mlp     two GEMV launches over all query heads of the batch, on the tensor cores, with
 //           e4m3 (default) or bf16 weights (a warp per 16 output rows, one 16-byte fragment
 //           load per lane and 256 or 512 weights, 8 batch rows of x from shared memory per
@@ -38,6 +39,7 @@
 #include "kernels/common/launch.cuh"
 #include "kernels/common/merge_states.cuh"
 #include "kernels/common/ptx.cuh"
+#include "kernels/common/rope.cuh"
 #include "kernels/common/rope.h"
 #include "kernels/saap/saap.h"
 
@@ -201,23 +203,31 @@ PrefillLayout prefill_layout(int max_len, int hkv, int d) {
 
 // ---- decode: indexing ----------------------------------------------------------------------
 
-// Copies the key of token indexed_len of every (b, h) to scratch [B * Hkv, d] with its
-// position; tokens still inside the window get position 0 and are skipped later.
-__global__ void step_gather_kernel(PagedKV kv, Window w, IndexState st, bf16* scratch,
-                                   int32_t* positions, unsigned long long* best,
-                                   unsigned* arrived) {
+// Copies the key of token indexed_len of every (b, h), taken back before RoPE
+// (rope_rotate_pair at the token's position, rounded to bf16 as rope_cuda rounds it), to
+// scratch [B * Hkv, d], and zeroes the slot's packed best and arrival count for
+// step_assign_kernel. Tokens still inside the window are skipped (step_assign_kernel returns
+// for them too).
+__global__ void step_gather_kernel(PagedKV kv, Window w, IndexState st, const float* inv_freq,
+                                   bf16* scratch, unsigned long long* best, unsigned* arrived) {
+  // The assignment (launched programmatically) may get resident and stage its centroids.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int b = blockIdx.x / kv.num_kv_heads, h = blockIdx.x % kv.num_kv_heads;
-  const int d = kv.head_dim;
+  const int half = kv.head_dim / 2;
   const int t = st.indexed_len[st.slot(b, h)];
-  const bool due = t < kv.seq_lens[b] - w.recent;
   if (threadIdx.x == 0) {
-    positions[blockIdx.x] = due ? t : 0;
     best[blockIdx.x] = 0ull;  // below every packed candidate
     arrived[blockIdx.x] = 0u;
   }
-  if (!due) return;
-  const bf16* src = kv.k + kv.offset(b, t, h);
-  for (int i = threadIdx.x; i < d; i += blockDim.x) scratch[int64_t(blockIdx.x) * d + i] = src[i];
+  if (t >= kv.seq_lens[b] - w.recent) return;
+  const bf* src = reinterpret_cast<const bf*>(kv.k) + kv.offset(b, t, h);
+  bf* dst = reinterpret_cast<bf*>(scratch) + int64_t(blockIdx.x) * kv.head_dim;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const __nv_bfloat162 r = rope_rotate_pair(
+        __bfloat162float(src[i]), __bfloat162float(src[i + half]), t, inv_freq[i], true);
+    dst[i] = r.x;
+    dst[i + half] = r.y;
+  }
 }
 
 // (score, c) packed so that unsigned order is better() order: the score's bits made monotone,
@@ -241,6 +251,8 @@ __global__ void __launch_bounds__(kStepThreads)
                        unsigned* arrived) {
   const int b = blockIdx.x / kv.num_kv_heads, h = blockIdx.x % kv.num_kv_heads;
   const int d = kv.head_dim;
+  // Launched programmatically behind step_gather_kernel: the centroids and norms are staged
+  // before griddepcontrol.wait; the key (scratch) and the zeroed best and arrival count after.
   const int t = st.indexed_len[st.slot(b, h)];
   if (t >= kv.seq_lens[b] - w.recent) return;  // uniform over the (b, h) CTAs
   constexpr int kPitch = 128 + 4;  // floats per staged row: 16-byte aligned, rows on other banks
@@ -256,13 +268,17 @@ __global__ void __launch_bounds__(kStepThreads)
     ptx::cp_async_16(ptx::smem_addr(rows_s + (i / (d / 4)) * kPitch + (i % (d / 4)) * 4),
                      src + int64_t(i) * 4, true);
   ptx::cp_async_commit();
+  static_assert(kStepChunk == kStepThreads, "a centroid's norm per thread");
+  const int my_c = c0 + int(threadIdx.x);
+  const float my_norm = my_c < c_end ? norms[int64_t(h) * C + my_c] : 0.f;
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   for (int i = threadIdx.x; i < d; i += blockDim.x)
     key_s[i] = __bfloat162float(scratch[int64_t(blockIdx.x) * d + i]);
   ptx::cp_async_wait<0>();
   __syncthreads();
   float best = -FLT_MAX;
   int best_c = 0x7fffffff;
-  for (int c = c0 + threadIdx.x; c < c_end; c += blockDim.x) {
+  for (int c = my_c; c < c_end; c += blockDim.x) {
     const float4* row = reinterpret_cast<const float4*>(rows_s + (c - c0) * kPitch);
     float acc = 0.f;
     for (int k = 0; k < d / 4; ++k) {
@@ -272,7 +288,7 @@ __global__ void __launch_bounds__(kStepThreads)
       acc = fmaf(v.z, key_s[4 * k + 2], acc);
       acc = fmaf(v.w, key_s[4 * k + 3], acc);
     }
-    const float s = centroid_score(acc, norms[int64_t(h) * C + c]);
+    const float s = centroid_score(acc, my_norm);
     if (better(s, c, best, best_c)) {
       best = s;
       best_c = c;
@@ -1135,7 +1151,7 @@ __global__ void __launch_bounds__(kRouteThreads)
 // ---- decode: workspace and launchers -------------------------------------------------------
 
 struct DecodeLayout {
-  size_t hidden, logits, scratch, positions, best, arrived, fold, total;
+  size_t hidden, logits, scratch, best, arrived, fold, total;
 };
 
 DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, int C,
@@ -1144,13 +1160,12 @@ DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, in
   l.hidden = align_up(size_t(max_batch) * hq * hidden * sizeof(float));
   l.logits = align_up(size_t(max_batch) * hq * C * sizeof(float));
   l.scratch = align_up(size_t(max_batch) * hkv * d * sizeof(bf16));
-  l.positions = align_up(size_t(max_batch) * hkv * sizeof(int32_t));
   l.best = align_up(size_t(max_batch) * hkv * sizeof(unsigned long long));
   l.arrived = align_up(size_t(max_batch) * hkv * sizeof(unsigned));
   // FoldScratch: start, old_offsets, shift, clusters, tokens (the copy is lists.tokens)
   l.fold = align_up(size_t(max_batch) * hkv * (1 + 2 * (size_t(C) + 1) + 2 * size_t(fold_every)) *
                     sizeof(int32_t));
-  l.total = l.hidden + l.logits + l.scratch + l.positions + l.best + l.arrived + l.fold;
+  l.total = l.hidden + l.logits + l.scratch + l.best + l.arrived + l.fold;
   return l;
 }
 
@@ -1259,12 +1274,11 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   float* logits = reinterpret_cast<float*>(p + lay.hidden);
   bf16* scratch = reinterpret_cast<bf16*>(p + lay.hidden + lay.logits);
   char* step = p + lay.hidden + lay.logits + lay.scratch;
-  int32_t* positions = reinterpret_cast<int32_t*>(step);
-  auto* best = reinterpret_cast<unsigned long long*>(step + lay.positions);
-  auto* arrived = reinterpret_cast<unsigned*>(step + lay.positions + lay.best);
+  auto* best = reinterpret_cast<unsigned long long*>(step);
+  auto* arrived = reinterpret_cast<unsigned*>(step + lay.best);
   const int64_t slots = int64_t(st.max_batch) * hkv;
   FoldScratch fold;
-  fold.start = reinterpret_cast<int32_t*>(step + lay.positions + lay.best + lay.arrived);
+  fold.start = reinterpret_cast<int32_t*>(step + lay.best + lay.arrived);
   fold.old_offsets = fold.start + slots;
   fold.shift = fold.old_offsets + slots * (C + 1);
   fold.clusters = fold.shift + slots * (C + 1);
@@ -1279,14 +1293,13 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
     if (e != cudaSuccess) return e;
     index_stream = side->side;
   }
-  step_gather_kernel<<<B * hkv, 128, 0, index_stream>>>(kv, w, st, scratch, positions, best,
+  step_gather_kernel<<<B * hkv, 128, 0, index_stream>>>(kv, w, st, inv_freq, scratch, best,
                                                         arrived);
-  cudaError_t e = rope_cuda(scratch, B * hkv, 1, d, d, positions, inv_freq, true, index_stream);
+  cudaError_t e = launch_programmatic(
+      step_assign_kernel, dim3(unsigned(B * hkv), unsigned((C + kStepChunk - 1) / kStepChunk)),
+      dim3(kStepThreads), 0, index_stream, kv, w, reinterpret_cast<const bf*>(scratch), r.centroids,
+      r.centroid_norms, C, st, best, arrived);
   if (e != cudaSuccess) return e;
-  step_assign_kernel<<<dim3(unsigned(B * hkv), unsigned((C + kStepChunk - 1) / kStepChunk)),
-                       kStepThreads, 0, index_stream>>>(kv, w, reinterpret_cast<const bf*>(scratch),
-                                                        r.centroids, r.centroid_norms, C, st, best,
-                                                        arrived);
   if (st.fold_every > 0) {
     fold_copy_kernel<<<dim3(unsigned(B * hkv), unsigned(1 + kFoldCopyParts)), kFoldThreads, 0,
                        index_stream>>>(st, fold);
