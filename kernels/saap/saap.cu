@@ -11,21 +11,23 @@
 //           (rope_rotate_pair) by one kernel and assigned by the next, a CTA per 64
 //           centroids (staged while the gather runs: a programmatic launch), a packed
 //           atomicMax; every fold_every assignments, the fold merges them into the CSR (copy,
-//           sort, move); on a side stream beside the router
+//           sort, move); on a side stream beside the router, joined back before the route
 //   mlp     two GEMV launches over all query heads of the batch, on the tensor cores, with
 //           e4m3 (default) or bf16 weights (a warp per 16 output rows, one 16-byte fragment
 //           load per lane and 256 or 512 weights, 8 batch rows of x from shared memory per
 //           pass): the router's cost is one read of its weights per step up to batch 8
 //   route   one CTA per (b, h): softmax per query head, group sum (or mean-query centroid
 //           scores), bitonic sort of the C scores in shared memory, top-l ids
-//   attend  per (b, h) and part (attend_cuda, after the join): the token lists and the
-//           attention in one kernel. Every CTA derives the slot's sizes from the selection;
-//           the parts split the members and the window (sink + unindexed tail) evenly, the
-//           last part scans the post-prefill assignments; each resolves its tokens to KV rows
-//           in shared memory, attends them with the shared tile loop (attend_tiles.cuh), and
-//           writes its state; a merge kernel combines the parts. So the lists never make a
-//           round trip through memory before the attention (H100, 128K: 56.6 -> 55.3 us;
-//           512K: 89.5 -> 72.0 us; docs/gpu.md)
+//   attend  per (b, h) and part (attend_cuda), launched programmatically behind the route:
+//           the token lists and the attention in one kernel. The parts split the members
+//           and the window (sink + unindexed tail) by their sizes, the members estimated
+//           from the index, so that the window parts attend before the route has chosen;
+//           the member parts derive their rows from the selection, the last part scans the
+//           post-prefill assignments; each resolves its tokens to KV rows in shared memory,
+//           attends them with the shared tile loop (attend_tiles.cuh), and writes its state;
+//           a merge kernel combines the parts. So the lists never make a round trip through
+//           memory before the attention (H100, 128K: 56.6 -> 55.3 us; 512K: 89.5 -> 72.0 us;
+//           docs/gpu.md)
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -495,25 +497,38 @@ constexpr size_t attend_scan_bytes() {
   return (sizeof(typename cub::BlockScan<int, kThreads>::TempStorage) + 15) / 16 * 16;
 }
 
+// CSR offsets staged in attend_kernel's shared memory up to this many clusters (8 KB: two
+// CTAs per SM still fit); beyond it the CTAs read them from global memory.
+constexpr int kStagedOffsetsMax = 2048;
+
+__host__ __device__ constexpr bool attend_stages_offsets(int C) { return C <= kStagedOffsetsMax; }
+
 // attend_kernel's dynamic shared memory: the tile loop's rings (first, 128-byte aligned; see
 // attend_tiles.cuh), the block scan, the staged rows, the selection's prefix and first
-// members, and the chosen-cluster bitmap.
+// members, the chosen-cluster bitmap and the staged CSR offsets.
 template <class Cfg>
 size_t attend_smem_bytes(int probes, int C) {
   return Cfg::smem_bytes() + attend_scan_bytes<Cfg::kThreads>() +
-         sizeof(int) * (size_t(kAttendRowsCap) + 2 * size_t(probes) + (C + 31) / 32);
+         sizeof(int) * (size_t(kAttendRowsCap) + 2 * size_t(probes) + (C + 31) / 32 +
+                        (attend_stages_offsets(C) ? size_t(C) + 1 : 0));
 }
 
-// One CTA per (sub-request (b, h), part). Every CTA derives the slot's sizes from the
-// selection (a prefix of the selected clusters' CSR sizes) and the index lengths: M members,
-// the window W = sink + the unindexed tail [max(indexed_len, sink), n). The last part scans
-// the post-prefill assignments; the others split the members and the window in proportion to
-// their sizes, each an even share. A part resolves its tokens to KV rows (members, then
-// pages, loaded kKvIlp at a time) into shared memory, attends them with the shared tile loop,
-// and keeps a running state across passes of kAttendRowsCap rows; its state goes to
-// part_lse / part_o for attend_merge_kernel. It also writes the token list
-// ([sink | members | tail | post-prefill hits], for the stats and last_read) and the count.
-// So the token lists never make a round trip through memory before the attention reads them.
+// One CTA per (sub-request (b, h), part), launched programmatically behind the route. The
+// parts split the slot's rows: Pm member parts take even shares of M, the members of the
+// selected clusters; the window parts take even shares of the window W = sink + the
+// unindexed tail [max(indexed_len, sink), n); the last part scans the post-prefill
+// assignments. The split follows the sizes, with M estimated from the index (probes clusters
+// of the average size), so that a window part knows its rows before the route has chosen: it
+// resolves and attends them before griddepcontrol.wait, beside the route, and writes their
+// token-list entries (whose positions need M) after it. Before the wait every CTA reads only
+// what the route does not write: q, the lengths, the page table, the KV and the index (the
+// index step is joined before the route), with the CSR offsets staged in shared memory. A
+// part resolves its tokens to KV rows (members, then pages, loaded kKvIlp at a time) into
+// shared memory, attends them with the shared tile loop, and keeps a running state across
+// passes of kAttendRowsCap rows; its state goes to part_lse / part_o for attend_merge_kernel.
+// It also writes the token list ([sink | members | tail | post-prefill hits], for the stats
+// and last_read) and the count. So the token lists never make a round trip through memory
+// before the attention reads them.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads)
     attend_kernel(const __grid_constant__ AttendParams p) {
@@ -530,48 +545,62 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   int* first = prefix + p.probes;                                               // [probes]
   unsigned* chosen = reinterpret_cast<unsigned*>(first + p.probes);             // [C / 32]
   const int hkv = p.num_kv_heads, C = p.st.num_clusters, probes = p.probes;
+  int* off_s = reinterpret_cast<int*>(chosen + (C + 31) / 32);  // [C + 1] when staged
   const int sv = blockIdx.x, b = sv / hkv, h = sv % hkv;
   const int64_t slot = p.st.slot(b, h);
   const int n = p.seq_lens[b];
   const int indexed = p.st.indexed_len[slot], csr = p.st.csr_len[slot];
   const int32_t* sel = p.selected + int64_t(sv) * probes;
-  const int32_t* offsets = p.st.offsets_of(b, h);
   const int32_t* table = p.page_table + int64_t(b) * p.max_pages_per_seq;
   int32_t* tokens = p.lists.tokens + int64_t(sv) * p.lists.max_tokens;
   const int part = blockIdx.y, scan_part = gridDim.y - 1;
   uint32_t qa[D / 16][2];
   tiles::load_query_fragments<D>(p.q + (int64_t(b) * p.num_q_heads + h * p.group) * D, p.group,
                                  threadIdx.x % 32, qa);
-  if (part == scan_part) {
+  const int32_t* offsets = p.st.offsets_of(b, h);
+  if (attend_stages_offsets(C)) {
+    for (int c = threadIdx.x; c <= C; c += kThreads) off_s[c] = offsets[c];
+    offsets = off_s;
+  }
+  if (part == scan_part)
     for (int i = threadIdx.x; i < (C + 31) / 32; i += kThreads) chosen[i] = 0u;
-    __syncthreads();
-  }
-  // Prefix sums of the selected clusters' sizes.
-  int running = 0;
-  for (int i0 = 0; i0 < probes; i0 += kThreads) {
-    const int i = i0 + threadIdx.x;
-    int size = 0;
-    if (i < probes) {
-      const int c = sel[i];
-      first[i] = offsets[c];
-      size = offsets[c + 1] - first[i];
-      if (part == scan_part) atomicOr(&chosen[c / 32], 1u << (c % 32));
-    }
-    int excl, total;
-    Scan(scan_tmp).ExclusiveSum(size, excl, total);
-    if (i < probes) prefix[i] = running + excl;
-    running += total;
-    __syncthreads();
-  }
-  const int sink = min(p.w.sink, n), M = running;
+  __syncthreads();
+  const int sink = min(p.w.sink, n);
   const int tail0 = max(indexed, sink), T = max(0, n - tail0), W = sink + T;
   const int shared_parts = scan_part;  // members and window
+  const int64_t m_est = int64_t(probes) * max(0, csr - sink) / C;
   int Pm = 0;
-  if (M > 0)
+  if (m_est > 0)
     Pm = W == 0 ? shared_parts
                 : min(shared_parts - 1,
-                      max(1, int((int64_t(shared_parts) * M + (M + W) / 2) / (M + W))));
-  const int Pw = shared_parts - Pm;
+                      max(1, int((shared_parts * m_est + (m_est + W) / 2) / (m_est + W))));
+  const bool window_part = part >= Pm && part < shared_parts;
+
+  // Prefix sums of the selected clusters' sizes (after the wait: the route writes sel).
+  auto select = [&]() {
+    int running = 0;
+    for (int i0 = 0; i0 < probes; i0 += kThreads) {
+      const int i = i0 + threadIdx.x;
+      int size = 0;
+      if (i < probes) {
+        const int c = sel[i];
+        first[i] = offsets[c];
+        size = offsets[c + 1] - first[i];
+        if (part == scan_part) atomicOr(&chosen[c / 32], 1u << (c % 32));
+      }
+      int excl, total;
+      Scan(scan_tmp).ExclusiveSum(size, excl, total);
+      if (i < probes) prefix[i] = running + excl;
+      running += total;
+      __syncthreads();
+    }
+    return running;
+  };
+  int M = 0;
+  if (!window_part) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    M = select();
+  }
 
   // The part's running state: this thread's float4s of merge_warp_states' rows.
   constexpr int kRun = (tiles::kMaxGroup * D / 4 + kThreads - 1) / kThreads;
@@ -611,12 +640,13 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   auto row_of = [&](int t, int page) {
     return int32_t((int64_t(page) * p.page_size + t % p.page_size) * hkv + h);
   };
+  // Window position i (of [sink tokens | tail tokens]) as a token.
+  auto window_token = [&](int i) { return i < sink ? i : tail0 + (i - sink); };
   if (part < shared_parts) {
     // Members: positions [lo, hi) of the concatenated member lists of the selected
-    // clusters. Window: positions of [sink tokens | tail tokens].
-    const bool members_part = part < Pm;
-    const int j = members_part ? part : part - Pm, parts_here = members_part ? Pm : Pw;
-    const int size = members_part ? M : W;
+    // clusters. Window: positions [lo, hi) of the window.
+    const int j = window_part ? part - Pm : part;
+    const int parts_here = window_part ? shared_parts - Pm : Pm, size = window_part ? W : M;
     const int lo = int(int64_t(size) * j / parts_here),
               hi = int(int64_t(size) * (j + 1) / parts_here);
     for (int c0 = lo; c0 < hi; c0 += kAttendRowsCap) {
@@ -627,15 +657,15 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         const int i = c0 + int(threadIdx.x) + u * kThreads;
         t[u] = -1;
         if (i < c1) {
-          if (members_part) {
+          if (!window_part) {
             const int k = last_at_most(prefix, probes, i);
             t[u] = first[k] + (i - prefix[k]);  // an index into members, loaded below
           } else {
-            t[u] = i < sink ? i : tail0 + (i - sink);
+            t[u] = window_token(i);
           }
         }
       }
-      if (members_part) {
+      if (!window_part) {
         const int32_t* members = p.st.members_of(b, h);
 #pragma unroll
         for (int u = 0; u < kKvIlp; ++u) t[u] = t[u] >= 0 ? members[t[u]] : -1;
@@ -648,10 +678,17 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         if (t[u] < 0) continue;
         const int i = c0 + int(threadIdx.x) + u * kThreads;
         rows_s[i - c0] = row_of(t[u], page[u]);
-        tokens[members_part ? sink + i : i < sink ? i : sink + M + (i - sink)] = t[u];
+        if (!window_part) tokens[sink + i] = t[u];
       }
       __syncthreads();
       attend_rows(c1 - c0);
+    }
+    if (window_part) {
+      // The token-list entries of the window's rows: the tail's follow the members.
+      asm volatile("griddepcontrol.wait;" ::: "memory");
+      M = select();
+      for (int i = lo + int(threadIdx.x); i < hi; i += kThreads)
+        tokens[i < sink ? i : sink + M + (i - sink)] = window_token(i);
     }
   } else {
     // The post-prefill assignments of the chosen clusters, in token order, a round of
@@ -1065,6 +1102,9 @@ __device__ float route_mlp_score(const float* logits, int row0, int g, int C, fl
 __global__ void __launch_bounds__(kRouteThreads)
     route_kernel(const float* logits, const bf* q_pre, Router<bf16> r, int probes, int pow2,
                  int32_t* selected) {
+  // The attention (launched programmatically) may get resident now: it reads nothing this
+  // kernel writes before its griddepcontrol.wait.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   extern __shared__ float route_s[];
   float* score = route_s;                             // [pow2]
   int* ids = reinterpret_cast<int*>(score + pow2);    // [pow2]
@@ -1318,14 +1358,15 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   }
   const int pow2 = next_pow2(C);
   const size_t route_smem = route_smem_bytes(pow2);
-  route_kernel<<<B * hkv, kRouteThreads, route_smem, stream>>>(
-      logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2, selected);
-
-  // The attention (attend_cuda) reads the index the step updated: join the side stream.
+  // The route waits for the index step: the attention, launched programmatically behind the
+  // route, reads the index before its griddepcontrol.wait, and a cross-stream join right
+  // before it would be captured as a programmatic edge too (docs/gpu.md, device facts).
   if (side) {
     e = join_into(*side, stream);
     if (e != cudaSuccess) return e;
   }
+  route_kernel<<<B * hkv, kRouteThreads, route_smem, stream>>>(
+      logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2, selected);
   return cudaGetLastError();
 }
 
@@ -1376,9 +1417,8 @@ cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, 
   const int subrequests = batch * p.num_kv_heads;
   const int parts =
       std::min(kMaxAttendParts, std::max(kMinAttendParts, sms * std::max(1, per_sm) / subrequests));
-  attend_kernel<Cfg>
-      <<<dim3(unsigned(subrequests), unsigned(parts)), Cfg::kThreads, smem, stream>>>(p);
-  e = cudaGetLastError();
+  e = launch_programmatic(attend_kernel<Cfg>, dim3(unsigned(subrequests), unsigned(parts)),
+                          dim3(Cfg::kThreads), smem, stream, p);
   if (e != cudaSuccess) return e;
   // A plain launch: launched programmatically, the merge's CTAs got resident early and took
   // room from the attention's (128K batch 1: 58.7-59.2 us against 54.7-55.7; docs/gpu.md).

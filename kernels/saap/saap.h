@@ -202,8 +202,8 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
 //    as scratch for the old members; attend_cuda (3.) writes the lists afterwards.
 // 2. route: selected [batch * Hkv, l] cluster ids from q_pre [batch, Hq, d].
 // side (optional): the index step (1.) runs on side->side, forked from `stream` and joined
-// back at the end, so that its small, latency-bound kernels overlap the router's weight
-// stream (2.). Null: everything on `stream`.
+// back before the route, so that its small, latency-bound kernels overlap the router's
+// weight stream (2.). Null: everything on `stream`.
 size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
                               int hidden, int num_clusters, int fold_every);
 cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float* inv_freq,
@@ -213,8 +213,11 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
                                size_t workspace_bytes, cudaStream_t stream,
                                const StreamFork* side = nullptr);
 
-// 3. attend (after decode_select_cuda on the same stream): the token lists and the
-//    attention in one kernel, then a merge kernel. One CTA per (sub-request (b, h), part):
+// 3. attend (directly after decode_select_cuda on the same stream, nothing between): the
+//    token lists and the attention in one kernel, then a merge kernel. It is launched
+//    programmatically behind the route and reads q, the lengths, the page table, the KV and
+//    the index before it waits for the route's selection, so q must be written before
+//    decode_select_cuda. One CTA per (sub-request (b, h), part):
 //    the parts split the selected clusters' members and the window (sink + unindexed tail)
 //    evenly, the last part takes the post-prefill assignments of the chosen clusters; each
 //    resolves its tokens to KV rows in shared memory and attends them, and a merge kernel
