@@ -7,11 +7,11 @@
 // stable CUB radix sort of (cluster, token) pairs gives the CSR with members ascending.
 //
 // Decode (fixed grids, lengths read on the device, no host sync: capturable):
-//   index   per (b, h): the token that just left the window is gathered and de-RoPE'd
-//           (rope_rotate_pair) by one kernel and assigned by the next, a CTA per 64
-//           centroids (staged while the gather runs: a programmatic launch), a packed
-//           atomicMax; every fold_every assignments, the fold merges them into the CSR (copy,
-//           sort, move); on a side stream beside the router, joined back before the route
+//   index   per (b, h): the token that just left the window is de-RoPE'd (rope_rotate_pair)
+//           and assigned by one kernel, a thread-block cluster of 8 CTAs that split the
+//           centroids and reduce through distributed shared memory; every fold_every
+//           assignments, the fold merges them into the CSR (copy, sort, move); on a side
+//           stream beside the router, joined back before the route
 //   mlp     two GEMV launches over all query heads of the batch, on the tensor cores, with
 //           e4m3 (default) or bf16 weights (a warp per 16 output rows, one 16-byte fragment
 //           load per lane and 256 or 512 weights, 8 batch rows of x from shared memory per
@@ -28,6 +28,7 @@
 //           a merge kernel combines the parts. So the lists never make a round trip through
 //           memory before the attention (H100, 128K: 56.6 -> 55.3 us; 512K: 89.5 -> 72.0 us;
 //           docs/gpu.md)
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -53,8 +54,8 @@ using bf = __nv_bfloat16;
 constexpr int kAssignTokens = 32;    // keys per tile of the prefill assignment
 constexpr int kAssignCents = 32;     // centroids per shared-memory tile
 constexpr int kAssignThreads = 256;  // 8 warps x 4 centroids of a tile
-constexpr int kStepThreads = 64;     // decode-time assignment CTA
-constexpr int kStepChunk = 64;       // centroids per decode-time assignment CTA (staged rows)
+constexpr int kStepThreads = 128;    // decode-time assignment CTA
+constexpr int kStepChunk = 128;      // centroids per pass of a decode-time assignment CTA
 constexpr int kRouteThreads = 1024;
 constexpr int kMaxRouteGroup = 8;  // query heads per kv head in route_mlp_score
 constexpr int kScanIlp = 8;        // post-prefill assignments per thread and round of the scan
@@ -205,96 +206,85 @@ PrefillLayout prefill_layout(int max_len, int hkv, int d) {
 
 // ---- decode: indexing ----------------------------------------------------------------------
 
-// Copies the key of token indexed_len of every (b, h), taken back before RoPE
-// (rope_rotate_pair at the token's position, rounded to bf16 as rope_cuda rounds it), to
-// scratch [B * Hkv, d], and zeroes the slot's packed best and arrival count for
-// step_assign_kernel. Tokens still inside the window are skipped (step_assign_kernel returns
-// for them too).
-__global__ void step_gather_kernel(PagedKV kv, Window w, IndexState st, const float* inv_freq,
-                                   bf16* scratch, unsigned long long* best, unsigned* arrived) {
-  // The assignment (launched programmatically) may get resident and stage its centroids.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const int b = blockIdx.x / kv.num_kv_heads, h = blockIdx.x % kv.num_kv_heads;
-  const int half = kv.head_dim / 2;
-  const int t = st.indexed_len[st.slot(b, h)];
-  if (threadIdx.x == 0) {
-    best[blockIdx.x] = 0ull;  // below every packed candidate
-    arrived[blockIdx.x] = 0u;
-  }
-  if (t >= kv.seq_lens[b] - w.recent) return;
-  const bf* src = reinterpret_cast<const bf*>(kv.k) + kv.offset(b, t, h);
-  bf* dst = reinterpret_cast<bf*>(scratch) + int64_t(blockIdx.x) * kv.head_dim;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+// The decode half of the index, one thread-block cluster of kStepRanks CTAs per (b, h): when
+// token t = indexed_len has left the window, every CTA loads the key and rotates it back
+// before RoPE (rope_rotate_pair at t, rounded to bf16 as rope_cuda rounds it), scores its
+// share of the C centroids, and hands its best to CTA 0 through distributed shared memory;
+// CTA 0 commits the nearest (largest centroid_score, ties to the lowest id) and indexed_len.
+// The centroid rows are staged through shared memory kStepChunk at a time with coalesced
+// 16-byte copies, in flight with the key's load: a thread reading its own rows (512 B apart
+// across the warp) took 12 µs on an H100. One launch and no global reduction, where a gather,
+// rope_cuda and a packed atomicMax with an arrival count took three (docs/gpu.md); the
+// per-centroid dot product is the same sequential loop, so the assignment is unchanged.
+constexpr int kStepRanks = 8;        // CTAs per (b, h): a portable cluster size
+constexpr int kStepPitch = 128 + 4;  // floats per staged row: 16-byte aligned, rows on other banks
+
+// step_index_kernel's dynamic shared memory: kStepChunk staged rows and the key.
+constexpr size_t step_index_smem_bytes() {
+  return (size_t(kStepChunk) * kStepPitch + 128) * sizeof(float);
+}
+
+__global__ void __cluster_dims__(kStepRanks, 1, 1) __launch_bounds__(kStepThreads)
+    step_index_kernel(PagedKV kv, Window w, const float* inv_freq, const float* centroids,
+                      const float* norms, int C, IndexState st) {
+  namespace cg = cooperative_groups;
+  extern __shared__ __align__(16) float step_s[];
+  float* rows_s = step_s;                           // [kStepChunk, kStepPitch]
+  float* key_s = rows_s + kStepChunk * kStepPitch;  // [128]
+  __shared__ float red_s[kStepThreads / 32], rank_s[kStepRanks];
+  __shared__ int red_c[kStepThreads / 32], rank_c[kStepRanks];
+  const int b = blockIdx.y / kv.num_kv_heads, h = blockIdx.y % kv.num_kv_heads;
+  const int d = kv.head_dim, half = d / 2;
+  const int64_t slot = st.slot(b, h);
+  const int t = st.indexed_len[slot];
+  if (t >= kv.seq_lens[b] - w.recent) return;  // uniform over the cluster
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  // CTA 0's shared memory may be written only once every CTA of the cluster runs.
+  ptx::cluster_arrive_relaxed();
+  const int per = (C + kStepRanks - 1) / kStepRanks;
+  const int c_begin = min(C, rank * per), c_end = min(C, c_begin + per);
+  auto stage = [&](int c0) {
+    const int rows = min(kStepChunk, c_end - c0);
+    const float* src = centroids + (int64_t(h) * C + c0) * d;
+    for (int i = threadIdx.x; i < rows * (d / 4); i += kStepThreads)
+      ptx::cp_async_16(ptx::smem_addr(rows_s + (i / (d / 4)) * kStepPitch + (i % (d / 4)) * 4),
+                       src + int64_t(i) * 4, true);
+    ptx::cp_async_commit();
+  };
+  if (c_begin < c_end) stage(c_begin);
+  const bf* key = reinterpret_cast<const bf*>(kv.k) + kv.offset(b, t, h);
+  for (int i = threadIdx.x; i < half; i += kStepThreads) {
     const __nv_bfloat162 r = rope_rotate_pair(
-        __bfloat162float(src[i]), __bfloat162float(src[i + half]), t, inv_freq[i], true);
-    dst[i] = r.x;
-    dst[i + half] = r.y;
+        __bfloat162float(key[i]), __bfloat162float(key[i + half]), t, inv_freq[i], true);
+    key_s[i] = __bfloat162float(r.x);
+    key_s[i + half] = __bfloat162float(r.y);
   }
-}
-
-// (score, c) packed so that unsigned order is better() order: the score's bits made monotone,
-// then ~c (a lower id wins a tie). Never 0 for a finite score.
-__device__ __forceinline__ unsigned long long pack_candidate(float s, int c) {
-  const unsigned u = __float_as_uint(s);
-  const unsigned ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - unsigned(c));
-}
-
-// The token that left the window is assigned to its nearest centroid (largest
-// centroid_score). One CTA per (sequence, kv head, kStepChunk centroids), the chunk's rows
-// staged through shared memory with coalesced copies: a thread reading its own rows (strided
-// 512 B apart across the warp) from global memory took 12 µs on an H100 even spread over 64
-// CTAs. Each CTA's best goes to a packed atomicMax; the last CTA to arrive commits it. The
-// per-centroid dot product is the same sequential loop as before, so the assignment is
-// unchanged.
-__global__ void __launch_bounds__(kStepThreads)
-    step_assign_kernel(PagedKV kv, Window w, const bf* scratch, const float* centroids,
-                       const float* norms, int C, IndexState st, unsigned long long* best_all,
-                       unsigned* arrived) {
-  const int b = blockIdx.x / kv.num_kv_heads, h = blockIdx.x % kv.num_kv_heads;
-  const int d = kv.head_dim;
-  // Launched programmatically behind step_gather_kernel: the centroids and norms are staged
-  // before griddepcontrol.wait; the key (scratch) and the zeroed best and arrival count after.
-  const int t = st.indexed_len[st.slot(b, h)];
-  if (t >= kv.seq_lens[b] - w.recent) return;  // uniform over the (b, h) CTAs
-  constexpr int kPitch = 128 + 4;  // floats per staged row: 16-byte aligned, rows on other banks
-  __shared__ __align__(16) float rows_s[kStepChunk * kPitch];
-  __shared__ float key_s[128];
-  __shared__ float red_s[32];
-  __shared__ int red_c[32];
-  __shared__ bool last;
-  // The chunk's rows are contiguous: stage them with coalesced 16-byte copies, all in flight.
-  const int c0 = blockIdx.y * kStepChunk, c_end = min(C, c0 + kStepChunk);
-  const float* src = centroids + (int64_t(h) * C + c0) * d;
-  for (int i = threadIdx.x; i < (c_end - c0) * (d / 4); i += blockDim.x)
-    ptx::cp_async_16(ptx::smem_addr(rows_s + (i / (d / 4)) * kPitch + (i % (d / 4)) * 4),
-                     src + int64_t(i) * 4, true);
-  ptx::cp_async_commit();
-  static_assert(kStepChunk == kStepThreads, "a centroid's norm per thread");
-  const int my_c = c0 + int(threadIdx.x);
-  const float my_norm = my_c < c_end ? norms[int64_t(h) * C + my_c] : 0.f;
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  for (int i = threadIdx.x; i < d; i += blockDim.x)
-    key_s[i] = __bfloat162float(scratch[int64_t(blockIdx.x) * d + i]);
-  ptx::cp_async_wait<0>();
-  __syncthreads();
   float best = -FLT_MAX;
   int best_c = 0x7fffffff;
-  for (int c = my_c; c < c_end; c += blockDim.x) {
-    const float4* row = reinterpret_cast<const float4*>(rows_s + (c - c0) * kPitch);
-    float acc = 0.f;
-    for (int k = 0; k < d / 4; ++k) {
-      const float4 v = row[k];
-      acc = fmaf(v.x, key_s[4 * k], acc);
-      acc = fmaf(v.y, key_s[4 * k + 1], acc);
-      acc = fmaf(v.z, key_s[4 * k + 2], acc);
-      acc = fmaf(v.w, key_s[4 * k + 3], acc);
+  for (int c0 = c_begin; c0 < c_end; c0 += kStepChunk) {
+    const int c = c0 + int(threadIdx.x);
+    const float norm = c < c_end ? norms[int64_t(h) * C + c] : 0.f;
+    ptx::cp_async_wait<0>();
+    __syncthreads();  // the rows and the key are staged
+    if (c < c_end) {
+      const float4* row = reinterpret_cast<const float4*>(rows_s + (c - c0) * kStepPitch);
+      float acc = 0.f;
+      for (int k = 0; k < d / 4; ++k) {
+        const float4 v = row[k];
+        acc = fmaf(v.x, key_s[4 * k], acc);
+        acc = fmaf(v.y, key_s[4 * k + 1], acc);
+        acc = fmaf(v.z, key_s[4 * k + 2], acc);
+        acc = fmaf(v.w, key_s[4 * k + 3], acc);
+      }
+      const float s = centroid_score(acc, norm);
+      if (better(s, c, best, best_c)) {
+        best = s;
+        best_c = c;
+      }
     }
-    const float s = centroid_score(acc, my_norm);
-    if (better(s, c, best, best_c)) {
-      best = s;
-      best_c = c;
-    }
+    __syncthreads();  // the rows are read: the next pass may restage them
+    if (c0 + kStepChunk < c_end) stage(c0 + kStepChunk);
   }
   for (int off = 16; off > 0; off /= 2) {
     const float os = __shfl_down_sync(0xffffffffu, best, off);
@@ -310,23 +300,27 @@ __global__ void __launch_bounds__(kStepThreads)
     red_c[warp] = best_c;
   }
   __syncthreads();
+  ptx::cluster_wait();
   if (threadIdx.x == 0) {
-    for (int i = 1; i < int(blockDim.x / 32); ++i)
+    for (int i = 1; i < kStepThreads / 32; ++i)
       if (better(red_s[i], red_c[i], best, best_c)) {
         best = red_s[i];
         best_c = red_c[i];
       }
-    if (best_c < C) atomicMax(&best_all[blockIdx.x], pack_candidate(best, best_c));
-    __threadfence();
-    last = atomicAdd(&arrived[blockIdx.x], 1u) == gridDim.y - 1;
+    cluster.map_shared_rank(rank_s, 0)[rank] = best;
+    cluster.map_shared_rank(rank_c, 0)[rank] = best_c;
   }
-  __syncthreads();
-  if (last && threadIdx.x == 0) {
-    __threadfence();
-    const unsigned long long packed = atomicAdd(&best_all[blockIdx.x], 0ull);  // coherent read
-    st.assign_of(b, h)[t] = int(0xffffffffu - unsigned(packed & 0xffffffffull));
-    st.indexed_len[st.slot(b, h)] = t + 1;
-  }
+  cluster.sync();  // CTA 0 holds every rank's best; the others may leave
+  if (rank != 0 || threadIdx.x != 0) return;
+  best = rank_s[0];
+  best_c = rank_c[0];
+  for (int i = 1; i < kStepRanks; ++i)
+    if (better(rank_s[i], rank_c[i], best, best_c)) {
+      best = rank_s[i];
+      best_c = rank_c[i];
+    }
+  st.assign_of(b, h)[t] = best_c < C ? best_c : -1;  // -1: no finite score (a NaN key)
+  st.indexed_len[slot] = t + 1;
 }
 
 // ---- decode: the fold ----------------------------------------------------------------------
@@ -1191,7 +1185,7 @@ __global__ void __launch_bounds__(kRouteThreads)
 // ---- decode: workspace and launchers -------------------------------------------------------
 
 struct DecodeLayout {
-  size_t hidden, logits, scratch, best, arrived, fold, total;
+  size_t hidden, logits, fold, total;
 };
 
 DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, int C,
@@ -1199,13 +1193,10 @@ DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, in
   DecodeLayout l;
   l.hidden = align_up(size_t(max_batch) * hq * hidden * sizeof(float));
   l.logits = align_up(size_t(max_batch) * hq * C * sizeof(float));
-  l.scratch = align_up(size_t(max_batch) * hkv * d * sizeof(bf16));
-  l.best = align_up(size_t(max_batch) * hkv * sizeof(unsigned long long));
-  l.arrived = align_up(size_t(max_batch) * hkv * sizeof(unsigned));
   // FoldScratch: start, old_offsets, shift, clusters, tokens (the copy is lists.tokens)
   l.fold = align_up(size_t(max_batch) * hkv * (1 + 2 * (size_t(C) + 1) + 2 * size_t(fold_every)) *
                     sizeof(int32_t));
-  l.total = l.hidden + l.logits + l.scratch + l.best + l.arrived + l.fold;
+  l.total = l.hidden + l.logits + l.fold;
   return l;
 }
 
@@ -1312,13 +1303,10 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   char* p = static_cast<char*>(workspace);
   float* hidden = reinterpret_cast<float*>(p);
   float* logits = reinterpret_cast<float*>(p + lay.hidden);
-  bf16* scratch = reinterpret_cast<bf16*>(p + lay.hidden + lay.logits);
-  char* step = p + lay.hidden + lay.logits + lay.scratch;
-  auto* best = reinterpret_cast<unsigned long long*>(step);
-  auto* arrived = reinterpret_cast<unsigned*>(step + lay.best);
+  char* step = p + lay.hidden + lay.logits;
   const int64_t slots = int64_t(st.max_batch) * hkv;
   FoldScratch fold;
-  fold.start = reinterpret_cast<int32_t*>(step + lay.best + lay.arrived);
+  fold.start = reinterpret_cast<int32_t*>(step);
   fold.old_offsets = fold.start + slots;
   fold.shift = fold.old_offsets + slots * (C + 1);
   fold.clusters = fold.shift + slots * (C + 1);
@@ -1333,12 +1321,10 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
     if (e != cudaSuccess) return e;
     index_stream = side->side;
   }
-  step_gather_kernel<<<B * hkv, 128, 0, index_stream>>>(kv, w, st, inv_freq, scratch, best,
-                                                        arrived);
-  cudaError_t e = launch_programmatic(
-      step_assign_kernel, dim3(unsigned(B * hkv), unsigned((C + kStepChunk - 1) / kStepChunk)),
-      dim3(kStepThreads), 0, index_stream, kv, w, reinterpret_cast<const bf*>(scratch), r.centroids,
-      r.centroid_norms, C, st, best, arrived);
+  step_index_kernel<<<dim3(unsigned(kStepRanks), unsigned(B * hkv)), kStepThreads,
+                      step_index_smem_bytes(), index_stream>>>(kv, w, inv_freq, r.centroids,
+                                                               r.centroid_norms, C, st);
+  cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   if (st.fold_every > 0) {
     fold_copy_kernel<<<dim3(unsigned(B * hkv), unsigned(1 + kFoldCopyParts)), kFoldThreads, 0,
@@ -1493,6 +1479,9 @@ cudaError_t prepare_cuda(int hidden) {
         cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
     if (e != cudaSuccess) return e;
   }
+  const cudaError_t e = cudaFuncSetAttribute(
+      step_index_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(step_index_smem_bytes()));
+  if (e != cudaSuccess) return e;
   return cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               int(route_smem_bytes(kMaxClustersCuda)));
 }

@@ -235,8 +235,9 @@ cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Win
                         unsigned long long router_bytes, int num_q_heads, bf16* o, float* lse,
                         void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
-// Sets the router kernels' shared-memory limits for MLP width `hidden`, once per process;
-// engines call it at construction so that a captured decode step does nothing but launches.
+// Sets the router and index-step kernels' shared-memory limits for MLP width `hidden`, once per
+// process; engines call it at construction so that a captured decode step does nothing but
+// launches.
 cudaError_t prepare_cuda(int hidden);
 
 // Largest C the CUDA top-l supports (one CTA sorts the C scores in shared memory).
