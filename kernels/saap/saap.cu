@@ -562,7 +562,10 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const int sink = min(p.w.sink, n);
   const int tail0 = max(indexed, sink), T = max(0, n - tail0), W = sink + T;
   const int shared_parts = scan_part;  // members and window
-  const int64_t m_est = int64_t(probes) * max(0, csr - sink) / C;
+  // The members estimated as probes clusters of the CSR's average size, at least one while
+  // the CSR holds any: a part must exist for whatever members the route's clusters have.
+  const int in_csr = offsets[C];
+  const int64_t m_est = in_csr > 0 ? max(int64_t(1), int64_t(probes) * in_csr / C) : 0;
   int Pm = 0;
   if (m_est > 0)
     Pm = W == 0 ? shared_parts

@@ -286,6 +286,12 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineThirtyTwoOfAThousandClusters) {
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithTwoThousandClusters) {
   run_pair(SaapRouter::Mlp, {2000}, 32, 2048, 32);
 }
+// Short prompts (sink 4, recent 128): the CSRs hold 8 and 1 tokens per kv head, so 32 probes
+// of 1024 clusters of the average size come to no member at all; the parts must still cover
+// the members that the chosen clusters have.
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithATinyIndex) {
+  run_pair(SaapRouter::Mlp, {140, 133}, 32, 1024, 32);
+}
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithFortyProbes) {
   run_pair(SaapRouter::Mlp, {900, 1300}, 32, 64, 40);
 }
