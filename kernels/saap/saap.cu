@@ -511,9 +511,9 @@ size_t attend_smem_bytes(int probes, int C) {
 // parts split the slot's rows: Pm member parts take even shares of M, the members of the
 // selected clusters; the window parts take even shares of the window W = sink + the
 // unindexed tail [max(indexed_len, sink), n); the last part scans the post-prefill
-// assignments. The split follows the sizes, with M estimated from the index (probes clusters
-// of the average size), so that a window part knows its rows before the route has chosen: it
-// resolves and attends them before griddepcontrol.wait, beside the route, and writes their
+// assignments. The split follows the sizes, with M estimated from the index
+// (attend_member_parts, saap.h), so that a window part knows its rows before the route has chosen:
+// it resolves and attends them before griddepcontrol.wait, beside the route, and writes their
 // token-list entries (whose positions need M) after it. Before the wait every CTA reads only
 // what the route does not write: q, the lengths, the page table, the KV and the index (the
 // index step is joined before the route), with the CSR offsets staged in shared memory. A
@@ -562,15 +562,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const int sink = min(p.w.sink, n);
   const int tail0 = max(indexed, sink), T = max(0, n - tail0), W = sink + T;
   const int shared_parts = scan_part;  // members and window
-  // The members estimated as probes clusters of the CSR's average size, at least one while
-  // the CSR holds any: a part must exist for whatever members the route's clusters have.
-  const int in_csr = offsets[C];
-  const int64_t m_est = in_csr > 0 ? max(int64_t(1), int64_t(probes) * in_csr / C) : 0;
-  int Pm = 0;
-  if (m_est > 0)
-    Pm = W == 0 ? shared_parts
-                : min(shared_parts - 1,
-                      max(1, int((shared_parts * m_est + (m_est + W) / 2) / (m_est + W))));
+  const int Pm = attend_member_parts(shared_parts, probes, C, offsets[C], W);
   const bool window_part = part >= Pm && part < shared_parts;
 
   // Prefix sums of the selected clusters' sizes (after the wait: the route writes sel).

@@ -229,6 +229,24 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
 //    assignments). q is post-RoPE; head_dim 64 or 128. Workspace:
 //    attend_workspace_bytes(max_batch, ...).
 size_t attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim);
+
+// How attend_cuda splits a slot's shared_parts CTAs (all but the scan part) between the
+// members and the window (W rows: the sink and the unindexed tail): returns the member parts,
+// the window gets the rest. The split follows the sizes, with the members estimated from the
+// index alone (probes clusters of the CSR's average size, in_csr / C tokens), so that the
+// window parts know their rows before the route has chosen the clusters. The estimate is at
+// least one member while the CSR holds any (in_csr > 0): the clusters the route chooses may
+// have members however small the average, and they need a part. Each side that has rows gets
+// at least one part.
+KVS_HOST_DEVICE int attend_member_parts(int shared_parts, int probes, int num_clusters, int in_csr,
+                                        int W) {
+  if (in_csr <= 0) return 0;
+  if (W <= 0) return shared_parts;
+  int64_t m = int64_t(probes) * in_csr / num_clusters;
+  if (m < 1) m = 1;
+  const int64_t pm = (int64_t(shared_parts) * m + (m + W) / 2) / (m + W);
+  return pm < 1 ? 1 : pm > shared_parts - 1 ? shared_parts - 1 : int(pm);
+}
 cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Window& w,
                         const IndexState& st, const int32_t* selected, int probes,
                         const tactic::Selection& lists, unsigned long long* counters,

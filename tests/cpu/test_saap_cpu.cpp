@@ -1,6 +1,7 @@
 // SAAP on the CPU: the stored parts (bundle round trip, bad bundles), batch-norm folding, the
 // engine's selection rule against an independent recomputation, decode-time indexing, the
-// nearest-centroid router, and kvs-eval's replay with --methods saap --bundle.
+// nearest-centroid router, the CUDA attention's split of its parts (attend_member_parts), and
+// kvs-eval's replay with --methods saap --bundle.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -373,6 +374,44 @@ TEST(SaapEngineCpu, NearestCentroidRouterProbesTheCentroidsNearestTheMeanQuery) 
 // mantissa bits, or half the smallest subnormal step) of the original, each row's largest
 // magnitude kept, a zero row exact, a value on the e4m3 grid exact, and a non-finite weight
 // refused naming its row.
+// attend_cuda's split of a slot's parts between members and window, on the host (the same
+// function runs on the device): every side with rows gets a part, whatever the estimate
+// rounds to, and the split follows the sizes.
+TEST(SaapAttendSplit, EverySideWithRowsGetsAPartAndTheSplitFollowsTheSizes) {
+  // The benchmark's 128K slot: 32 of 1024 clusters over 129023 indexed tokens (about 4031
+  // members) and a window of 2048, over 32 parts: round(32 * 4031 / 6079) = 21.
+  EXPECT_EQ(sk::attend_member_parts(32, 32, 1024, 129023, 2048), 21);
+  // A short prompt: 32 probes x 8 tokens / 1024 clusters rounds to no member, yet the
+  // clusters the route chooses may hold some of the 8.
+  EXPECT_EQ(sk::attend_member_parts(32, 32, 1024, 8, 129), 1);
+  EXPECT_EQ(sk::attend_member_parts(2, 6, 64, 1, 130), 1);
+  // No CSR: no member can exist; no window: every part takes members.
+  EXPECT_EQ(sk::attend_member_parts(32, 32, 1024, 0, 129), 0);
+  EXPECT_EQ(sk::attend_member_parts(32, 32, 1024, 5000, 0), 32);
+  EXPECT_EQ(sk::attend_member_parts(32, 32, 1024, 0, 0), 0);
+  // Members far beyond the window still leave the window one part, and the reverse.
+  EXPECT_EQ(sk::attend_member_parts(32, 1024, 1024, 2000000, 1), 31);
+  EXPECT_EQ(sk::attend_member_parts(32, 1, 1024, 1024, 100000), 1);
+  for (int shared : {2, 3, 32, 63})
+    for (int probes : {1, 8, 32, 40})
+      for (int C : {8, 64, 1024, 4096})
+        for (int in_csr : {0, 1, 7, 100, 5000, 500000})
+          for (int W : {0, 1, 128, 2048, 100000}) {
+            const int pm = sk::attend_member_parts(shared, probes, C, in_csr, W);
+            const std::string at = "shared " + std::to_string(shared) + " probes " +
+                                   std::to_string(probes) + " C " + std::to_string(C) + " in_csr " +
+                                   std::to_string(in_csr) + " W " + std::to_string(W);
+            ASSERT_GE(pm, 0) << at;
+            ASSERT_LE(pm, shared) << at;
+            // A member part exactly when the CSR holds any (the chosen clusters' members may
+            // be there), and then a window part exactly when the window has rows.
+            ASSERT_EQ(pm >= 1, in_csr > 0) << at;
+            if (in_csr > 0) {
+              ASSERT_EQ(pm == shared, W == 0) << at;
+            }
+          }
+}
+
 TEST(SaapRouterWeights, E4m3RowsRoundWithinHalfAStepAndKeepEachRowsMaximum) {
   constexpr int kRows = 5, K = 48;
   std::vector<float> w(size_t(kRows) * K);
