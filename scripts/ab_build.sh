@@ -31,7 +31,9 @@ case "$cmd" in
     [ -f build-carry/base.tgz ] || { echo "ab_build.sh: build-carry/base.tgz missing (pack it here, carry it)" >&2; exit 2; }
     t0=$SECONDS
     [ -f build-gpu/build.ninja ] || configure . build-gpu
-    if [ ! -f build-base/build.ninja ] || [ build-carry/base.tgz -nt build-base/build.ninja ]; then
+    # A call that carries build-carry again replaces it, base-src with it: then too.
+    if [ ! -f build-base/build.ninja ] || [ ! -d build-carry/base-src ] ||
+      [ build-carry/base.tgz -nt build-base/build.ninja ]; then
       rm -rf build-carry/base-src build-base
       mkdir -p build-carry/base-src
       tar xzf build-carry/base.tgz -C build-carry/base-src
