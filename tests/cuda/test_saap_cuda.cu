@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <set>
 
 #include "kernels/common/kv_update.h"
@@ -38,11 +39,14 @@ struct Pair {
 
   SaapWeights weights;
 
+  // edit, when given, changes the random parts before the engines are built.
   Pair(SaapRouter router, const std::vector<int>& lens, int C, int hidden, int probes,
-       SaapWeights weights_, int max_context = 2048, int fold_every = SaapConfig().fold_every)
+       SaapWeights weights_, int max_context = 2048, int fold_every = SaapConfig().fold_every,
+       const std::function<void(SaapParts&)>& edit = {})
       : weights(weights_) {
     const int batch = int(lens.size());
     parts = saap_test::random_parts(shape, C, hidden, 11);
+    if (edit) edit(parts);
     EngineConfig cfg;
     cfg.max_batch = batch;
     cfg.saap.probes = probes;
@@ -190,10 +194,11 @@ void expect_decode_matches(Pair& p, SaapRouter router, const std::vector<bf16>& 
 // clusters, of which probes are taken
 // (the route kernel ranks the best 32 by merging sorted warp lists, more by a full sort).
 void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C = 64,
-              int probes = 6, SaapWeights weights = SaapWeights::Bf16) {
+              int probes = 6, SaapWeights weights = SaapWeights::Bf16,
+              const std::function<void(SaapParts&)>& edit = {}) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const int batch = int(lens.size());
-  Pair p(router, lens, C, hidden, probes, weights);
+  Pair p(router, lens, C, hidden, probes, weights, 2048, SaapConfig().fold_every, edit);
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
   p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
   p.gpu->prefill(p.layer, p.gpu_cache->view(p.layer), nullptr);
@@ -280,6 +285,21 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAtBatchOneWideHidden) {
 // (the full sort).
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineThirtyTwoOfAThousandClusters) {
   run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32);
+}
+// The best 32 of 1024 in one warp of the route: clusters 0-31 get logits near 8 (0.05 apart),
+// the others' fall with the id, so warp 0's whole sorted list must win all five merges of
+// route_top32, and the softmax's warp maxima differ by orders of magnitude.
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWhenOneWarpHoldsTheBestClusters) {
+  run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16, [](SaapParts& parts) {
+    const int C = parts.num_clusters;
+    for (SaapLayerParts& l : parts.per_layer) {
+      for (float& w : l.w2) w *= 0.01f;
+      for (size_t i = 0; i < l.b2.size(); ++i) {
+        const int c = int(i % size_t(C));
+        l.b2[i] = c < 32 ? 8.f + 0.05f * float(c) : -0.004f * float(c);
+      }
+    }
+  });
 }
 // 2048 clusters: more than the route sorts in registers (kRouteThreads, 1024), so it takes
 // the shared-memory bitonic sort.
