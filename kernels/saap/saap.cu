@@ -719,6 +719,10 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       }
     }
   }
+  // The merge, launched programmatically behind this grid, may launch once every CTA is here
+  // (its CTAs wait for the whole grid before they read a state). At the end, not at the
+  // start: a merge resident early took room from late parts (docs/gpu.md).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   // The part's state.
   const int64_t prow0 = (int64_t(sv) * gridDim.y + part) * p.group;
 #pragma unroll
@@ -740,6 +744,7 @@ __global__ void __launch_bounds__(kAttendMergeWarps * 32)
   const int row = blockIdx.x, hq = hkv * group;
   const int b = row / hq, head = row % hq;
   const int sv = b * hkv + head / group, hg = head % group;
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the parts' states are written
   merge_row_states<D, kAttendMergeWarps>(part_lse, part_o, int64_t(sv) * parts * group + hg, group,
                                          parts, warp_acc, o + int64_t(row) * D,
                                          lse ? lse + row : nullptr);
@@ -1401,12 +1406,13 @@ cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, 
   e = launch_programmatic(attend_kernel<Cfg>, dim3(unsigned(subrequests), unsigned(parts)),
                           dim3(Cfg::kThreads), smem, stream, p);
   if (e != cudaSuccess) return e;
-  // A plain launch: launched programmatically, the merge's CTAs got resident early and took
-  // room from the attention's (128K batch 1: 58.7-59.2 us against 54.7-55.7; docs/gpu.md).
-  attend_merge_kernel<Cfg::kHeadDim>
-      <<<dim3(unsigned(batch * p.num_q_heads)), kAttendMergeWarps * 32, 0, stream>>>(
-          p.part_lse, p.part_o, parts, p.num_kv_heads, p.group, o, lse);
-  return cudaGetLastError();
+  // Launched programmatically: the attention triggers at the end of each CTA's work, so the
+  // merge's launch overlaps the last parts and its CTAs cannot take their room early.
+  return launch_programmatic(attend_merge_kernel<Cfg::kHeadDim>,
+                             dim3(unsigned(batch * p.num_q_heads)), dim3(kAttendMergeWarps * 32),
+                             0, stream, static_cast<const float*>(p.part_lse),
+                             static_cast<const float*>(p.part_o), parts, p.num_kv_heads, p.group,
+                             o, lse);
 }
 
 }  // namespace
