@@ -1,5 +1,6 @@
 #include "runtime/eval/metrics.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -203,6 +204,40 @@ StepMetrics evaluate_output(const StepInput& step, const DenseReference& dense, 
   }
   fill_errors(step, dense, rows_read, m);
   return m;
+}
+
+double read_reuse(const Selection& now, const Selection& prev, int prev_len, int num_kv_heads) {
+  const int hq = int(now.tokens.size());
+  if (num_kv_heads < 1 || hq % num_kv_heads != 0 || int(prev.tokens.size()) != hq || prev_len < 0)
+    throw std::invalid_argument(
+        "kvs::eval::read_reuse: " + std::to_string(hq) + " and " +
+        std::to_string(prev.tokens.size()) + " token lists for " + std::to_string(num_kv_heads) +
+        " kv heads and a previous length of " + std::to_string(prev_len) +
+        "; expected one list per query head in both, a multiple of the kv heads");
+  const int group = hq / num_kv_heads;
+  // Per kv head: 1 where the previous step read the row, 2 once this step counted it.
+  std::vector<unsigned char> mark(static_cast<size_t>(prev_len));
+  int64_t older = 0, again = 0;
+  for (int g = 0; g < num_kv_heads; ++g) {
+    std::fill(mark.begin(), mark.end(), 0);
+    for (int h = g * group; h < (g + 1) * group; ++h)
+      for (int32_t t : prev.tokens[size_t(h)]) {
+        if (t < 0 || t >= prev_len)
+          throw std::invalid_argument(
+              "kvs::eval::read_reuse: the previous selection of query head " + std::to_string(h) +
+              " has token " + std::to_string(t) + ", outside [0, " + std::to_string(prev_len) +
+              ")");
+        mark[size_t(t)] = 1;
+      }
+    for (int h = g * group; h < (g + 1) * group; ++h)
+      for (int32_t t : now.tokens[size_t(h)]) {
+        if (t < 0 || t >= prev_len || mark[size_t(t)] == 2) continue;
+        ++older;
+        if (mark[size_t(t)] == 1) ++again;
+        mark[size_t(t)] = 2;
+      }
+  }
+  return older == 0 ? std::numeric_limits<double>::quiet_NaN() : double(again) / double(older);
 }
 
 }  // namespace kvs::eval

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -57,7 +58,11 @@ struct StepMetrics {
   int64_t rows_total = 0;         ///< seq_len * num_kv_heads
   double kv_read_fraction = 0.0;  ///< rows_read / rows_total
   int budget_tokens = -1;         ///< copied from the selection; -1: none
-  std::vector<double> o;          ///< [num_q_heads, head_dim] the output that was measured
+  /// Of the rows read that the previous step could have read (tokens below its length), the
+  /// fraction it did read: what a cache or prefetch of the last step's rows gets right
+  /// (read_reuse). NaN: not measured (no previous step).
+  double read_reuse = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> o;  ///< [num_q_heads, head_dim] the output that was measured
 };
 
 // Checks the step (pointers, shapes, seq, scale) and throws std::invalid_argument naming
@@ -77,5 +82,12 @@ StepMetrics evaluate_selection(const StepInput& step, const DenseReference& dens
 // must be finite.
 StepMetrics evaluate_output(const StepInput& step, const DenseReference& dense, const float* o,
                             const Selection& rows_read);
+
+// StepMetrics::read_reuse of a step that read `now` after a step of prev_len tokens that read
+// `prev`, over distinct (token, kv head) rows (a group's union counts once; heads are grouped
+// as GQA groups num_q_heads / num_kv_heads wide). NaN when `now` read no row below prev_len.
+// Throws std::invalid_argument when a selection has other than one list per query head or a
+// token outside [0, prev_len) (prev).
+double read_reuse(const Selection& now, const Selection& prev, int prev_len, int num_kv_heads);
 
 }  // namespace kvs::eval

@@ -228,6 +228,8 @@ Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config
         for (auto& [key, sel] : h2o) sel.observe(warm);
       }
 
+      // Each run's read at the previous step (for read_reuse).
+      std::vector<Selection> prev_read(runs.size());
       for (int s = 0; s < steps; ++s) {
         const int p = seq.decode_start + s;
         cache.set_lengths({p + 1});
@@ -253,7 +255,8 @@ Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config
 
         q_dev.upload(qb.data(), qb.size() * sizeof(bf16));
         qpre_dev.upload(q_pre.data() + size_t(p) * hq * d, size_t(hq) * d * sizeof(bf16));
-        for (Run& r : runs) {
+        for (size_t ri = 0; ri < runs.size(); ++ri) {
+          Run& r = runs[ri];
           r.engine->decode(layer, static_cast<const bf16*>(q_dev.get()),
                            static_cast<const bf16*>(qpre_dev.get()), cache.view(layer),
                            static_cast<bf16*>(out_dev.get()), nullptr, nullptr);
@@ -263,7 +266,9 @@ Aggregator replay_capture(const CaptureFile& capture, const ReplayConfig& config
           Selection read;
           read.tokens = r.engine->last_read(layer, 0);
           if (read.tokens.empty()) read = all_tokens(hq, p + 1);
-          const StepMetrics m = evaluate_output(step, dense, of.data(), read);
+          StepMetrics m = evaluate_output(step, dense, of.data(), read);
+          if (s > 0) m.read_reuse = read_reuse(read, prev_read[ri], p, hkv);
+          prev_read[ri] = std::move(read);
           agg.add(r.name, r.knobs, layer, m);
           if (config.baselines_at_method_read && r.engine->method() != Method::Dense) {
             const int per_head = int(std::max<int64_t>(1, m.rows_read / hkv));

@@ -38,7 +38,8 @@ const std::vector<std::string>& column_names() {
       "method", "knob", "layer", "steps",
       "rel_l2_mean", "rel_l2_p50", "rel_l2_p90",
       "mass_recall_mean", "mass_recall_p10",
-      "kv_read_fraction_mean", "tokens_selected_mean", "budget_tokens_mean"};
+      "kv_read_fraction_mean", "tokens_selected_mean", "budget_tokens_mean",
+      "read_reuse_mean"};
   // clang-format on
   return names;
 }
@@ -72,7 +73,8 @@ std::vector<Cell> cells(const ResultRow& r) {
           real(r.mass_recall_p10),
           real(r.kv_read_fraction_mean),
           real(r.tokens_selected_mean),
-          real(r.budget_tokens_mean)};
+          real(r.budget_tokens_mean),
+          real(r.read_reuse_mean)};
 }
 
 std::string non_finite_text(double v) {
@@ -151,6 +153,7 @@ void Aggregator::add(const std::string& method, const std::string& knob, int lay
   for (int t : m.tokens_selected) s.tokens.push_back(t);
   s.read_fraction.push_back(m.kv_read_fraction);
   if (m.budget_tokens >= 0) s.budget.push_back(m.budget_tokens);
+  if (!std::isnan(m.read_reuse)) s.reuse.push_back(m.read_reuse);
 }
 
 namespace {
@@ -160,7 +163,8 @@ ResultRow make_row(const std::string& method, const std::string& knob, int layer
                    const std::vector<const std::vector<double>*>& rec,
                    const std::vector<const std::vector<double>*>& tok,
                    const std::vector<const std::vector<double>*>& frac,
-                   const std::vector<const std::vector<double>*>& bud, int64_t steps) {
+                   const std::vector<const std::vector<double>*>& bud,
+                   const std::vector<const std::vector<double>*>& reuse, int64_t steps) {
   const auto pool = [](const std::vector<const std::vector<double>*>& parts) {
     std::vector<double> all;
     for (const auto* p : parts) append(all, *p);
@@ -180,6 +184,7 @@ ResultRow make_row(const std::string& method, const std::string& knob, int layer
   r.kv_read_fraction_mean = mean(pool(frac));
   r.tokens_selected_mean = mean(pool(tok));
   r.budget_tokens_mean = mean(pool(bud));
+  r.read_reuse_mean = mean(pool(reuse));
   return r;
 }
 
@@ -191,7 +196,7 @@ std::vector<ResultRow> Aggregator::rows() const {
     const Samples& s = cells_.at(k);
     out.push_back(make_row(std::get<0>(k), std::get<1>(k), std::get<2>(k), {&s.rel_l2},
                            {&s.mass_recall}, {&s.tokens}, {&s.read_fraction}, {&s.budget},
-                           s.steps));
+                           {&s.reuse}, s.steps));
   }
   return out;
 }
@@ -204,7 +209,7 @@ std::vector<ResultRow> Aggregator::rows_over_layers() const {
   }
   std::vector<ResultRow> out;
   for (const auto& g : groups) {
-    std::vector<const std::vector<double>*> rel, rec, tok, frac, bud;
+    std::vector<const std::vector<double>*> rel, rec, tok, frac, bud, reuse;
     int64_t steps = 0;
     for (const Key& k : order_) {
       if (std::get<0>(k) != g.first || std::get<1>(k) != g.second) continue;
@@ -214,9 +219,10 @@ std::vector<ResultRow> Aggregator::rows_over_layers() const {
       tok.push_back(&s.tokens);
       frac.push_back(&s.read_fraction);
       bud.push_back(&s.budget);
+      reuse.push_back(&s.reuse);
       steps += s.steps;
     }
-    out.push_back(make_row(g.first, g.second, -1, rel, rec, tok, frac, bud, steps));
+    out.push_back(make_row(g.first, g.second, -1, rel, rec, tok, frac, bud, reuse, steps));
   }
   return out;
 }

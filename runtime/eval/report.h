@@ -27,6 +27,7 @@ struct ResultRow {
   double kv_read_fraction_mean = 0;  ///< per-step fraction, averaged over steps
   double tokens_selected_mean = 0;   ///< tokens per query head actually read
   double budget_tokens_mean = 0;     ///< tokens per head asked for (compare with the above)
+  double read_reuse_mean = 0;        ///< StepMetrics::read_reuse over the steps that have it
 };
 
 // Collects StepMetrics by (method, knob, layer); rows come out in first-seen order.
@@ -42,6 +43,7 @@ class Aggregator {
     int64_t steps = 0;
     std::vector<double> rel_l2, mass_recall, tokens;  // per (step, head)
     std::vector<double> read_fraction, budget;        // per step (budget: steps that had one)
+    std::vector<double> reuse;                        // per step that measured it
   };
   using Key = std::tuple<std::string, std::string, int>;
   std::vector<Key> order_;

@@ -164,6 +164,37 @@ TEST(EvalMetrics, ReadFractionCountsAGroupsUnionOnce) {
   EXPECT_NEAR(m.mass_recall[1], p[2] + p[3], 1e-15);
 }
 
+TEST(EvalMetrics, ReadReuseCountsRowsTheLastStepCouldHaveRead) {
+  // Two kv heads of two query heads each; the last step had 6 tokens.
+  Selection prev, now;
+  prev.tokens = {{0, 1}, {2}, {4}, {}};  // group 0 read {0, 1, 2}; group 1 read {4}
+  // Group 0 reads {1, 2, 3} and the new token 6 (not counted), its union once; group 1 reads
+  // {4, 5}: rows 1, 2 and 4 of the 5 older ones were read before.
+  now.tokens = {{1, 2, 6}, {2, 3}, {4, 5, 6}, {4}};
+  EXPECT_DOUBLE_EQ(read_reuse(now, prev, 6, 2), 3.0 / 5.0);
+  // The same rows twice: all reused; only the new token: not measured.
+  EXPECT_DOUBLE_EQ(read_reuse(prev, prev, 6, 2), 1.0);
+  Selection fresh;
+  fresh.tokens = {{6}, {6}, {6}, {}};
+  EXPECT_TRUE(std::isnan(read_reuse(fresh, prev, 6, 2)));
+  // One kv head for all four: the groups' rows pool ({0, 1, 2, 4} before).
+  EXPECT_DOUBLE_EQ(read_reuse(now, prev, 6, 1), 3.0 / 5.0);
+  // A previous token past its length, or list counts that do not match, are named.
+  Selection late = prev;
+  late.tokens[1] = {6};
+  try {
+    read_reuse(now, late, 6, 2);
+    FAIL() << "no throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("query head 1 has token 6"), std::string::npos)
+        << e.what();
+  }
+  Selection three;
+  three.tokens = {{0}, {1}, {2}};
+  EXPECT_THROW(read_reuse(three, prev, 6, 2), std::invalid_argument);
+  EXPECT_THROW(read_reuse(now, prev, 6, 3), std::invalid_argument);
+}
+
 TEST(EvalMetrics, RejectsBadSelectionsNamingTheProblem) {
   RandomStep r(10, 2, 1, 4, 3);
   const DenseReference dense = dense_reference(r.step);
@@ -516,6 +547,19 @@ TEST(EvalReport, AggregatesOverStepsHeadsAndLayers) {
   EXPECT_DOUBLE_EQ(rows[0].tokens_selected_mean, 24.0);
   EXPECT_DOUBLE_EQ(rows[0].budget_tokens_mean, 32.0);
   EXPECT_TRUE(std::isnan(rows[2].budget_tokens_mean));  // no step had a budget
+  EXPECT_TRUE(std::isnan(rows[0].read_reuse_mean));     // no step measured it
+  {
+    // read_reuse averages the steps that measured it (NaN: the first step).
+    Aggregator reuse;
+    StepMetrics m = fake_metrics({0.1}, {0.9}, 0.25, 32, -1);
+    reuse.add("saap", "", 0, m);
+    m.read_reuse = 0.5;
+    reuse.add("saap", "", 0, m);
+    m.read_reuse = 0.75;
+    reuse.add("saap", "", 1, m);
+    EXPECT_DOUBLE_EQ(reuse.rows()[0].read_reuse_mean, 0.5);
+    EXPECT_DOUBLE_EQ(reuse.rows_over_layers()[0].read_reuse_mean, 0.625);
+  }
 
   const std::vector<ResultRow> pooled = agg.rows_over_layers();
   ASSERT_EQ(pooled.size(), 2u);
@@ -610,10 +654,11 @@ TEST(EvalReport, CsvHasTheColumnsAndQuotesFields) {
   const std::string c = out.str();
   size_t pos = 0;
   const std::vector<std::string> header = csv_fields(c, pos);
-  EXPECT_EQ(header, (std::vector<std::string>{"method", "knob", "layer", "steps", "rel_l2_mean",
-                                              "rel_l2_p50", "rel_l2_p90", "mass_recall_mean",
-                                              "mass_recall_p10", "kv_read_fraction_mean",
-                                              "tokens_selected_mean", "budget_tokens_mean"}));
+  EXPECT_EQ(header,
+            (std::vector<std::string>{
+                "method", "knob", "layer", "steps", "rel_l2_mean", "rel_l2_p50", "rel_l2_p90",
+                "mass_recall_mean", "mass_recall_p10", "kv_read_fraction_mean",
+                "tokens_selected_mean", "budget_tokens_mean", "read_reuse_mean"}));
   std::vector<std::vector<std::string>> records;
   while (pos < c.size()) records.push_back(csv_fields(c, pos));
   ASSERT_EQ(records.size(), 4u);
