@@ -1408,11 +1408,10 @@ cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, 
   if (e != cudaSuccess) return e;
   // Launched programmatically: the attention triggers at the end of each CTA's work, so the
   // merge's launch overlaps the last parts and its CTAs cannot take their room early.
-  return launch_programmatic(attend_merge_kernel<Cfg::kHeadDim>,
-                             dim3(unsigned(batch * p.num_q_heads)), dim3(kAttendMergeWarps * 32),
-                             0, stream, static_cast<const float*>(p.part_lse),
-                             static_cast<const float*>(p.part_o), parts, p.num_kv_heads, p.group,
-                             o, lse);
+  return launch_programmatic(
+      attend_merge_kernel<Cfg::kHeadDim>, dim3(unsigned(batch * p.num_q_heads)),
+      dim3(kAttendMergeWarps * 32), 0, stream, static_cast<const float*>(p.part_lse),
+      static_cast<const float*>(p.part_o), parts, p.num_kv_heads, p.group, o, lse);
 }
 
 }  // namespace
