@@ -45,8 +45,10 @@ FIDELITY_COLUMNS = [
     ("rel_l2_mean", "rel L2", "f4"), ("rel_l2_p50", "p50", "f4"), ("rel_l2_p90", "p90", "f4"),
     ("mass_recall_mean", "mass recall", "f3"), ("mass_recall_p10", "p10", "f3"),
     ("kv_read_fraction_mean", "KV read", "f3"), ("tokens_selected_mean", "tokens/head", "f1"),
-    ("budget_tokens_mean", "budget", "f1"),
+    ("budget_tokens_mean", "budget", "f1"), ("read_reuse_mean", "reuse", "f3"),
 ]
+# Columns that rows of older programs may lack: shown as "-" there.
+OPTIONAL_KEYS = {"read_reuse_mean"}
 PPL_COLUMNS = [
     ("context", "context", "ctx"), ("method", "method", "str"), ("knobs", "knobs", "str"),
     ("windows", "windows", "int"), ("tokens", "tokens", "int"),
@@ -127,6 +129,8 @@ def check_rows(name, rows, columns):
             raise InputError(f"{name}: rows[{i}] is {type(row).__name__}, expected an object")
         for key, _, fmt in columns:
             if key not in row:
+                if key in OPTIONAL_KEYS:
+                    continue
                 raise InputError(f"{name}: rows[{i}] has no '{key}'")
             v = row[key]
             if fmt == "str":
@@ -269,7 +273,7 @@ def md_table(headers, rows):
 
 def column_table(rows, columns):
     return md_table([h for _, h, _ in columns],
-                    [[cell(r[k], f) for k, _, f in columns] for r in rows])
+                    [[cell(r.get(k), f) for k, _, f in columns] for r in rows])
 
 
 def source_line(name, meta, shown=("device", "command")):

@@ -55,8 +55,10 @@ def main():
     md = open(report, encoding="utf-8").read() if os.path.exists(report) else ""
     expected = [
         # eval.json, pooled and per layer
-        "| tactic | target=0.9 | 64 | 0.0210 | 0.0150 | 0.0510 | 0.978 | 0.945 | 0.370 | 1438.5 | - |",
-        "| streaming@tactic | target=0.9 | 64 | 0.0390 | 0.0290 | 0.1030 | 0.960 | 0.905 | 0.370 | 1509.0 | 1509.0 |",
+        # (read_reuse_mean: a value, null, and absent in the dense row, as older kvs-eval wrote)
+        "| tactic | target=0.9 | 64 | 0.0210 | 0.0150 | 0.0510 | 0.978 | 0.945 | 0.370 | 1438.5 | - | 0.838 |",
+        "| streaming@tactic | target=0.9 | 64 | 0.0390 | 0.0290 | 0.1030 | 0.960 | 0.905 | 0.370 | 1509.0 | 1509.0 | - |",
+        "| dense | default | 64 | 0.0016 | 0.0015 | 0.0022 | 1.000 | 1.000 | 1.000 | 4080.0 | - | - |",
         "| tactic | target=0.9 | 0.975 / 0.410 | 0.981 / 0.330 |",
         # ppl.json: delta vs dense and KV read, by context
         "| 16K | tactic | default | 2 | 128 | 1.2400 | +0.44 % | 0.212 | 30.5 |",
