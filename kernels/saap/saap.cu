@@ -631,14 +631,21 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   };
   // Window position i (of [sink tokens | tail tokens]) as a token.
   auto window_token = [&](int i) { return i < sink ? i : tail0 + (i - sink); };
-  if (part < shared_parts) {
-    // Members: positions [lo, hi) of the concatenated member lists of the selected
-    // clusters. Window: positions [lo, hi) of the window.
-    const int j = window_part ? part - Pm : part;
-    const int parts_here = window_part ? shared_parts - Pm : Pm, size = window_part ? W : M;
-    const int lo = int(int64_t(size) * j / parts_here),
-              hi = int(int64_t(size) * (j + 1) / parts_here);
-    for (int c0 = lo; c0 < hi; c0 += kAttendRowsCap) {
+  // The part's rows, a round of at most kAttendRowsCap at a time into rows_s, all attended at
+  // the one call of attend_rows below (one copy of the tile loop in the kernel's code).
+  // Members: positions [lo, hi) of the concatenated member lists of the selected clusters.
+  // Window: positions [lo, hi) of the window. Scan part: the post-prefill assignments of the
+  // chosen clusters, in token order, kThreads * kScanIlp (<= kAttendRowsCap) at a time.
+  const bool scanning = part == scan_part;
+  const int j = window_part ? part - Pm : part;
+  const int parts_here = window_part ? shared_parts - Pm : Pm, size = window_part ? W : M;
+  const int lo = scanning ? 0 : int(int64_t(size) * j / parts_here),
+            hi = scanning ? 0 : int(int64_t(size) * (j + 1) / parts_here);
+  const int32_t* assign = p.st.assign_of(b, h);
+  int hits = 0;
+  for (int c0 = scanning ? csr : lo; c0 < (scanning ? indexed : hi);) {
+    int count;
+    if (!scanning) {
       const int c1 = min(hi, c0 + kAttendRowsCap);
       int t[kKvIlp];
 #pragma unroll
@@ -669,23 +676,10 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         rows_s[i - c0] = row_of(t[u], page[u]);
         if (!window_part) tokens[sink + i] = t[u];
       }
-      __syncthreads();
-      attend_rows(c1 - c0);
-    }
-    if (window_part) {
-      // The token-list entries of the window's rows: the tail's follow the members.
-      asm volatile("griddepcontrol.wait;" ::: "memory");
-      M = select();
-      for (int i = lo + int(threadIdx.x); i < hi; i += kThreads)
-        tokens[i < sink ? i : sink + M + (i - sink)] = window_token(i);
-    }
-  } else {
-    // The post-prefill assignments of the chosen clusters, in token order, a round of
-    // kThreads * kScanIlp (<= kAttendRowsCap) at a time.
-    const int32_t* assign = p.st.assign_of(b, h);
-    int hits = 0;
-    for (int t0 = csr; t0 < indexed; t0 += kThreads * kScanIlp) {
-      const int tb = t0 + int(threadIdx.x) * kScanIlp;
+      count = c1 - c0;
+      c0 = c1;
+    } else {
+      const int tb = c0 + int(threadIdx.x) * kScanIlp;
       int c[kScanIlp];
 #pragma unroll
       for (int u = 0; u < kScanIlp; ++u) c[u] = tb + u < indexed ? assign[tb + u] : -1;
@@ -693,8 +687,8 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
       for (int u = 0; u < kScanIlp; ++u)
         if (c[u] >= 0 && ((chosen[c[u] / 32] >> (c[u] % 32)) & 1u)) flags |= 1u << u;
-      int excl, total;
-      Scan(scan_tmp).ExclusiveSum(__popc(flags), excl, total);
+      int excl;
+      Scan(scan_tmp).ExclusiveSum(__popc(flags), excl, count);
       int page[kScanIlp];
 #pragma unroll
       for (int u = 0; u < kScanIlp; ++u)
@@ -706,17 +700,25 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         tokens[sink + M + T + hits + excl] = tb + u;
         ++excl;
       }
-      __syncthreads();  // rows_s is written, scan_tmp may be reused
-      if (total > 0) attend_rows(total);
-      hits += total;
+      hits += count;
+      c0 += kThreads * kScanIlp;
     }
-    if (threadIdx.x == 0) {
-      const int count = sink + M + T + hits;
-      p.lists.counts[sv] = count;
-      if (p.counters) {
-        atomicAdd(p.counters, (unsigned long long)count);
-        atomicAdd(p.counters + 1, p.router_bytes + 8ull * probes + 4ull * max(0, indexed - csr));
-      }
+    __syncthreads();  // rows_s is written (and the scan's scan_tmp may be reused)
+    if (count > 0) attend_rows(count);
+  }
+  if (window_part) {
+    // The token-list entries of the window's rows: the tail's follow the members.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    M = select();
+    for (int i = lo + int(threadIdx.x); i < hi; i += kThreads)
+      tokens[i < sink ? i : sink + M + (i - sink)] = window_token(i);
+  }
+  if (scanning && threadIdx.x == 0) {
+    const int count = sink + M + T + hits;
+    p.lists.counts[sv] = count;
+    if (p.counters) {
+      atomicAdd(p.counters, (unsigned long long)count);
+      atomicAdd(p.counters + 1, p.router_bytes + 8ull * probes + 4ull * max(0, indexed - csr));
     }
   }
   // The merge, launched programmatically behind this grid, may launch once every CTA is here
