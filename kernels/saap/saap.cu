@@ -1093,36 +1093,69 @@ __device__ float route_mlp_score(const float* logits, int row0, int g, int C, fl
   return c < C ? score : -FLT_MAX;
 }
 
-// Scores of the C clusters for (b, h), bitonic-sorted (descending score, ascending id), top l
-// to selected[b * Hkv + h].
+// route_kernel's shared memory for C rounded up to pow2 (route_smem_bytes): scores and ids,
+// the reduction scratch, the mean query and the register sort's exchange buffers.
+struct RouteSmem {
+  float* score;  // [pow2]
+  int* ids;      // [pow2]
+  float* red;    // [(kRouteThreads / 32 + 1) * kMaxRouteGroup]
+  float* qmean;  // [128]
+  float* exchange;
+  int* exchange_ids;  // [2 * kRouteThreads] each
+
+  __device__ RouteSmem(float* base, int pow2) {
+    score = base;
+    ids = reinterpret_cast<int*>(score + pow2);
+    red = reinterpret_cast<float*>(ids + pow2);
+    qmean = red + (kRouteThreads / 32 + 1) * kMaxRouteGroup;
+    exchange = qmean + 128;
+    exchange_ids = reinterpret_cast<int*>(exchange + 2 * kRouteThreads);
+  }
+};
+
+// Whether a route takes route_mlp_kernel: the MLP router with C <= kRouteThreads and a group
+// of at most kMaxRouteGroup query heads (every shipped shape).
+bool route_in_registers(const Router<bf16>& r, int pow2) {
+  return r.use_mlp && pow2 <= kRouteThreads && r.num_q_heads / r.num_kv_heads <= kMaxRouteGroup;
+}
+
+// The route of route_in_registers shapes for (b, h): the group's softmax-summed scores in
+// registers, then the best `probes` by route_top32 (kTop32: probes <= 32) or the register
+// sort, to selected[(b * Hkv + h) * probes ...]. A kernel apart from route_kernel's general
+// paths so that their code is not in its instructions: in these one-wave kernels that run
+// their code once, code that no thread executes still cost time (docs/gpu.md, device facts).
+template <bool kTop32>
 __global__ void __launch_bounds__(kRouteThreads)
-    route_kernel(const float* logits, const bf* q_pre, Router<bf16> r, int probes, int pow2,
-                 int32_t* selected) {
+    route_mlp_kernel(const float* logits, Router<bf16> r, int probes, int pow2, int32_t* selected) {
   // The attention (launched programmatically) may get resident now: it reads nothing this
   // kernel writes before its griddepcontrol.wait.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   extern __shared__ float route_s[];
-  float* score = route_s;                             // [pow2]
-  int* ids = reinterpret_cast<int*>(score + pow2);    // [pow2]
-  float* red = reinterpret_cast<float*>(ids + pow2);  // [(kRouteThreads / 32 + 1) * kMaxRouteGroup]
-  float* qmean = red + (kRouteThreads / 32 + 1) * kMaxRouteGroup;  // [128]
-  float* exchange = qmean + 128;  // [2 * kRouteThreads] x (float, int)
-  int* exchange_ids = reinterpret_cast<int*>(exchange + 2 * kRouteThreads);
+  const RouteSmem sm(route_s, pow2);
+  const int hkv = r.num_kv_heads, g = r.num_q_heads / hkv;
+  const int b = blockIdx.x / hkv, h = blockIdx.x % hkv;
+  const float s = route_mlp_score(logits, b * r.num_q_heads + h * g, g, r.num_clusters, sm.red);
+  int id;
+  if (kTop32)
+    route_top32(s, int(threadIdx.x), sm.exchange, sm.exchange_ids, &id);
+  else
+    id = route_sort_registers(s, sm.exchange, sm.exchange_ids);
+  if (int(threadIdx.x) < probes) selected[int64_t(blockIdx.x) * probes + threadIdx.x] = id;
+}
+
+// Scores of the C clusters for (b, h), bitonic-sorted (descending score, ascending id), top l
+// to selected[b * Hkv + h]: every shape that route_mlp_kernel does not take.
+__global__ void __launch_bounds__(kRouteThreads)
+    route_kernel(const float* logits, const bf* q_pre, Router<bf16> r, int probes, int pow2,
+                 int32_t* selected) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  extern __shared__ float route_s[];
+  const RouteSmem sm(route_s, pow2);
+  float *score = sm.score, *red = sm.red, *qmean = sm.qmean;
+  int* ids = sm.ids;
   const int hkv = r.num_kv_heads, g = r.num_q_heads / hkv, C = r.num_clusters, d = r.head_dim;
   const int b = blockIdx.x / hkv, h = blockIdx.x % hkv;
   const int row0 = b * r.num_q_heads + h * g;
-  if (r.use_mlp && pow2 <= kRouteThreads && g <= kMaxRouteGroup) {
-    const float s = route_mlp_score(logits, row0, g, C, red);
-    int id;
-    if (probes <= 32) {
-      route_top32(s, int(threadIdx.x), exchange, exchange_ids, &id);
-      if (int(threadIdx.x) < probes) selected[int64_t(blockIdx.x) * probes + threadIdx.x] = id;
-      return;
-    }
-    id = route_sort_registers(s, exchange, exchange_ids);
-    if (int(threadIdx.x) < probes) selected[int64_t(blockIdx.x) * probes + threadIdx.x] = id;
-    return;
-  }
   for (int c = threadIdx.x; c < pow2; c += blockDim.x) {
     score[c] = c < C ? 0.f : -FLT_MAX;
     ids[c] = c;
@@ -1156,7 +1189,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   __syncthreads();
   if (pow2 <= kRouteThreads) {
     const int id = route_sort_registers(int(threadIdx.x) < C ? score[threadIdx.x] : -FLT_MAX,
-                                        exchange, exchange_ids);
+                                        sm.exchange, sm.exchange_ids);
     if (int(threadIdx.x) < probes) selected[int64_t(blockIdx.x) * probes + threadIdx.x] = id;
     return;
   }
@@ -1202,8 +1235,7 @@ DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, in
   return l;
 }
 
-// route_kernel's shared memory for C rounded up to pow2: scores and ids, the reduction
-// scratch, the mean query and the register sort's exchange buffers.
+// The route kernels' shared memory for C rounded up to pow2 (the layout of RouteSmem).
 size_t route_smem_bytes(int pow2) {
   return size_t(pow2) * (sizeof(float) + sizeof(int)) +
          ((kRouteThreads / 32 + 1) * kMaxRouteGroup + 128) * sizeof(float) +
@@ -1353,8 +1385,15 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
     e = join_into(*side, stream);
     if (e != cudaSuccess) return e;
   }
-  route_kernel<<<B * hkv, kRouteThreads, route_smem, stream>>>(
-      logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2, selected);
+  if (!route_in_registers(r, pow2))
+    route_kernel<<<B * hkv, kRouteThreads, route_smem, stream>>>(
+        logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2, selected);
+  else if (probes <= 32)
+    route_mlp_kernel<true>
+        <<<B * hkv, kRouteThreads, route_smem, stream>>>(logits, r, probes, pow2, selected);
+  else
+    route_mlp_kernel<false>
+        <<<B * hkv, kRouteThreads, route_smem, stream>>>(logits, r, probes, pow2, selected);
   return cudaGetLastError();
 }
 
