@@ -1047,27 +1047,29 @@ __device__ void route_top32(float s, int id, float* xs, int* xi, int* out_id) {
 // Softmax of each of the group's g query heads over the C <= kRouteThreads cluster logits,
 // summed over the group, for cluster threadIdx.x: the g maxima and sums reduced together (4
 // barriers instead of 4 per head), each thread's logits loaded once. The same arithmetic, in
-// the same order, as the per-head loop of route_kernel's general path.
+// the same order, as the per-head loop of route_kernel's general path. kG (4 or 8) bounds g:
+// the unrolled per-head arrays, their code and registers, take kG heads.
+template <int kG>
 __device__ float route_mlp_score(const float* logits, int row0, int g, int C, float* red) {
+  static_assert(kG <= kMaxRouteGroup, "red holds kMaxRouteGroup heads per warp");
   const int c = threadIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   constexpr int nw = kRouteThreads / 32;
-  float z[kMaxRouteGroup], m[kMaxRouteGroup], e[kMaxRouteGroup], sum[kMaxRouteGroup];
+  float z[kG], m[kG], e[kG], sum[kG];
 #pragma unroll
-  for (int j = 0; j < kMaxRouteGroup; ++j)
-    z[j] = j < g && c < C ? logits[int64_t(row0 + j) * C + c] : -FLT_MAX;
-  auto reduce = [&](float(&v)[kMaxRouteGroup], auto op) {
+  for (int j = 0; j < kG; ++j) z[j] = j < g && c < C ? logits[int64_t(row0 + j) * C + c] : -FLT_MAX;
+  auto reduce = [&](float(&v)[kG], auto op) {
 #pragma unroll
-    for (int j = 0; j < kMaxRouteGroup; ++j)
+    for (int j = 0; j < kG; ++j)
       for (int off = 16; off > 0; off /= 2)
         v[j] = op(v[j], __shfl_xor_sync(0xffffffffu, v[j], off));
     __syncthreads();
     if (lane == 0)
 #pragma unroll
-      for (int j = 0; j < kMaxRouteGroup; ++j) red[warp * kMaxRouteGroup + j] = v[j];
+      for (int j = 0; j < kG; ++j) red[warp * kMaxRouteGroup + j] = v[j];
     __syncthreads();
     // The warps' partials combined once, by lane j of warp 0, in warp order, then broadcast
     // (every thread walking all 32 x g partials cost 248 shared loads a thread).
-    if (threadIdx.x < kMaxRouteGroup) {
+    if (threadIdx.x < kG) {
       const int j = threadIdx.x;
       float x = red[j];
       for (int w2 = 1; w2 < nw; ++w2) x = op(x, red[w2 * kMaxRouteGroup + j]);
@@ -1075,20 +1077,20 @@ __device__ float route_mlp_score(const float* logits, int row0, int g, int C, fl
     }
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < kMaxRouteGroup; ++j) v[j] = red[nw * kMaxRouteGroup + j];
+    for (int j = 0; j < kG; ++j) v[j] = red[nw * kMaxRouteGroup + j];
   };
 #pragma unroll
-  for (int j = 0; j < kMaxRouteGroup; ++j) m[j] = z[j];
+  for (int j = 0; j < kG; ++j) m[j] = z[j];
   reduce(m, [](float a, float x) { return fmaxf(a, x); });
 #pragma unroll
-  for (int j = 0; j < kMaxRouteGroup; ++j) {
+  for (int j = 0; j < kG; ++j) {
     e[j] = j < g && c < C ? __expf(z[j] - m[j]) : 0.f;
     sum[j] = e[j];
   }
   reduce(sum, [](float a, float x) { return a + x; });
   float score = 0.f;
 #pragma unroll
-  for (int j = 0; j < kMaxRouteGroup; ++j)
+  for (int j = 0; j < kG; ++j)
     if (j < g) score += e[j] * (1.f / sum[j]);
   return c < C ? score : -FLT_MAX;
 }
@@ -1120,11 +1122,12 @@ bool route_in_registers(const Router<bf16>& r, int pow2) {
 }
 
 // The route of route_in_registers shapes for (b, h): the group's softmax-summed scores in
-// registers, then the best `probes` by route_top32 (kTop32: probes <= 32) or the register
-// sort, to selected[(b * Hkv + h) * probes ...]. A kernel apart from route_kernel's general
-// paths so that their code is not in its instructions: in these one-wave kernels that run
-// their code once, code that no thread executes still cost time (docs/gpu.md, device facts).
-template <bool kTop32>
+// registers (a group of at most kG heads), then the best `probes` by route_top32 (kTop32:
+// probes <= 32) or the register sort, to selected[(b * Hkv + h) * probes ...]. A kernel apart from
+// route_kernel's general paths so that their code is not in its instructions: in these one-wave
+// kernels that run their code once, code that no thread executes still cost time (docs/gpu.md,
+// device facts).
+template <bool kTop32, int kG>
 __global__ void __launch_bounds__(kRouteThreads)
     route_mlp_kernel(const float* logits, Router<bf16> r, int probes, int pow2, int32_t* selected) {
   // The attention (launched programmatically) may get resident now: it reads nothing this
@@ -1134,7 +1137,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   const RouteSmem sm(route_s, pow2);
   const int hkv = r.num_kv_heads, g = r.num_q_heads / hkv;
   const int b = blockIdx.x / hkv, h = blockIdx.x % hkv;
-  const float s = route_mlp_score(logits, b * r.num_q_heads + h * g, g, r.num_clusters, sm.red);
+  const float s = route_mlp_score<kG>(logits, b * r.num_q_heads + h * g, g, r.num_clusters, sm.red);
   int id;
   if (kTop32)
     route_top32(s, int(threadIdx.x), sm.exchange, sm.exchange_ids, &id);
@@ -1385,15 +1388,19 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
     e = join_into(*side, stream);
     if (e != cudaSuccess) return e;
   }
-  if (!route_in_registers(r, pow2))
+  using RouteKernel = void (*)(const float*, Router<bf16>, int, int, int32_t*);
+  if (!route_in_registers(r, pow2)) {
     route_kernel<<<B * hkv, kRouteThreads, route_smem, stream>>>(
         logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2, selected);
-  else if (probes <= 32)
-    route_mlp_kernel<true>
-        <<<B * hkv, kRouteThreads, route_smem, stream>>>(logits, r, probes, pow2, selected);
-  else
-    route_mlp_kernel<false>
-        <<<B * hkv, kRouteThreads, route_smem, stream>>>(logits, r, probes, pow2, selected);
+  } else {
+    // Llama-3's groups of 4 (and smaller) take the kernel unrolled for 4 heads.
+    const bool top32 = probes <= 32, small_group = hq / hkv <= 4;
+    const RouteKernel fn =
+        top32
+            ? (small_group ? route_mlp_kernel<true, 4> : route_mlp_kernel<true, kMaxRouteGroup>)
+            : (small_group ? route_mlp_kernel<false, 4> : route_mlp_kernel<false, kMaxRouteGroup>);
+    fn<<<B * hkv, kRouteThreads, route_smem, stream>>>(logits, r, probes, pow2, selected);
+  }
   return cudaGetLastError();
 }
 

@@ -30,7 +30,7 @@ std::vector<T> download(const T* p, size_t n) {
 }
 
 struct Pair {
-  ModelShape shape = saap_test::scene_shape();
+  ModelShape shape;
   SaapParts parts;
   std::unique_ptr<KVCache> cpu_cache, gpu_cache;
   std::unique_ptr<SaapEngine> cpu, gpu;
@@ -42,8 +42,9 @@ struct Pair {
   // edit, when given, changes the random parts before the engines are built.
   Pair(SaapRouter router, const std::vector<int>& lens, int C, int hidden, int probes,
        SaapWeights weights_, int max_context = 2048, int fold_every = SaapConfig().fold_every,
-       const std::function<void(SaapParts&)>& edit = {})
-      : weights(weights_) {
+       const std::function<void(SaapParts&)>& edit = {},
+       const ModelShape& shape_ = saap_test::scene_shape())
+      : shape(shape_), weights(weights_) {
     const int batch = int(lens.size());
     parts = saap_test::random_parts(shape, C, hidden, 11);
     if (edit) edit(parts);
@@ -195,10 +196,11 @@ void expect_decode_matches(Pair& p, SaapRouter router, const std::vector<bf16>& 
 // (the route kernel ranks the best 32 by merging sorted warp lists, more by a full sort).
 void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C = 64,
               int probes = 6, SaapWeights weights = SaapWeights::Bf16,
-              const std::function<void(SaapParts&)>& edit = {}) {
+              const std::function<void(SaapParts&)>& edit = {},
+              const ModelShape& shape = saap_test::scene_shape()) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const int batch = int(lens.size());
-  Pair p(router, lens, C, hidden, probes, weights, 2048, SaapConfig().fold_every, edit);
+  Pair p(router, lens, C, hidden, probes, weights, 2048, SaapConfig().fold_every, edit, shape);
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
   p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
   p.gpu->prefill(p.layer, p.gpu_cache->view(p.layer), nullptr);
@@ -300,6 +302,20 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWhenOneWarpHoldsTheBestClusters) {
       }
     }
   });
+}
+// Groups of 8 and of 2 query heads (the scene's are 4): the route's kernels unrolled for 8
+// heads and for 4 with two of them empty, at the default route (32 of 1024) and at 40 probes.
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithGroupsOfEight) {
+  run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16, {},
+           saap_test::scene_shape(3, 16, 2));
+  run_pair(SaapRouter::Mlp, {900, 1300}, 32, 64, 40, SaapWeights::Bf16, {},
+           saap_test::scene_shape(3, 16, 2));
+}
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithGroupsOfTwo) {
+  run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16, {},
+           saap_test::scene_shape(3, 4, 2));
+  run_pair(SaapRouter::Mlp, {900, 1300}, 32, 64, 40, SaapWeights::Bf16, {},
+           saap_test::scene_shape(3, 4, 2));
 }
 // 2048 clusters: more than the route sorts in registers (kRouteThreads, 1024), so it takes
 // the shared-memory bitonic sort.
