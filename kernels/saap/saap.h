@@ -203,7 +203,8 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
 // 2. route: selected [batch * Hkv, l] cluster ids from q_pre [batch, Hq, d].
 // side (optional): the index step (1.) runs on side->side, forked from `stream` and joined
 // back before the route, so that its small, latency-bound kernels overlap the router's
-// weight stream (2.). Null: everything on `stream`.
+// weight stream (2.). Null: everything on `stream`. Returns cudaErrorInvalidValue, before any
+// launch, on shapes it cannot serve (among them Hkv < 1 or Hq not a multiple of Hkv).
 size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
                               int hidden, int num_clusters, int fold_every);
 cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float* inv_freq,

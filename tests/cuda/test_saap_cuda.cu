@@ -274,6 +274,39 @@ void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C
   KVS_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+// Head counts the decode step cannot serve are refused before any launch, so this needs no
+// device: every pointer is host memory that a launch would fault on.
+TEST(SaapCuda, DecodeSelectRefusesHeadCountsItCannotServe) {
+  std::vector<char> ws(size_t(1) << 20);
+  std::vector<bf16> q(32 * 128);
+  std::vector<int32_t> sel(64), tokens(64);
+  auto call = [&](int hq, int hkv) {
+    sk::Router<bf16> r;
+    r.num_q_heads = hq;
+    r.num_kv_heads = hkv;
+    r.head_dim = 128;
+    r.hidden = 64;
+    r.num_clusters = 64;
+    PagedKV kv;
+    kv.batch = 1;
+    kv.num_kv_heads = hkv;
+    kv.head_dim = 128;
+    sk::IndexState st;
+    st.max_batch = 1;
+    st.num_kv_heads = hkv;
+    st.num_clusters = 64;
+    st.max_tokens = 64;
+    kernels::tactic::Selection lists;
+    lists.tokens = tokens.data();
+    lists.max_tokens = 64;
+    return sk::decode_select_cuda(q.data(), kv, nullptr, sk::Window{}, r, 8, st, sel.data(), lists,
+                                  ws.data(), ws.size(), nullptr);
+  };
+  EXPECT_EQ(call(32, 0), cudaErrorInvalidValue) << "no kv heads";
+  EXPECT_EQ(call(30, 8), cudaErrorInvalidValue) << "Hq not a multiple of Hkv";
+  EXPECT_EQ(call(0, 8), cudaErrorInvalidValue) << "no query heads";
+}
+
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngine) { run_pair(SaapRouter::Mlp, {900, 1300}, 32); }
 TEST(SaapCuda, NearestCentroidRouterMatchesTheCpuEngine) {
   run_pair(SaapRouter::NearestCentroid, {900, 1300}, 32);
