@@ -1151,6 +1151,7 @@ __global__ void __launch_bounds__(kRouteThreads)
 __global__ void __launch_bounds__(kRouteThreads)
     route_kernel(const float* logits, const bf* q_pre, Router<bf16> r, int probes, int pow2,
                  int32_t* selected) {
+  // As in route_mlp_kernel: the attention reads nothing of this kernel's before its wait.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   extern __shared__ float route_s[];
   const RouteSmem sm(route_s, pow2);
