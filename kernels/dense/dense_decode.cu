@@ -36,6 +36,7 @@
 #include "kernels/common/merge_states.cuh"
 #include "kernels/common/ptx.cuh"
 #include "kernels/dense/dense_decode.h"
+#include "kernels/dense/dense_plan.h"
 
 namespace kvs::kernels {
 namespace {
@@ -92,8 +93,9 @@ __device__ __forceinline__ int chunks_of(int len, int chunk) {
   return len > 0 ? (len - 1) / chunk + 1 : 1;
 }
 
+// x rounded up to a multiple of align, a power of two (kChunkAlign: warps x tile tokens).
 __device__ __forceinline__ int64_t round_up(int64_t x, int align) {
-  return (x + align - 1) / align * align;
+  return (x + align - 1) & -int64_t(align);
 }
 
 // Tokens per chunk, a whole number of rounds of tiles (align), so that the batch's items
@@ -103,7 +105,8 @@ __device__ __forceinline__ int64_t round_up(int64_t x, int align) {
 // (128K batch 2: 34 items per head for 33 slots, 11 % slower). So the chunk grows by the
 // overshoot until the items fit, or for at most a few rounds. Either way
 // sum_b max(1, ceil(len_b / chunk)) <= total / chunk + batch <= chunks_per_head + batch,
-// which bounds the item count (grid.x) and the workspace.
+// which bounds the item count (grid.x) and the workspace. The arithmetic counts rounds of
+// align tokens, in 32 bits (dense_plan.h).
 __device__ int plan_chunk(const int32_t* seq_lens, int batch, int chunks_per_head, int align,
                           int lane) {
   const int my_len = lane < batch ? seq_lens[lane] : 0;  // kept for the fit check
@@ -111,23 +114,22 @@ __device__ int plan_chunk(const int32_t* seq_lens, int batch, int chunks_per_hea
   for (int i = lane + 32; i < batch; i += 32) total += seq_lens[i];
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-  // KV rows are int32 (the launcher checks), so the lengths sum to less than 2^31 unless
-  // sequences share pages: the cap keeps the chunk an int and does not bind otherwise.
-  const int64_t kCap = (int64_t(1) << 30);
-  int64_t chunk = round_up((total + chunks_per_head - 1) / chunks_per_head, align);
-  chunk = chunk < align ? align : chunk > kCap ? kCap : chunk;
-  if (batch == 1) return int(chunk);  // one sequence: ceil(len / chunk) <= chunks_per_head
+  const int shift = __ffs(align) - 1;  // align is a power of two
+  const int cap = dense_plan::kMaxChunkTokens >> shift;
+  int chunk = dense_plan::rounds_per_chunk((total + align - 1) >> shift, chunks_per_head, cap);
+  // One sequence: ceil(len / chunk) <= chunks_per_head.
+  if (batch == 1) return chunk << shift;
   for (int round = 0; round < 4; ++round) {
-    int items = lane < batch ? chunks_of(my_len, int(chunk)) : 0;
-    for (int i = lane + 32; i < batch; i += 32) items += chunks_of(seq_lens[i], int(chunk));
+    const int tokens = chunk << shift;
+    int items = lane < batch ? chunks_of(my_len, tokens) : 0;
+    for (int i = lane + 32; i < batch; i += 32) items += chunks_of(seq_lens[i], tokens);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) items += __shfl_xor_sync(0xffffffffu, items, off);
     // Done when the items fit, or when every sequence is one chunk already.
     if (items <= chunks_per_head || items == batch) break;
-    chunk = round_up((chunk * items + chunks_per_head - 1) / chunks_per_head, align);
-    chunk = chunk > kCap ? kCap : chunk;
+    chunk = dense_plan::rounds_per_chunk(int64_t(chunk) * items, chunks_per_head, cap);
   }
-  return int(chunk);
+  return chunk << shift;
 }
 
 // A sequence's own chunk length: its plan_chunk(...) share of items, cut equally (up to a
@@ -230,7 +232,7 @@ struct MergeParams {
   const int32_t* seq_lens;
   int batch;
   int chunks_per_head;
-  int align;
+  int align;  // the decode kernel's kChunkAlign, a power of two
   const float* partial_lse;
   const float* partial_o;
   int num_q_heads;
@@ -283,6 +285,8 @@ struct KernelInfo {
 template <int D, int Warps, int Stages>
 KernelInfo kernel_info() {
   using Cfg = tiles::TileConfig<D, Warps, Stages>;
+  static_assert((Cfg::kChunkAlign & (Cfg::kChunkAlign - 1)) == 0,
+                "the plan rounds chunks with masks and shifts: kChunkAlign must be a power of two");
   return {dense_decode_kernel<Cfg>, Warps, int(Cfg::smem_bytes())};
 }
 

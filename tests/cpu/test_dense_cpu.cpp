@@ -9,6 +9,7 @@
 
 #include "kernels/common/merge_states.h"
 #include "kernels/dense/dense_decode.h"
+#include "kernels/dense/dense_plan.h"
 
 namespace kvs {
 namespace {
@@ -98,8 +99,10 @@ TEST(DenseCpu, SplitAndMergeEqualsWhole) {
   for (int t = 0; t < n; ++t) (t % 3 == 0 ? even : odd).push_back(t);
   std::vector<double> acc(d);
   double lse_acc;
-  kernels::attend_cpu(q.data(), kv, 0, 0, even.data(), int(even.size()), 0.125, acc.data(), &lse_acc);
-  kernels::attend_cpu(q.data(), kv, 0, 0, odd.data(), int(odd.size()), 0.125, part.data(), &lse_part);
+  kernels::attend_cpu(q.data(), kv, 0, 0, even.data(), int(even.size()), 0.125, acc.data(),
+                      &lse_acc);
+  kernels::attend_cpu(q.data(), kv, 0, 0, odd.data(), int(odd.size()), 0.125, part.data(),
+                      &lse_part);
   kernels::merge_state_cpu(acc.data(), &lse_acc, part.data(), lse_part, d);
   // Merging with an empty state changes nothing.
   kernels::merge_state_cpu(acc.data(), &lse_acc, part.data(),
@@ -130,4 +133,64 @@ TEST(DenseCpu, GroupedQueryHeadsReadTheirKvHead) {
 }
 
 }  // namespace
+// The plan's 32-bit rounds against the 64-bit tokens they replace (dense_plan.h): equal below
+// 2^31 rounds, never smaller above (the item bound needs the chunk at least that large).
+namespace {
+
+namespace dense_plan = kernels::dense_plan;
+
+// The former plan_chunk arithmetic: ceil(tokens / per_head) rounded up to align, in
+// [align, 2^30].
+int64_t chunk_tokens_64(int64_t tokens, int per_head, int align) {
+  const int64_t q = (tokens + per_head - 1) / per_head;
+  const int64_t c = (q + align - 1) / align * align;
+  return c < align ? align : c > dense_plan::kMaxChunkTokens ? dense_plan::kMaxChunkTokens : c;
+}
+
+void check_plan(int64_t tokens, int per_head, int shift) {
+  const int align = 1 << shift, cap = dense_plan::kMaxChunkTokens >> shift;
+  const int64_t rounds = (tokens + align - 1) >> shift;
+  const int64_t ours = int64_t(dense_plan::rounds_per_chunk(rounds, per_head, cap)) << shift;
+  const int64_t exact = chunk_tokens_64(tokens, per_head, align);
+  if (rounds < (int64_t(1) << 31))
+    ASSERT_EQ(ours, exact) << tokens << " tokens, " << per_head << " per head, align " << align;
+  else
+    ASSERT_GE(ours, exact) << tokens << " tokens, " << per_head << " per head, align " << align;
+}
+
+}  // namespace
+
+TEST(DensePlan, RoundsMatchTheSixtyFourBitChunk) {
+  std::mt19937_64 rng(5);
+  for (const int shift : {6, 7}) {
+    for (int per_head = 1; per_head <= 512; ++per_head) {
+      const int64_t align = int64_t(1) << shift;
+      // Small totals, totals around multiples of per_head x align, the 2^31-round edge, the
+      // cap's edge and random ones up to 2^40 (shared pages).
+      for (int64_t t = 0; t <= 300; ++t) check_plan(t, per_head, shift);
+      for (int64_t k = 1; k <= 40; ++k)
+        for (int64_t d = -1; d <= 1; ++d) check_plan(k * per_head * align + d, per_head, shift);
+      for (int64_t d = -2; d <= 2; ++d) {
+        check_plan(((int64_t(1) << 31) << shift) + d, per_head, shift);
+        check_plan(int64_t(dense_plan::kMaxChunkTokens) * per_head + d, per_head, shift);
+      }
+      std::uniform_int_distribution<int64_t> any(0, int64_t(1) << 40);
+      for (int i = 0; i < 200; ++i) check_plan(any(rng), per_head, shift);
+    }
+  }
+}
+
+// The growth step: chunk x items tokens over the heads' chunks, the same way.
+TEST(DensePlan, GrowthMatchesTheSixtyFourBitChunk) {
+  std::mt19937_64 rng(9);
+  for (const int shift : {6, 7}) {
+    const int cap = dense_plan::kMaxChunkTokens >> shift;
+    std::uniform_int_distribution<int> chunks(1, cap), items(1, 1 << 16), heads(1, 512);
+    for (int i = 0; i < 200000; ++i) {
+      const int chunk = i % 3 == 0 ? 1 + i % 4096 : chunks(rng), n = items(rng), h = heads(rng);
+      check_plan((int64_t(chunk) << shift) * n, h, shift);
+    }
+  }
+}
+
 }  // namespace kvs
