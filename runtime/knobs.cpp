@@ -87,6 +87,7 @@ const Table& knob_table(Method m) {
       {"router_weights", [](EngineConfig& c, auto&, auto& v) { c.saap.router_weights = saap_weights_from_string(v); }},
       {"max_context", [](EngineConfig& c, auto& k, auto& v) { c.saap.max_context = to_int(k, v); }},
       {"fold_every", [](EngineConfig& c, auto& k, auto& v) { c.saap.fold_every = to_int(k, v); }},
+      {"index_every", [](EngineConfig& c, auto& k, auto& v) { c.saap.index_every = to_int(k, v); }},
   };
   static const Table magicpig = {
       {"bits", [](EngineConfig& c, auto& k, auto& v) { c.magicpig.bits = to_int(k, v); }},

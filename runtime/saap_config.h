@@ -41,6 +41,11 @@ struct SaapConfig {
   /// decode step's scan of them stays short however long the generation (kernels/saap/saap.h,
   /// "the fold"; docs/gpu.md). 0 never merges; at most 4096.
   int fold_every = 2048;
+  /// Tokens that leave the recent window are assigned to clusters in batches of this many
+  /// (kernels/saap/saap.h, index_step_count): the index step does its work on one decode step
+  /// in index_every, and until then the dense part keeps up to index_every - 1 more tokens.
+  /// 1 assigns every token as it leaves; at most 32.
+  int index_every = 16;
   /// Longest sequence (tokens) the engine must serve; sizes the index and the workspace.
   /// 0: the model's max_position.
   int max_context = 0;

@@ -52,6 +52,8 @@ void validate(const SaapConfig& c, const SaapParts& p, const ModelShape& s) {
   need(c.recent_tokens >= 1,
        "recent_tokens must be >= 1 (the new token), got " + str(c.recent_tokens));
   need(c.max_context >= 0, "max_context must be >= 0, got " + str(c.max_context));
+  need(c.index_every >= 1 && c.index_every <= sk::kMaxIndexStep,
+       "index_every must be in [1, " + str(sk::kMaxIndexStep) + "], got " + str(c.index_every));
   need(c.fold_every >= 0 && c.fold_every <= sk::kMaxFold,
        "fold_every must be in [0, " + str(sk::kMaxFold) + "] (0: never), got " + str(c.fold_every));
   for (int l : c.dense_layers)
@@ -324,6 +326,7 @@ SaapEngine::LayerIndex& SaapEngine::allocate_index(int layer) {
   v.num_clusters = parts_.num_clusters;
   v.max_tokens = max_context_;
   v.fold_every = config_.saap.fold_every;
+  v.index_every = config_.saap.index_every;
   const int64_t slots = int64_t(v.max_batch) * v.num_kv_heads;
   const int64_t n_off = slots * (int64_t(v.num_clusters) + 1);
   const int64_t n_tok = slots * v.max_tokens;

@@ -206,22 +206,27 @@ PrefillLayout prefill_layout(int max_len, int hkv, int d) {
 
 // ---- decode: indexing ----------------------------------------------------------------------
 
-// The decode half of the index, one thread-block cluster of kStepRanks CTAs per (b, h): when
-// token t = indexed_len has left the window, every CTA loads the key and rotates it back
-// before RoPE (rope_rotate_pair at t, rounded to bf16 as rope_cuda rounds it), scores its
-// share of the C centroids, and hands its best to CTA 0 through distributed shared memory;
-// CTA 0 commits the nearest (largest centroid_score, ties to the lowest id) and indexed_len.
-// The centroid rows are staged through shared memory kStepChunk at a time with coalesced
-// 16-byte copies, in flight with the key's load: a thread reading its own rows (512 B apart
-// across the warp) took 12 µs on an H100. One launch and no global reduction, where a gather,
-// rope_cuda and a packed atomicMax with an arrival count took three (docs/gpu.md); the
-// per-centroid dot product is the same sequential loop, so the assignment is unchanged.
+// The decode half of the index, one thread-block cluster of kStepRanks CTAs per (b, h), for
+// the n = index_step_count(...) tokens t0 = indexed_len .. t0 + n - 1 (none on most steps:
+// the kernel then returns at once). Every CTA loads their keys and rotates them back before
+// RoPE (rope_rotate_pair at each token's position, rounded to bf16 as rope_cuda rounds it),
+// scores its share of the C centroids against each key, and hands its best per key to CTA 0
+// through distributed shared memory; CTA 0 commits the nearest per token (largest
+// centroid_score, ties to the lowest id) and indexed_len. The centroid rows are staged through
+// shared memory kStepChunk at a time with coalesced 16-byte copies, in flight with the keys'
+// loads: a thread reading its own rows (512 B apart across the warp) took 12 µs on an H100.
+// A thread scores one centroid against kStepKeys keys per pass over its row; the per-centroid
+// dot product is the same sequential loop for each key, so a token's assignment does not
+// depend on how many are indexed together.
 constexpr int kStepRanks = 8;        // CTAs per (b, h): a portable cluster size
 constexpr int kStepPitch = 128 + 4;  // floats per staged row: 16-byte aligned, rows on other banks
+constexpr int kStepKeys = 4;         // keys per pass over a staged centroid row
+static_assert(kMaxIndexStep <= kStepThreads && kMaxIndexStep % kStepKeys == 0,
+              "a thread per key commits the step's tokens");
 
-// step_index_kernel's dynamic shared memory: kStepChunk staged rows and the key.
+// step_index_kernel's dynamic shared memory: kStepChunk staged rows and kMaxIndexStep keys.
 constexpr size_t step_index_smem_bytes() {
-  return (size_t(kStepChunk) * kStepPitch + 128) * sizeof(float);
+  return (size_t(kStepChunk) * kStepPitch + size_t(kMaxIndexStep) * 128) * sizeof(float);
 }
 
 __global__ void __cluster_dims__(kStepRanks, 1, 1) __launch_bounds__(kStepThreads)
@@ -230,14 +235,16 @@ __global__ void __cluster_dims__(kStepRanks, 1, 1) __launch_bounds__(kStepThread
   namespace cg = cooperative_groups;
   extern __shared__ __align__(16) float step_s[];
   float* rows_s = step_s;                           // [kStepChunk, kStepPitch]
-  float* key_s = rows_s + kStepChunk * kStepPitch;  // [128]
-  __shared__ float red_s[kStepThreads / 32], rank_s[kStepRanks];
-  __shared__ int red_c[kStepThreads / 32], rank_c[kStepRanks];
+  float* key_s = rows_s + kStepChunk * kStepPitch;  // [kMaxIndexStep, 128]
+  // Each warp's best per key so far, then (CTA 0) each rank's.
+  __shared__ float red_s[kMaxIndexStep][kStepThreads / 32], rank_s[kMaxIndexStep][kStepRanks];
+  __shared__ int red_c[kMaxIndexStep][kStepThreads / 32], rank_c[kMaxIndexStep][kStepRanks];
   const int b = blockIdx.y / kv.num_kv_heads, h = blockIdx.y % kv.num_kv_heads;
   const int d = kv.head_dim, half = d / 2;
   const int64_t slot = st.slot(b, h);
-  const int t = st.indexed_len[slot];
-  if (t >= kv.seq_lens[b] - w.recent) return;  // uniform over the cluster
+  const int t0 = st.indexed_len[slot];
+  const int n = index_step_count(kv.seq_lens[b], w.recent, t0, st.index_every);
+  if (n == 0) return;  // uniform over the cluster
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
   // CTA 0's shared memory may be written only once every CTA of the cluster runs.
@@ -253,74 +260,98 @@ __global__ void __cluster_dims__(kStepRanks, 1, 1) __launch_bounds__(kStepThread
     ptx::cp_async_commit();
   };
   if (c_begin < c_end) stage(c_begin);
-  const bf* key = reinterpret_cast<const bf*>(kv.k) + kv.offset(b, t, h);
-  for (int i = threadIdx.x; i < half; i += kStepThreads) {
-    const __nv_bfloat162 r = rope_rotate_pair(
-        __bfloat162float(key[i]), __bfloat162float(key[i + half]), t, inv_freq[i], true);
-    key_s[i] = __bfloat162float(r.x);
-    key_s[i + half] = __bfloat162float(r.y);
+  // The keys, n rows of 128 floats; the rows of a last, partial group of kStepKeys are zero
+  // (their scores are never used).
+  const int n_pad = (n + kStepKeys - 1) / kStepKeys * kStepKeys;
+  for (int i = threadIdx.x; i < n_pad * half; i += kStepThreads) {
+    const int e = i / half, j = i % half;
+    float x = 0.f, y = 0.f;
+    if (e < n) {
+      const bf* key = reinterpret_cast<const bf*>(kv.k) + kv.offset(b, t0 + e, h);
+      const __nv_bfloat162 r = rope_rotate_pair(
+          __bfloat162float(key[j]), __bfloat162float(key[j + half]), t0 + e, inv_freq[j], true);
+      x = __bfloat162float(r.x);
+      y = __bfloat162float(r.y);
+    }
+    key_s[e * 128 + j] = x;
+    key_s[e * 128 + j + half] = y;
   }
-  float best = -FLT_MAX;
-  int best_c = 0x7fffffff;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int i = threadIdx.x; i < kMaxIndexStep * (kStepThreads / 32); i += kStepThreads) {
+    red_s[i / (kStepThreads / 32)][i % (kStepThreads / 32)] = -FLT_MAX;
+    red_c[i / (kStepThreads / 32)][i % (kStepThreads / 32)] = 0x7fffffff;
+  }
   for (int c0 = c_begin; c0 < c_end; c0 += kStepChunk) {
     const int c = c0 + int(threadIdx.x);
     const float norm = c < c_end ? norms[int64_t(h) * C + c] : 0.f;
     ptx::cp_async_wait<0>();
-    __syncthreads();  // the rows and the key are staged
-    if (c < c_end) {
-      const float4* row = reinterpret_cast<const float4*>(rows_s + (c - c0) * kStepPitch);
-      float acc = 0.f;
-      for (int k = 0; k < d / 4; ++k) {
-        const float4 v = row[k];
-        acc = fmaf(v.x, key_s[4 * k], acc);
-        acc = fmaf(v.y, key_s[4 * k + 1], acc);
-        acc = fmaf(v.z, key_s[4 * k + 2], acc);
-        acc = fmaf(v.w, key_s[4 * k + 3], acc);
+    __syncthreads();  // the rows and the keys are staged
+    const float4* row = reinterpret_cast<const float4*>(rows_s + (c - c0) * kStepPitch);
+    for (int e0 = 0; e0 < n; e0 += kStepKeys) {
+      float acc[kStepKeys] = {};
+      if (c < c_end) {
+        for (int k = 0; k < d / 4; ++k) {
+          const float4 v = row[k];
+#pragma unroll
+          for (int u = 0; u < kStepKeys; ++u) {
+            const float4 q = reinterpret_cast<const float4*>(key_s + (e0 + u) * 128)[k];
+            acc[u] = fmaf(v.x, q.x, acc[u]);
+            acc[u] = fmaf(v.y, q.y, acc[u]);
+            acc[u] = fmaf(v.z, q.z, acc[u]);
+            acc[u] = fmaf(v.w, q.w, acc[u]);
+          }
+        }
       }
-      const float s = centroid_score(acc, norm);
-      if (better(s, c, best, best_c)) {
-        best = s;
-        best_c = c;
+#pragma unroll
+      for (int u = 0; u < kStepKeys; ++u) {
+        float best = c < c_end ? centroid_score(acc[u], norm) : -FLT_MAX;
+        int best_c = c < c_end ? c : 0x7fffffff;
+        for (int off = 16; off > 0; off /= 2) {
+          const float os = __shfl_down_sync(0xffffffffu, best, off);
+          const int oc = __shfl_down_sync(0xffffffffu, best_c, off);
+          if (better(os, oc, best, best_c)) {
+            best = os;
+            best_c = oc;
+          }
+        }
+        // Lane 0 keeps the warp's best for the key over the passes.
+        if (lane == 0 && e0 + u < n &&
+            better(best, best_c, red_s[e0 + u][warp], red_c[e0 + u][warp])) {
+          red_s[e0 + u][warp] = best;
+          red_c[e0 + u][warp] = best_c;
+        }
       }
     }
     __syncthreads();  // the rows are read: the next pass may restage them
     if (c0 + kStepChunk < c_end) stage(c0 + kStepChunk);
   }
-  for (int off = 16; off > 0; off /= 2) {
-    const float os = __shfl_down_sync(0xffffffffu, best, off);
-    const int oc = __shfl_down_sync(0xffffffffu, best_c, off);
-    if (better(os, oc, best, best_c)) {
-      best = os;
-      best_c = oc;
-    }
-  }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) {
-    red_s[warp] = best;
-    red_c[warp] = best_c;
-  }
-  __syncthreads();
+  __syncthreads();  // every warp's best per key is in red_s
   ptx::cluster_wait();
-  if (threadIdx.x == 0) {
+  // Thread e < n: key e's best over the warps, to CTA 0.
+  if (int(threadIdx.x) < n) {
+    const int e = threadIdx.x;
+    float best = red_s[e][0];
+    int best_c = red_c[e][0];
     for (int i = 1; i < kStepThreads / 32; ++i)
-      if (better(red_s[i], red_c[i], best, best_c)) {
-        best = red_s[i];
-        best_c = red_c[i];
+      if (better(red_s[e][i], red_c[e][i], best, best_c)) {
+        best = red_s[e][i];
+        best_c = red_c[e][i];
       }
-    cluster.map_shared_rank(rank_s, 0)[rank] = best;
-    cluster.map_shared_rank(rank_c, 0)[rank] = best_c;
+    cluster.map_shared_rank(&rank_s[0][0], 0)[e * kStepRanks + rank] = best;
+    cluster.map_shared_rank(&rank_c[0][0], 0)[e * kStepRanks + rank] = best_c;
   }
-  cluster.sync();  // CTA 0 holds every rank's best; the others may leave
-  if (rank != 0 || threadIdx.x != 0) return;
-  best = rank_s[0];
-  best_c = rank_c[0];
+  cluster.sync();  // CTA 0 holds every rank's best per key; the others may leave
+  if (rank != 0 || int(threadIdx.x) >= n) return;
+  const int e = threadIdx.x;
+  float best = rank_s[e][0];
+  int best_c = rank_c[e][0];
   for (int i = 1; i < kStepRanks; ++i)
-    if (better(rank_s[i], rank_c[i], best, best_c)) {
-      best = rank_s[i];
-      best_c = rank_c[i];
+    if (better(rank_s[e][i], rank_c[e][i], best, best_c)) {
+      best = rank_s[e][i];
+      best_c = rank_c[e][i];
     }
-  st.assign_of(b, h)[t] = best_c < C ? best_c : -1;  // -1: no finite score (a NaN key)
-  st.indexed_len[slot] = t + 1;
+  st.assign_of(b, h)[t0 + e] = best_c < C ? best_c : -1;  // -1: no finite score (a NaN key)
+  if (e == 0) st.indexed_len[slot] = t0 + n;
 }
 
 // ---- decode: the fold ----------------------------------------------------------------------
@@ -1335,7 +1366,8 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   if (B > st.max_batch || hkv < 1 || hkv != r.num_kv_heads || hq < 1 || hq % hkv != 0 ||
       d != r.head_dim || d % 8 != 0 || d > 128 || H % 8 != 0 || C > kMaxClustersCuda ||
       probes < 1 || probes > C || !q_pre || !selected || st.fold_every < 0 ||
-      st.fold_every > kMaxFold || lists.max_tokens < st.max_tokens)
+      st.fold_every > kMaxFold || st.index_every < 1 || st.index_every > kMaxIndexStep ||
+      lists.max_tokens < st.max_tokens)
     return cudaErrorInvalidValue;
   const DecodeLayout lay = decode_layout(st.max_batch, hq, hkv, d, H, C, st.fold_every);
   if (!workspace || workspace_bytes < lay.total) return cudaErrorInvalidValue;

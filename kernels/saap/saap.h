@@ -24,13 +24,15 @@
 // [csr_len, indexed_len) then never exceeds fold_every tokens however long the generation.
 // fold_every 0 never folds.
 // Tokens [indexed_len, n) of a sequence of n tokens are attended in full: the recent window
-// and, should indexing lag (decode indexes at most one token per call, the one that just left
-// the window), the tokens not yet indexed. Nothing is ever unreachable.
+// and the tokens that have left it but are not indexed yet. Nothing is ever unreachable.
 //
 // Selection for a sequence of n tokens and kv head h (both backends):
 //   [0, min(sink, n))  U  {t in [sink, indexed_len) : assign[t] in top-l}  U  [indexed_len, n)
 // where prefill sets indexed_len = max(sink, n - recent) and each decode call first indexes
-// token indexed_len when indexed_len < n - recent.
+// index_step_count(...) tokens from indexed_len on: none until index_every tokens have left
+// the window unindexed, then all of them (at most kMaxIndexStep). With index_every 16 the
+// index step's kernel does its work on one step in 16 and returns at once on the others; in
+// between, the dense part holds up to 15 more tokens than the window.
 //
 // Assignment score of centroid c for a vector x: 2 x.c - |c|^2; its argmax is the nearest
 // centroid in L2 and, for the unit-norm centroids of spherical k-means, the largest inner
@@ -61,6 +63,18 @@ struct Window {
   int recent = 2047;
 };
 
+// Tokens one decode-time index step assigns at most.
+constexpr int kMaxIndexStep = 32;
+
+// How many tokens the decode-time index step assigns for a sequence of n tokens: the
+// pending ones, [indexed_len, n - recent), once there are index_every of them (at most
+// kMaxIndexStep), else none.
+KVS_HOST_DEVICE int index_step_count(int n, int recent, int indexed_len, int index_every) {
+  const int pending = n - recent - indexed_len;
+  if (pending < (index_every > 1 ? index_every : 1)) return 0;
+  return pending < kMaxIndexStep ? pending : kMaxIndexStep;
+}
+
 struct IndexState {
   int32_t* offsets = nullptr;
   int32_t* members = nullptr;
@@ -71,7 +85,8 @@ struct IndexState {
   int num_kv_heads = 0;
   int num_clusters = 0;
   int max_tokens = 0;
-  int fold_every = 0;  ///< see the fold above; 0 or up to kMaxFold
+  int fold_every = 0;   ///< see the fold above; 0 or up to kMaxFold
+  int index_every = 1;  ///< see index_step_count; 1 to kMaxIndexStep
 
   KVS_HOST_DEVICE int64_t slot(int b, int h) const { return int64_t(b) * num_kv_heads + h; }
   KVS_HOST_DEVICE int32_t* offsets_of(int b, int h) const {
@@ -156,9 +171,8 @@ void deroped_key_cpu(const PagedKV& kv, int b, int h, int t, const float* inv_fr
 void index_prefill_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, const Window& w,
                        const Router<float>& router, const IndexState& state);
 
-// Decode-time indexing of slot (b, h): assigns token indexed_len if it has left the recent
-// window (at most one token per call, as on the GPU), then folds when fold_due. Returns
-// whether it indexed a token.
+// Decode-time indexing of slot (b, h): assigns the index_step_count(...) tokens from
+// indexed_len on (as the GPU does), then folds when fold_due. Returns whether it indexed any.
 bool index_step_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, const Window& w,
                     const Router<float>& router, const IndexState& state);
 
@@ -196,8 +210,8 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
                                cudaStream_t stream);
 
 // Decode step, graph-capturable (fixed grids, device-side lengths, no host sync):
-// 1. index_step: for every (b < kv.batch, h) whose token indexed_len has left the window,
-//    de-RoPE it and assign it (the decode half of the index); then fold where fold_due
+// 1. index_step: for every (b < kv.batch, h) with index_step_count(...) > 0, de-RoPE those
+//    tokens' keys and assign them (the decode half of the index); then fold where fold_due
 //    (two kernels that return at once on the other steps). The fold borrows lists.tokens
 //    as scratch for the old members; attend_cuda (3.) writes the lists afterwards.
 // 2. route: selected [batch * Hkv, l] cluster ids from q_pre [batch, Hq, d].

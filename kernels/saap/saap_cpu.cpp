@@ -152,17 +152,17 @@ bool index_step_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, cons
   check_slot(kv, b, h, st, "saap index_step_cpu");
   const int n = kv.seq_lens[b], d = kv.head_dim, C = st.num_clusters;
   int32_t& indexed = st.indexed_len[st.slot(b, h)];
-  const bool due = indexed < n - w.recent;
-  if (due) {
-    std::vector<float> key(static_cast<size_t>(d));
-    deroped_key_cpu(kv, b, h, indexed, inv_freq, key.data());
-    st.assign_of(b, h)[indexed] =
+  const int count = index_step_count(n, w.recent, indexed, st.index_every);
+  std::vector<float> key(static_cast<size_t>(d));
+  for (int e = 0; e < count; ++e) {
+    deroped_key_cpu(kv, b, h, indexed + e, inv_freq, key.data());
+    st.assign_of(b, h)[indexed + e] =
         nearest_centroid_cpu(key.data(), router.centroids + size_t(h) * C * d,
                              router.centroid_norms + size_t(h) * C, C, d);
-    ++indexed;
   }
+  indexed += count;
   if (fold_due(st.fold_every, indexed, st.csr_len[st.slot(b, h)])) fold_cpu(b, h, st);
-  return due;
+  return count > 0;
 }
 
 void fold_cpu(int b, int h, const IndexState& st) {

@@ -173,7 +173,9 @@ EngineConfig cpu_config(int probes, int sink, int recent) {
 TEST(SaapEngineCpu, AttendsSinkWindowAndExactlyTheTopClustersThenIndexesLeavingTokens) {
   Scene s(700, 16, 10);
   const int sink = 2, recent = 100, l = 3, hq = 8, hkv = 2, d = 128, g = 4;
-  SaapEngine e(s.shape, cpu_config(l, sink, recent), s.parts);
+  EngineConfig cfg = cpu_config(l, sink, recent);
+  cfg.saap.index_every = 1;  // each leaving token is indexed at once
+  SaapEngine e(s.shape, cfg, s.parts);
   s.len[0] = 600;
   e.prefill(1, s.kv, nullptr);
   const sk::IndexState& st = e.index_state(1);
@@ -267,6 +269,64 @@ TEST(SaapEngineCpu, AttendsSinkWindowAndExactlyTheTopClustersThenIndexesLeavingT
   EXPECT_LT(stats.kv_rows_read, stats.kv_rows_context);
 }
 
+// index_every E: the tokens that leave the window are assigned E at a time (the step on which
+// the E-th is pending assigns all E), each to the cluster a per-token index gives it, and
+// until then they are attended in full. Against an engine that indexes every token at once,
+// fed the same steps: the same clusters chosen, and the tokens read are that engine's plus
+// exactly the ones it has indexed and this one has not yet, where its clusters were not
+// chosen. With the fold (F 37) the CSR keeps up too.
+TEST(SaapEngineCpu, IndexesLeavingTokensInBatchesOfIndexEvery) {
+  Scene s(700, 16, 60);
+  const int sink = 2, recent = 100, E = 7, F = 37, hkv = 2, hq = 8, d = 128, g = 4;
+  EngineConfig cfg = cpu_config(3, sink, recent);
+  cfg.saap.fold_every = F;
+  cfg.saap.index_every = E;
+  SaapEngine e(s.shape, cfg, s.parts);
+  cfg.saap.fold_every = 0;
+  cfg.saap.index_every = 1;
+  SaapEngine each(s.shape, cfg, s.parts);
+  s.len[0] = 300;
+  e.prefill(1, s.kv, nullptr);
+  each.prefill(1, s.kv, nullptr);
+  const sk::IndexState& st = e.index_state(1);
+  const sk::IndexState& ref = each.index_state(1);
+  for (int step = 0; step < 120; ++step) {
+    s.len[0] = 301 + step;
+    const std::vector<bf16> q = saap_test::random_bf16(size_t(hq) * d, 700 + step);
+    const std::vector<bf16> q_pre = saap_test::random_bf16(size_t(hq) * d, 1700 + step);
+    std::vector<bf16> out(size_t(hq) * d);
+    e.decode(1, q.data(), q_pre.data(), s.kv, out.data(), nullptr, nullptr);
+    each.decode(1, q.data(), q_pre.data(), s.kv, out.data(), nullptr, nullptr);
+    const int assigned = (step + 1) / E * E;
+    for (int h = 0; h < hkv; ++h) {
+      const std::string what = "step " + std::to_string(step) + " h " + std::to_string(h);
+      const int64_t slot = st.slot(0, h);
+      const int indexed = st.indexed_len[slot];
+      ASSERT_EQ(indexed, 200 + assigned) << what;
+      ASSERT_EQ(ref.indexed_len[slot], 201 + step) << what;
+      ASSERT_EQ(st.csr_len[slot], 200 + assigned / F * F) << what;
+      for (int t = sink; t < indexed; ++t)
+        ASSERT_EQ(st.assign_of(0, h)[t], ref.assign_of(0, h)[t]) << what << " t " << t;
+      const std::vector<int32_t> clusters = e.last_clusters(1, 0, h);
+      ASSERT_EQ(clusters, each.last_clusters(1, 0, h)) << what;
+      const std::set<int32_t> chosen(clusters.begin(), clusters.end());
+      std::vector<int32_t> got = e.last_read(1, 0)[size_t(h) * g];
+      std::vector<int32_t> want = each.last_read(1, 0)[size_t(h) * g];
+      for (int t = indexed; t < 201 + step; ++t)
+        if (!chosen.count(ref.assign_of(0, h)[t])) want.push_back(t);
+      std::sort(got.begin(), got.end());
+      std::sort(want.begin(), want.end());
+      EXPECT_EQ(got, want) << what;
+    }
+  }
+  for (int bad : {0, sk::kMaxIndexStep + 1}) {
+    cfg.saap.index_every = bad;
+    EXPECT_NE(message_of([&] { SaapEngine x(s.shape, cfg, s.parts); }).find("index_every must be"),
+              std::string::npos)
+        << bad;
+  }
+}
+
 // The fold (kernels/saap/saap.h): with fold_every F, every F post-prefill assignments are
 // merged into the CSR. After every step the CSR must equal the stable counting sort of
 // assign[sink, csr_len) (what a prefill of those assignments builds), fewer than F
@@ -277,6 +337,7 @@ TEST(SaapEngineCpu, FoldMergesEveryFAssignmentsIntoTheCsrAndKeepsTheSelection) {
   const int sink = 2, recent = 100, F = 37, C = 16, hq = 8, hkv = 2, d = 128, g = 4;
   EngineConfig cfg = cpu_config(3, sink, recent);
   cfg.saap.fold_every = F;
+  cfg.saap.index_every = 1;
   SaapEngine e(s.shape, cfg, s.parts);
   cfg.saap.fold_every = 0;
   SaapEngine never(s.shape, cfg, s.parts);

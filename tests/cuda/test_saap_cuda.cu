@@ -42,7 +42,7 @@ struct Pair {
   // edit, when given, changes the random parts before the engines are built.
   Pair(SaapRouter router, const std::vector<int>& lens, int C, int hidden, int probes,
        SaapWeights weights_, int max_context = 2048, int fold_every = SaapConfig().fold_every,
-       const std::function<void(SaapParts&)>& edit = {},
+       int index_every = SaapConfig().index_every, const std::function<void(SaapParts&)>& edit = {},
        const ModelShape& shape_ = saap_test::scene_shape())
       : shape(shape_), weights(weights_) {
     const int batch = int(lens.size());
@@ -55,6 +55,7 @@ struct Pair {
     cfg.saap.recent_tokens = 128;
     cfg.saap.max_context = max_context;
     cfg.saap.fold_every = fold_every;
+    cfg.saap.index_every = index_every;
     cfg.saap.query_router = router;
     cfg.saap.router_weights = weights;
     cfg.collect_stats = true;
@@ -200,7 +201,8 @@ void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C
               const ModelShape& shape = saap_test::scene_shape()) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const int batch = int(lens.size());
-  Pair p(router, lens, C, hidden, probes, weights, 2048, SaapConfig().fold_every, edit, shape);
+  Pair p(router, lens, C, hidden, probes, weights, 2048, SaapConfig().fold_every,
+         SaapConfig().index_every, edit, shape);
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
   p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
   p.gpu->prefill(p.layer, p.gpu_cache->view(p.layer), nullptr);
@@ -379,15 +381,17 @@ TEST(SaapCuda, Fp8RouterMatchesTheCpuEngineAtBatchTwo) {
 
 // A generation of `steps` decode steps after a `prefill`-token prefill (sink 4, recent 128)
 // on both engines, checked every `check_every` steps and at the end: the same index lengths
-// (csr_len advanced by fold_every at each fold); assignments equal up to rare near-ties of
+// (index_every tokens assigned on every index_every-th step, csr_len advanced by fold_every
+// at each fold); assignments equal up to rare near-ties of
 // the GPU's fp32 and the CPU's fp64 scores; the GPU's CSR equal to the stable counting sort
 // of its own assignments [sink, csr_len) (what a prefill of them builds); and
 // expect_decode_matches (whose token lists must be equal where the assignments are).
 // C clusters, `probes` of them probed.
 void run_generation(int prefill, int steps, int fold_every, int check_every, int C = 64,
-                    int probes = 6) {
+                    int probes = 6, int index_every = SaapConfig().index_every) {
   constexpr int kRecent = 128, kSink = 4;
-  Pair p(SaapRouter::Mlp, {prefill}, C, 32, probes, SaapWeights::Fp8, prefill + steps, fold_every);
+  Pair p(SaapRouter::Mlp, {prefill}, C, 32, probes, SaapWeights::Fp8, prefill + steps, fold_every,
+         index_every);
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
   ASSERT_EQ(p.parts.num_clusters, C);
   p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
@@ -414,7 +418,7 @@ void run_generation(int prefill, int steps, int fold_every, int check_every, int
     KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
     if (step % check_every != check_every - 1 && step != steps - 1) continue;
     const std::string at = "step " + std::to_string(step);
-    const int assigned = step + 1;  // one per step since the prefill
+    const int assigned = (step + 1) / index_every * index_every;  // since the prefill
     const int csr = prefill - kRecent + (fold_every > 0 ? assigned / fold_every * fold_every : 0);
     const std::vector<int32_t> g_csr = download(gs.csr_len, size_t(hkv));
     int mismatches = 0;
@@ -447,10 +451,18 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAfterALongGeneration) {
   run_generation(200, 2300, 0, 512);
 }
 
-// Folds every 90 assignments (steps 89, 179, 269, 359), checked around each.
+// Folds every 90 assignments (steps 89, 179, 269, 359), checked around each, with every
+// leaving token indexed at once.
 TEST(SaapCuda, FoldKeepsTheCsrEqualToTheCpuEngines) {
   KVS_SKIP_WITHOUT_CUDA();
-  run_generation(200, 360, 90, 45);
+  run_generation(200, 360, 90, 45, 64, 6, 1);
+}
+
+// The index step at its largest batch: 32 tokens assigned on every 32nd step (with the fold
+// every 90 assignments), checked every 16 steps, so half the checks fall between batches.
+TEST(SaapCuda, IndexStepOfThirtyTwoTokensMatchesTheCpuEngine) {
+  KVS_SKIP_WITHOUT_CUDA();
+  run_generation(200, 320, 90, 16, 64, 6, sk::kMaxIndexStep);
 }
 
 // One fold of an index of 150K members per kv head: the copy and the moves take more than

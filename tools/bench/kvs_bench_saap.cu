@@ -79,6 +79,7 @@ struct Args {
   int sink = 1, recent = 2047, layers = 4, iters = 100;
   int generated = 0;  ///< decode steps between the prefill and the timed step
   int fold_every = SaapConfig().fold_every;
+  int index_every = SaapConfig().index_every;
   bool restore_index = false;  ///< restore the whole index per replay (see run())
   std::string router = "mlp";
   std::string router_weights = "fp8";
@@ -146,6 +147,7 @@ void run(const Args& a, bench::BenchReport& report) {
   cfg.saap.router_weights = saap_weights_from_string(a.router_weights);
   cfg.saap.max_context = max_ctx;
   cfg.saap.fold_every = a.fold_every;
+  cfg.saap.index_every = a.index_every;
   SaapEngine engine(shape, cfg, parts);
   parts = SaapParts{};  // the host copies are no longer needed
   Dev<char> ws(engine.workspace_bytes());
@@ -199,12 +201,16 @@ void run(const Args& a, bench::BenchReport& report) {
   KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const float scale = float(shape.scale());
 
+  // The timed step is step generated + 1 since the prefill; the index step assigns on the
+  // steps that are multiples of index_every (kernels/saap/saap.h, index_step_count).
+  const bool timed_indexes = (a.generated + 1) % a.index_every == 0;
   std::printf("kvs-bench-saap: Hq %d Hkv %d d %d, batch %d, C %d, l %d, hidden %d, router %s "
               "(%s weights), dense part %d + %d, %d tokens generated since the prefill (index "
-              "folded every %d), %d layers per graph, median of %d replays\n",
+              "steps of %d tokens, the timed step %s; folded every %d), %d layers per graph, "
+              "median of %d replays\n",
               a.hq, a.hkv, a.d, a.batch, a.clusters, a.probes, a.hidden, a.router.c_str(),
-              a.router_weights.c_str(), a.sink, a.recent, a.generated, a.fold_every, a.layers,
-              a.iters);
+              a.router_weights.c_str(), a.sink, a.recent, a.generated, a.index_every,
+              timed_indexes ? "indexes" : "does not index", a.fold_every, a.layers, a.iters);
   const double weight_bytes = cfg.saap.router_weights == SaapWeights::Fp8 ? 1 : 2;
   const double mlp_mb = a.router == "mlp"
                             ? double(a.hq) * (double(a.hidden) * a.d + double(a.clusters) * a.hidden) * weight_bytes / 1e6
@@ -214,16 +220,19 @@ void run(const Args& a, bench::BenchReport& report) {
   for (int ctx : a.contexts) {
     // Prefill ctx - 1 - generated tokens, decode `generated` steps eagerly, then time the
     // step at ctx, as a real step does: one token per (sequence, kv head) leaves the recent
-    // window and is assigned to a cluster, and the decode scans the `generated` assignments
-    // made since the prefill. Every replay restores the index lengths first (copies inside
-    // the graph, their cost subtracted), so it repeats that step.
+    // window, the index step assigns the pending ones when index_every of them are (the
+    // header says whether the timed step does), and the decode scans the assignments made
+    // since the prefill. Every replay restores the index lengths first (copies inside the
+    // graph, their cost subtracted), so it repeats that step.
     if (a.generated < 0 || a.generated > ctx - 1 - a.sink - a.recent)
       throw std::invalid_argument("--generated " + std::to_string(a.generated) + " must lie in [0, " +
                                   std::to_string(ctx - 1 - a.sink - a.recent) + "] at context " +
                                   std::to_string(ctx) + " (the prefill must fill the window)");
     // A replay restores indexed_len, which undoes the step's assignment. A step that folds
     // also rewrites the CSR: --restore-index restores the whole index.
-    if (a.fold_every > 0 && (a.generated + 1) % a.fold_every == 0 && !a.restore_index)
+    const auto assigned_after = [&](int steps) { return steps / a.index_every * a.index_every; };
+    if (a.fold_every > 0 && !a.restore_index &&
+        assigned_after(a.generated + 1) / a.fold_every > assigned_after(a.generated) / a.fold_every)
       throw std::invalid_argument("--generated " + std::to_string(a.generated) +
                                   ": the timed step folds the index (--fold-every " +
                                   std::to_string(a.fold_every) +
@@ -343,6 +352,7 @@ int main(int argc, char** argv) try {
       ("recent", po::value(&a.recent)->default_value(a.recent), "recent window")
       ("generated", po::value(&a.generated)->default_value(a.generated), "decode steps after the prefill, before the timed step (assignments it scans)")
       ("fold-every", po::value(&a.fold_every)->default_value(a.fold_every), "assignments merged into the cluster index at a time (0: never)")
+      ("index-every", po::value(&a.index_every)->default_value(a.index_every), "tokens that left the window assigned per index step (the step on which that many are pending)")
       ("restore-index", po::bool_switch(&a.restore_index), "restore the whole index before each replay and subtract the copies' own time (needed to time a step that folds: --generated k * fold_every - 1)")
       ("router", po::value(&a.router)->default_value(a.router), "mlp or nearest_centroid")
       ("router-weights", po::value(&a.router_weights)->default_value(a.router_weights), "the MLP's weights: bf16 or fp8")
@@ -368,6 +378,7 @@ int main(int argc, char** argv) try {
                      {"recent", a.recent},
                      {"generated", a.generated},
                      {"fold_every", a.fold_every},
+                     {"index_every", a.index_every},
                      {"restore_index", a.restore_index},
                      {"router", a.router},
                      {"router_weights", a.router_weights},
