@@ -54,7 +54,7 @@ using bf = __nv_bfloat16;
 constexpr int kAssignTokens = 32;    // keys per tile of the prefill assignment
 constexpr int kAssignCents = 32;     // centroids per shared-memory tile
 constexpr int kAssignThreads = 256;  // 8 warps x 4 centroids of a tile
-constexpr int kStepThreads = 128;    // decode-time assignment CTA
+constexpr int kStepThreads = 512;    // decode-time assignment CTA
 constexpr int kStepChunk = 128;      // centroids per pass of a decode-time assignment CTA
 constexpr int kRouteThreads = 1024;
 constexpr int kMaxRouteGroup = 8;  // query heads per kv head in route_mlp_score
@@ -208,25 +208,28 @@ PrefillLayout prefill_layout(int max_len, int hkv, int d) {
 
 // The decode half of the index, one thread-block cluster of kStepRanks CTAs per (b, h), for
 // the n = index_step_count(...) tokens t0 = indexed_len .. t0 + n - 1 (none on most steps:
-// the kernel then returns at once). Every CTA loads their keys and rotates them back before
-// RoPE (rope_rotate_pair at each token's position, rounded to bf16 as rope_cuda rounds it),
-// scores its share of the C centroids against each key, and hands its best per key to CTA 0
-// through distributed shared memory; CTA 0 commits the nearest per token (largest
-// centroid_score, ties to the lowest id) and indexed_len. The centroid rows are staged through
-// shared memory kStepChunk at a time with coalesced 16-byte copies, in flight with the keys'
-// loads: a thread reading its own rows (512 B apart across the warp) took 12 µs on an H100.
-// A thread scores one centroid against kStepKeys keys per pass over its row; the per-centroid
-// dot product is the same sequential loop for each key, so a token's assignment does not
-// depend on how many are indexed together.
+// the kernel then returns at once). Every CTA loads their keys (all loads in flight together)
+// and rotates them back before RoPE (rope_rotate_pair at each token's position, rounded to
+// bf16 as rope_cuda rounds it), scores its share of the C centroids against each key, and
+// hands its best per key to CTA 0 through distributed shared memory; CTA 0 commits the
+// nearest per token (largest centroid_score, ties to the lowest id) and indexed_len. The
+// centroid rows are staged through shared memory kStepChunk at a time with coalesced 16-byte
+// copies, in flight with the keys' loads: a thread reading its own rows (512 B apart across
+// the warp) took 12 µs on an H100. kStepKeys threads share a staged row, each scoring it
+// against one key of a group with the same sequential dot product as for one key, so a
+// token's assignment does not depend on how many are indexed together.
 constexpr int kStepRanks = 8;        // CTAs per (b, h): a portable cluster size
-constexpr int kStepPitch = 128 + 4;  // floats per staged row: 16-byte aligned, rows on other banks
-constexpr int kStepKeys = 4;         // keys per pass over a staged centroid row
+constexpr int kStepPitch = 128 + 4;  // floats per staged row or key: rows on other banks
+constexpr int kStepKeys = 4;         // keys scored together, a thread each
+static_assert(kStepThreads == kStepChunk * kStepKeys, "a thread per (staged row, key of a group)");
 static_assert(kMaxIndexStep <= kStepThreads && kMaxIndexStep % kStepKeys == 0,
               "a thread per key commits the step's tokens");
+constexpr int kStepWarps = kStepThreads / 32;
+constexpr int kStepPairs = kMaxIndexStep * 64 / kStepThreads;  // key pairs per thread, at most
 
 // step_index_kernel's dynamic shared memory: kStepChunk staged rows and kMaxIndexStep keys.
 constexpr size_t step_index_smem_bytes() {
-  return (size_t(kStepChunk) * kStepPitch + size_t(kMaxIndexStep) * 128) * sizeof(float);
+  return (size_t(kStepChunk) + kMaxIndexStep) * kStepPitch * sizeof(float);
 }
 
 __global__ void __cluster_dims__(kStepRanks, 1, 1) __launch_bounds__(kStepThreads)
@@ -235,10 +238,10 @@ __global__ void __cluster_dims__(kStepRanks, 1, 1) __launch_bounds__(kStepThread
   namespace cg = cooperative_groups;
   extern __shared__ __align__(16) float step_s[];
   float* rows_s = step_s;                           // [kStepChunk, kStepPitch]
-  float* key_s = rows_s + kStepChunk * kStepPitch;  // [kMaxIndexStep, 128]
+  float* key_s = rows_s + kStepChunk * kStepPitch;  // [kMaxIndexStep, kStepPitch]
   // Each warp's best per key so far, then (CTA 0) each rank's.
-  __shared__ float red_s[kMaxIndexStep][kStepThreads / 32], rank_s[kMaxIndexStep][kStepRanks];
-  __shared__ int red_c[kMaxIndexStep][kStepThreads / 32], rank_c[kMaxIndexStep][kStepRanks];
+  __shared__ float red_s[kMaxIndexStep][kStepWarps], rank_s[kMaxIndexStep][kStepRanks];
+  __shared__ int red_c[kMaxIndexStep][kStepWarps], rank_c[kMaxIndexStep][kStepRanks];
   const int b = blockIdx.y / kv.num_kv_heads, h = blockIdx.y % kv.num_kv_heads;
   const int d = kv.head_dim, half = d / 2;
   const int64_t slot = st.slot(b, h);
@@ -260,66 +263,74 @@ __global__ void __cluster_dims__(kStepRanks, 1, 1) __launch_bounds__(kStepThread
     ptx::cp_async_commit();
   };
   if (c_begin < c_end) stage(c_begin);
-  // The keys, n rows of 128 floats; the rows of a last, partial group of kStepKeys are zero
-  // (their scores are never used).
+  // The keys: every pair's loads first, then the rotations. The rows of a last, partial group
+  // of kStepKeys are zero (their scores are never used).
   const int n_pad = (n + kStepKeys - 1) / kStepKeys * kStepKeys;
-  for (int i = threadIdx.x; i < n_pad * half; i += kStepThreads) {
-    const int e = i / half, j = i % half;
-    float x = 0.f, y = 0.f;
+  float kx[kStepPairs], ky[kStepPairs];
+#pragma unroll
+  for (int u = 0; u < kStepPairs; ++u) {
+    const int i = int(threadIdx.x) + u * kStepThreads, e = i / half, j = i % half;
+    kx[u] = ky[u] = 0.f;
     if (e < n) {
       const bf* key = reinterpret_cast<const bf*>(kv.k) + kv.offset(b, t0 + e, h);
-      const __nv_bfloat162 r = rope_rotate_pair(
-          __bfloat162float(key[j]), __bfloat162float(key[j + half]), t0 + e, inv_freq[j], true);
-      x = __bfloat162float(r.x);
-      y = __bfloat162float(r.y);
+      kx[u] = __bfloat162float(key[j]);
+      ky[u] = __bfloat162float(key[j + half]);
     }
-    key_s[e * 128 + j] = x;
-    key_s[e * 128 + j + half] = y;
+  }
+#pragma unroll
+  for (int u = 0; u < kStepPairs; ++u) {
+    const int i = int(threadIdx.x) + u * kStepThreads, e = i / half, j = i % half;
+    if (e < n_pad) {
+      float x = 0.f, y = 0.f;
+      if (e < n) {
+        const __nv_bfloat162 r = rope_rotate_pair(kx[u], ky[u], t0 + e, inv_freq[j], true);
+        x = __bfloat162float(r.x);
+        y = __bfloat162float(r.y);
+      }
+      key_s[e * kStepPitch + j] = x;
+      key_s[e * kStepPitch + j + half] = y;
+    }
   }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int i = threadIdx.x; i < kMaxIndexStep * (kStepThreads / 32); i += kStepThreads) {
-    red_s[i / (kStepThreads / 32)][i % (kStepThreads / 32)] = -FLT_MAX;
-    red_c[i / (kStepThreads / 32)][i % (kStepThreads / 32)] = 0x7fffffff;
+  for (int i = threadIdx.x; i < kMaxIndexStep * kStepWarps; i += kStepThreads) {
+    red_s[i / kStepWarps][i % kStepWarps] = -FLT_MAX;
+    red_c[i / kStepWarps][i % kStepWarps] = 0x7fffffff;
   }
+  const int row = threadIdx.x / kStepKeys, u = threadIdx.x % kStepKeys;
   for (int c0 = c_begin; c0 < c_end; c0 += kStepChunk) {
-    const int c = c0 + int(threadIdx.x);
+    const int c = c0 + row;
     const float norm = c < c_end ? norms[int64_t(h) * C + c] : 0.f;
     ptx::cp_async_wait<0>();
     __syncthreads();  // the rows and the keys are staged
-    const float4* row = reinterpret_cast<const float4*>(rows_s + (c - c0) * kStepPitch);
+    const float4* row4 = reinterpret_cast<const float4*>(rows_s + row * kStepPitch);
     for (int e0 = 0; e0 < n; e0 += kStepKeys) {
-      float acc[kStepKeys] = {};
+      const float4* key4 = reinterpret_cast<const float4*>(key_s + (e0 + u) * kStepPitch);
+      float acc = 0.f;
       if (c < c_end) {
         for (int k = 0; k < d / 4; ++k) {
-          const float4 v = row[k];
-#pragma unroll
-          for (int u = 0; u < kStepKeys; ++u) {
-            const float4 q = reinterpret_cast<const float4*>(key_s + (e0 + u) * 128)[k];
-            acc[u] = fmaf(v.x, q.x, acc[u]);
-            acc[u] = fmaf(v.y, q.y, acc[u]);
-            acc[u] = fmaf(v.z, q.z, acc[u]);
-            acc[u] = fmaf(v.w, q.w, acc[u]);
-          }
+          const float4 v = row4[k], q = key4[k];
+          acc = fmaf(v.x, q.x, acc);
+          acc = fmaf(v.y, q.y, acc);
+          acc = fmaf(v.z, q.z, acc);
+          acc = fmaf(v.w, q.w, acc);
         }
       }
-#pragma unroll
-      for (int u = 0; u < kStepKeys; ++u) {
-        float best = c < c_end ? centroid_score(acc[u], norm) : -FLT_MAX;
-        int best_c = c < c_end ? c : 0x7fffffff;
-        for (int off = 16; off > 0; off /= 2) {
-          const float os = __shfl_down_sync(0xffffffffu, best, off);
-          const int oc = __shfl_down_sync(0xffffffffu, best_c, off);
-          if (better(os, oc, best, best_c)) {
-            best = os;
-            best_c = oc;
-          }
+      // The best row for key e0 + u over the warp's lanes of the same u.
+      float best = c < c_end ? centroid_score(acc, norm) : -FLT_MAX;
+      int best_c = c < c_end ? c : 0x7fffffff;
+      for (int off = 16; off >= kStepKeys; off /= 2) {
+        const float os = __shfl_xor_sync(0xffffffffu, best, off);
+        const int oc = __shfl_xor_sync(0xffffffffu, best_c, off);
+        if (better(os, oc, best, best_c)) {
+          best = os;
+          best_c = oc;
         }
-        // Lane 0 keeps the warp's best for the key over the passes.
-        if (lane == 0 && e0 + u < n &&
-            better(best, best_c, red_s[e0 + u][warp], red_c[e0 + u][warp])) {
-          red_s[e0 + u][warp] = best;
-          red_c[e0 + u][warp] = best_c;
-        }
+      }
+      // Lanes 0..kStepKeys-1 keep the warp's best for their key over the passes.
+      const int e = e0 + u;
+      if (lane < kStepKeys && e < n && better(best, best_c, red_s[e][warp], red_c[e][warp])) {
+        red_s[e][warp] = best;
+        red_c[e][warp] = best_c;
       }
     }
     __syncthreads();  // the rows are read: the next pass may restage them
@@ -332,7 +343,7 @@ __global__ void __cluster_dims__(kStepRanks, 1, 1) __launch_bounds__(kStepThread
     const int e = threadIdx.x;
     float best = red_s[e][0];
     int best_c = red_c[e][0];
-    for (int i = 1; i < kStepThreads / 32; ++i)
+    for (int i = 1; i < kStepWarps; ++i)
       if (better(red_s[e][i], red_c[e][i], best, best_c)) {
         best = red_s[e][i];
         best_c = red_c[e][i];
