@@ -30,9 +30,9 @@
 //   [0, min(sink, n))  U  {t in [sink, indexed_len) : assign[t] in top-l}  U  [indexed_len, n)
 // where prefill sets indexed_len = max(sink, n - recent) and each decode call first indexes
 // index_step_count(...) tokens from indexed_len on: none until index_every tokens have left
-// the window unindexed, then all of them (at most kMaxIndexStep). With index_every 16 the
-// index step's kernel does its work on one step in 16 and returns at once on the others; in
-// between, the dense part holds up to 15 more tokens than the window.
+// the window unindexed, then all of them (at most kMaxIndexStep). So the index step's kernel
+// does its work on one step in index_every and returns at once on the others, and in between
+// the dense part holds up to index_every - 1 more tokens than the window.
 //
 // Assignment score of centroid c for a vector x: 2 x.c - |c|^2; its argmax is the nearest
 // centroid in L2 and, for the unit-norm centroids of spherical k-means, the largest inner
