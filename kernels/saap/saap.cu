@@ -227,6 +227,18 @@ static_assert(kMaxIndexStep <= kStepThreads && kMaxIndexStep % kStepKeys == 0,
 constexpr int kStepWarps = kStepThreads / 32;
 constexpr int kStepPairs = kMaxIndexStep * 64 / kStepThreads;  // key pairs per thread, at most
 
+// The best of count (score, id) entries, as `better` orders them (ties to the lowest id).
+__device__ __forceinline__ void best_of(const float* s, const int* c, int count, float& best,
+                                        int& best_c) {
+  best = s[0];
+  best_c = c[0];
+  for (int i = 1; i < count; ++i)
+    if (better(s[i], c[i], best, best_c)) {
+      best = s[i];
+      best_c = c[i];
+    }
+}
+
 // step_index_kernel's dynamic shared memory: kStepChunk staged rows and kMaxIndexStep keys.
 constexpr size_t step_index_smem_bytes() {
   return (size_t(kStepChunk) + kMaxIndexStep) * kStepPitch * sizeof(float);
@@ -341,26 +353,18 @@ __global__ void __cluster_dims__(kStepRanks, 1, 1) __launch_bounds__(kStepThread
   // Thread e < n: key e's best over the warps, to CTA 0.
   if (int(threadIdx.x) < n) {
     const int e = threadIdx.x;
-    float best = red_s[e][0];
-    int best_c = red_c[e][0];
-    for (int i = 1; i < kStepWarps; ++i)
-      if (better(red_s[e][i], red_c[e][i], best, best_c)) {
-        best = red_s[e][i];
-        best_c = red_c[e][i];
-      }
+    float best;
+    int best_c;
+    best_of(red_s[e], red_c[e], kStepWarps, best, best_c);
     cluster.map_shared_rank(&rank_s[0][0], 0)[e * kStepRanks + rank] = best;
     cluster.map_shared_rank(&rank_c[0][0], 0)[e * kStepRanks + rank] = best_c;
   }
   cluster.sync();  // CTA 0 holds every rank's best per key; the others may leave
   if (rank != 0 || int(threadIdx.x) >= n) return;
   const int e = threadIdx.x;
-  float best = rank_s[e][0];
-  int best_c = rank_c[e][0];
-  for (int i = 1; i < kStepRanks; ++i)
-    if (better(rank_s[e][i], rank_c[e][i], best, best_c)) {
-      best = rank_s[e][i];
-      best_c = rank_c[e][i];
-    }
+  float best;
+  int best_c;
+  best_of(rank_s[e], rank_c[e], kStepRanks, best, best_c);
   st.assign_of(b, h)[t0 + e] = best_c < C ? best_c : -1;  // -1: no finite score (a NaN key)
   if (e == 0) st.indexed_len[slot] = t0 + n;
 }
