@@ -44,7 +44,8 @@ struct SaapConfig {
   /// Tokens that leave the recent window are assigned to clusters in batches of this many
   /// (kernels/saap/saap.h, index_step_count): the index step does its work on one decode step
   /// in index_every, and until then the dense part keeps up to index_every - 1 more tokens.
-  /// 1 assigns every token as it leaves; at most 32. At 4, on an H200 at 128K batch 1, no
+  /// 1 assigns every token as it leaves; at most 32 and at most fold_every (when it is not
+  /// 0). At 4, on an H200 at 128K batch 1, no
   /// step is slower than with 1 and three in four skip the index work (docs/gpu.md).
   int index_every = 4;
   /// Longest sequence (tokens) the engine must serve; sizes the index and the workspace.

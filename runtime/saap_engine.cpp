@@ -56,6 +56,10 @@ void validate(const SaapConfig& c, const SaapParts& p, const ModelShape& s) {
        "index_every must be in [1, " + str(sk::kMaxIndexStep) + "], got " + str(c.index_every));
   need(c.fold_every >= 0 && c.fold_every <= sk::kMaxFold,
        "fold_every must be in [0, " + str(sk::kMaxFold) + "] (0: never), got " + str(c.fold_every));
+  // One fold a step then keeps the scanned assignments below fold_every (saap.h).
+  need(c.fold_every == 0 || c.index_every <= c.fold_every,
+       "index_every (" + str(c.index_every) + ") must not exceed fold_every (" +
+           str(c.fold_every) + ")");
   for (int l : c.dense_layers)
     need(l >= 0 && l < s.num_layers,
          "dense_layers entry " + str(l) + " outside [0, " + str(s.num_layers) + ")");

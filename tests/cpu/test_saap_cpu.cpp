@@ -325,6 +325,11 @@ TEST(SaapEngineCpu, IndexesLeavingTokensInBatchesOfIndexEvery) {
               std::string::npos)
         << bad;
   }
+  cfg.saap.index_every = 8;
+  cfg.saap.fold_every = 5;
+  EXPECT_NE(message_of([&] { SaapEngine x(s.shape, cfg, s.parts); })
+                .find("index_every (8) must not exceed fold_every (5)"),
+            std::string::npos);
 }
 
 // The fold (kernels/saap/saap.h): with fold_every F, every F post-prefill assignments are
