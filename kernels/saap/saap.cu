@@ -981,19 +981,247 @@ cudaError_t launch_gemv(const In* x, const void* w, const float* scale, const fl
   return cudaGetLastError();
 }
 
-// The MLP's two GEMVs, hidden = relu(w1 q_pre + b1) and logits = w2 hidden + b2, in the
-// router's weight format. The second is a programmatic dependent launch: its CTAs get
-// resident while the first runs and put their first round of weights in flight before they
-// wait for the hidden layer (128K batch 1: 0.4-1 us off 57.4; docs/gpu.md).
+// The second GEMV's weight formats, in column blocks (pack_column_blocks, saap.h): a lane's
+// load is 8 consecutive rows of one column, and `unpack` gives them as 4 words of the mma's
+// 16-bit type, word i holding rows 2i (low half) and 2i + 1.
+struct E4m3Columns : E4m3Mma {
+  using Load = uint2;
+  static constexpr int kInFlight = 4;  // k-tiles per warp whose loads are in flight together
+  __device__ __forceinline__ static void unpack(const Load& v, uint32_t (&h)[4]) {
+    const uint32_t words[2] = {v.x, v.y};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2_raw x = __nv_cvt_fp8x2_to_halfraw2(
+          __nv_fp8x2_storage_t((words[i / 2] >> (16 * (i % 2))) & 0xffffu), __NV_E4M3);
+      h[i] = uint32_t(x.x) | (uint32_t(x.y) << 16);
+    }
+  }
+  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4],
+                                             const uint32_t (&b)[2]) {
+    ptx::mma_f16_16816(d, a, b, d);
+  }
+};
+struct Bf16Columns : Bf16Mma {
+  using Load = uint4;
+  static constexpr int kInFlight = 2;  // the same bytes in flight as E4m3Columns
+  __device__ __forceinline__ static void unpack(const Load& v, uint32_t (&h)[4]) {
+    h[0] = v.x;
+    h[1] = v.y;
+    h[2] = v.z;
+    h[3] = v.w;
+  }
+  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4],
+                                             const uint32_t (&b)[2]) {
+    ptx::mma_bf16_16816(d, a, b, d);
+  }
+};
+
+// The MLP's second GEMV, y[b, head, r] = scale[head, r] * (w[head, r, :] . x[b, head, :]) +
+// bias[head, r], reading only the columns k where x[b, head, k] is nonzero for some b of the
+// pass. x is the ReLU of the first GEMV: at batch 1 about half of it is zero, so about half of
+// the 32 MB of fp8 weights per layer (hidden 1024, C 1024, 32 heads) need not be read. A CTA
+// owns one column block (kColumnBlock rows of one head) and takes up to kNzRows batch rows
+// per pass as the mma's M (the rows past the pass are zero registers, not loaded). Each warp
+// owns a quarter of the columns, and lists and reads them without the other warps:
+// 1. Before griddepcontrol.wait, the first Fmt::kInFlight tiles of 16 columns of its range are
+//    requested, whatever x holds: the dense prefix. The weights' latency then overlaps the
+//    first GEMV, as in gemv_kernel, and the prefix costs at most its own bytes.
+// 2. After the wait, it lists its columns in order (a warp scan of per-lane counts): every
+//    column of the prefix, then the nonzero ones. x at them goes to shared memory in 16-bit
+//    pairs, and the list is padded to whole tiles with column 0 at x = 0.
+// 3. Tile by tile: lane (g, c) loads rows 8g .. 8g + 7 of listed columns 2c, 2c + 1, 2c + 8,
+//    2c + 9 (a warp's load is four 64-byte pieces in e4m3), Fmt::kInFlight tiles' loads in
+//    flight together, and pairs the columns' words by byte permutes into the B fragments of 8
+//    n-tiles (n-tile t, column g: block row 8g + t).
+// 4. The warps' accumulators are added in warp order through shared memory.
+// Launched programmatically behind the first GEMV, whose CTAs trigger at their start.
+constexpr int kNzWarps = 4;
+constexpr int kNzRows = 16;                     // batch rows per pass: the mma's M
+constexpr int kNzColsPerLane = 8;               // columns a lane lists per round of the scan
+constexpr int kNzScanRows = 4;                  // batch rows whose x a lane loads together
+constexpr int kNzRedStride = kColumnBlock + 4;  // floats per batch row of the warp partials
+
+// A warp's list capacity: its range of whole tiles (a quarter of K's, rounded up).
+__host__ __device__ inline int nz_warp_capacity(int K) {
+  return 16 * (((K + 15) / 16 + kNzWarps - 1) / kNzWarps);
+}
+
+// Dynamic shared memory of gemv_nonzero_kernel for `batch` rows and K columns, per warp: the
+// column list and x in 16-bit pairs ([pass rows][capacity / 2 + 4] words; the padding keeps
+// an A fragment's 8 rows on different banks); and the warps' partials.
+size_t gemv_nonzero_smem_bytes(int batch, int K) {
+  const size_t rows = size_t(std::min(batch, kNzRows)), cap = size_t(nz_warp_capacity(K));
+  return size_t(kNzWarps) * (cap * 4 + rows * (cap / 2 + 4) * 4 + rows * kNzRedStride * 4);
+}
+
 template <class Fmt>
+__global__ void __launch_bounds__(kNzWarps * 32, 4)
+    gemv_nonzero_kernel(const float* x, const typename Fmt::Load* w, const float* scale,
+                        const float* bias, float* y, int batch, int heads, int rows, int K) {
+  using Load = typename Fmt::Load;
+  constexpr int kThreads = kNzWarps * 32, kInFlight = Fmt::kInFlight;
+  extern __shared__ uint32_t nz_smem[];
+  const int head = blockIdx.y, blk = blockIdx.x, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int pass_rows = min(batch, kNzRows), cap = nz_warp_capacity(K), stride = cap / 2 + 4;
+  int32_t* cols = reinterpret_cast<int32_t*>(nz_smem) + warp * cap;      // [cap] the warp's list
+  uint32_t* x_s = nz_smem + kNzWarps * cap + warp * pass_rows * stride;  // [pass_rows][stride]
+  uint16_t* x_h = reinterpret_cast<uint16_t*>(x_s);  // the same, as 16-bit values
+  float* red = reinterpret_cast<float*>(nz_smem + kNzWarps * (cap + pass_rows * stride));
+  // The warp's columns [c0, c1): a quarter of K's tiles (K % 8 == 0, so a lane's 8 columns
+  // are all in or all out).
+  const int tiles_k = (K + 15) / 16;
+  const int c0 = 16 * (warp * tiles_k / kNzWarps);
+  const int c1 = min(16 * ((warp + 1) * tiles_k / kNzWarps), K);
+  // Column k of the block: kColumnBlock rows, 8 per lane load. Columns past K (a short
+  // range's last tile) are read as column 0, at x = 0.
+  const Load* wb = w + (int64_t(head) * gridDim.x + blk) * K * (kColumnBlock / 8) + g;
+  const auto load_col = [&](int col) {
+    return wb[int64_t(col < K ? col : 0) * (kColumnBlock / 8)];
+  };
+  // A thread's epilogue outputs are all row o of the block (kThreads is a multiple of it).
+  const int o = tid % kColumnBlock, row = blk * kColumnBlock + o;
+  float out_scale = 1.f, out_bias = 0.f;
+  if (row < rows) {
+    if (Fmt::kScaled) out_scale = scale[int64_t(head) * rows + row];
+    out_bias = bias[int64_t(head) * rows + row];
+  }
+  // 1. The dense prefix: list positions p < kInFlight * 16 hold columns c0 + p.
+  Load v[kInFlight][4];
+#pragma unroll
+  for (int u = 0; u < kInFlight; ++u)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[u][i] = load_col(c0 + 16 * u + 2 * c + (i & 1) + 8 * (i >> 1));
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the first GEMV's output
+  for (int b0 = 0; b0 < batch; b0 += kNzRows) {
+    const int nb = min(kNzRows, batch - b0);
+    // 2. The warp's list: the prefix, then its nonzero columns, in order; x at them.
+    int listed = 0;
+    for (int k0 = c0; k0 < c1; k0 += 32 * kNzColsPerLane) {
+      const int kb = k0 + lane * kNzColsPerLane;
+      const bool in = kb < c1;
+      const auto row_x = [&](int n) { return x + (int64_t(b0 + n) * heads + head) * K + kb; };
+      uint32_t nz = 0;  // bit j: column kb + j is listed
+      for (int n0 = 0; n0 < nb; n0 += kNzScanRows) {
+        float xv[kNzScanRows][kNzColsPerLane];  // loaded together: one L2 round trip
+#pragma unroll
+        for (int u = 0; u < kNzScanRows; ++u)
+#pragma unroll
+          for (int j = 0; j < kNzColsPerLane; ++j)
+            xv[u][j] = in && n0 + u < nb ? row_x(n0 + u)[j] : 0.f;
+#pragma unroll
+        for (int u = 0; u < kNzScanRows; ++u)
+#pragma unroll
+          for (int j = 0; j < kNzColsPerLane; ++j) nz |= uint32_t(xv[u][j] != 0.f) << j;
+      }
+      if (in && kb < c0 + kInFlight * 16) nz = (1u << kNzColsPerLane) - 1;  // the prefix
+      const int count = __popc(nz);
+      int incl = count;  // inclusive scan over the warp
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) {
+        const int t = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += t;
+      }
+      const int pos = listed + incl - count;
+      for (int j = 0, p = pos; j < kNzColsPerLane; ++j)
+        if (nz >> j & 1u) cols[p++] = kb + j;
+      // A row at a time: its 8 loads (L1 hits now) together, then the stores.
+      for (int n = 0; n < pass_rows; ++n) {
+        float xv[kNzColsPerLane];
+#pragma unroll
+        for (int j = 0; j < kNzColsPerLane; ++j) xv[j] = in && n < nb ? row_x(n)[j] : 0.f;
+        uint16_t* xn = x_h + size_t(n) * stride * 2;
+#pragma unroll
+        for (int j = 0, p = pos; j < kNzColsPerLane; ++j)
+          if (nz >> j & 1u) xn[p++] = uint16_t(Fmt::pack_x(xv[j], 0.f));  // the low half
+      }
+      listed += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    // The last tile's padding: column 0 at x = 0. A short range's prefix loads (past c1) fall
+    // on these positions, at x = 0 too.
+    const int tiles = (listed + 15) / 16;
+    for (int p = listed + lane; p < tiles * 16; p += 32) {
+      cols[p] = 0;
+      for (int n = 0; n < pass_rows; ++n) x_h[size_t(n) * stride * 2 + p] = 0;
+    }
+    __syncwarp();
+    // 3. The warp's tiles; the first pass's first round is the prefix, in flight already.
+    float d[8][4] = {};
+    for (int t0 = 0; t0 < tiles; t0 += kInFlight) {
+      if (t0 > 0 || b0 > 0) {
+#pragma unroll
+        for (int u = 0; u < kInFlight; ++u)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int t = t0 + u;
+            v[u][i] = load_col(t < tiles ? cols[t * 16 + 2 * c + (i & 1) + 8 * (i >> 1)] : 0);
+          }
+      }
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int t = t0 + u;
+        if (t >= tiles) break;
+        // A: batch rows g and g + 8 at list positions 16t + 2c, + 1 and 16t + 2c + 8, + 9.
+        const uint32_t* xa = x_s + t * 8 + c;
+        const uint32_t a[4] = {g < nb ? xa[g * stride] : 0u, g + 8 < nb ? xa[(g + 8) * stride] : 0u,
+                               g < nb ? xa[g * stride + 4] : 0u,
+                               g + 8 < nb ? xa[(g + 8) * stride + 4] : 0u};
+        uint32_t h[4][4];  // the 4 columns' rows, as pairs
+#pragma unroll
+        for (int i = 0; i < 4; ++i) Fmt::unpack(v[u][i], h[i]);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          // n-tile nt, column g: row 8g + nt of each column; k rows 2c, 2c + 1 | 2c + 8, 2c + 9.
+          const uint32_t sel = nt % 2 ? 0x7632u : 0x5410u;
+          const uint32_t b[2] = {__byte_perm(h[0][nt / 2], h[1][nt / 2], sel),
+                                 __byte_perm(h[2][nt / 2], h[3][nt / 2], sel)};
+          Fmt::mma(d[nt], a, b);
+        }
+      }
+    }
+    // 4. d[nt][q]: batch row g + 8 (q / 2), n-tile column 2c + q % 2, i.e. block row
+    // 8 (2c + q % 2) + nt. The warps' partials are added in warp order.
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int n = g + 8 * (q / 2);
+        if (n < nb)
+          red[(warp * pass_rows + n) * kNzRedStride + 8 * (2 * c + q % 2) + nt] = d[nt][q];
+      }
+    __syncthreads();
+    for (int i = tid; i < nb * kColumnBlock; i += kThreads) {
+      const int n = i / kColumnBlock;
+      float acc = red[n * kNzRedStride + o];
+      for (int w2 = 1; w2 < kNzWarps; ++w2) acc += red[(w2 * pass_rows + n) * kNzRedStride + o];
+      if (row < rows) y[(int64_t(b0 + n) * heads + head) * rows + row] = out_scale * acc + out_bias;
+    }
+    __syncthreads();  // red is rewritten by the next pass
+  }
+}
+
+// The MLP's two GEMVs, hidden = relu(w1 q_pre + b1) and logits = w2 hidden + b2, in the
+// router's weight format; the second by w2's layout (Router::w2_column_blocks). The second is
+// a programmatic dependent launch: its CTAs get resident while the first runs and put their
+// first round of weights in flight before they wait for the hidden layer (128K batch 1: 0.4-1
+// us off 57.4; docs/gpu.md).
+template <class Mma, class Columns>
 cudaError_t launch_mlp(const bf* q_pre, const void* w1, const float* s1, const void* w2,
                        const float* s2, const Router<bf16>& r, float* hidden, float* logits,
                        int batch, cudaStream_t stream) {
-  const cudaError_t e = launch_gemv<bf, Fmt, true>(
-      q_pre, w1, s1, r.b1, hidden, batch, r.num_q_heads, r.hidden, r.head_dim, false, stream);
-  if (e != cudaSuccess) return e;
-  return launch_gemv<float, Fmt, false>(hidden, w2, s2, r.b2, logits, batch, r.num_q_heads,
-                                        r.num_clusters, r.hidden, true, stream);
+  const int hq = r.num_q_heads;
+  const cudaError_t e = launch_gemv<bf, Mma, true>(q_pre, w1, s1, r.b1, hidden, batch, hq, r.hidden,
+                                                   r.head_dim, false, stream);
+  if (e != cudaSuccess || !r.w2_column_blocks)
+    return e != cudaSuccess
+               ? e
+               : launch_gemv<float, Mma, false>(hidden, w2, s2, r.b2, logits, batch, hq,
+                                                r.num_clusters, r.hidden, true, stream);
+  const dim3 grid(unsigned((r.num_clusters + kColumnBlock - 1) / kColumnBlock), unsigned(hq));
+  return launch_programmatic(gemv_nonzero_kernel<Columns>, grid, dim3(kNzWarps * 32),
+                             gemv_nonzero_smem_bytes(batch, r.hidden), stream, hidden,
+                             static_cast<const typename Columns::Load*>(w2), s2, r.b2, logits,
+                             batch, hq, r.num_clusters, r.hidden);
 }
 
 template <class Op>
@@ -1363,6 +1591,19 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
   return cudaGetLastError();
 }
 
+cudaError_t mlp_logits_cuda(const bf16* q_pre, const Router<bf16>& r, int batch, float* hidden,
+                            float* logits, cudaStream_t stream) {
+  if (batch < 1 || r.num_q_heads < 1 || r.head_dim < 1 || r.head_dim > 128 || r.hidden % 8 != 0 ||
+      r.hidden < 8 || r.hidden > kMaxHiddenCuda || r.num_clusters < 1 || !q_pre || !hidden ||
+      !logits || !(r.w1_e4m3 ? r.w2_e4m3 && r.w1_scale && r.w2_scale : r.w1 && r.w2))
+    return cudaErrorInvalidValue;
+  const bf* q = reinterpret_cast<const bf*>(q_pre);
+  return r.w1_e4m3 ? launch_mlp<E4m3Mma, E4m3Columns>(q, r.w1_e4m3, r.w1_scale, r.w2_e4m3,
+                                                      r.w2_scale, r, hidden, logits, batch, stream)
+                   : launch_mlp<Bf16Mma, Bf16Columns>(q, r.w1, nullptr, r.w2, nullptr, r, hidden,
+                                                      logits, batch, stream);
+}
+
 size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
                               int hidden, int num_clusters, int fold_every) {
   return decode_layout(max_batch, num_q_heads, num_kv_heads, head_dim, hidden, num_clusters,
@@ -1379,10 +1620,10 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   const int B = kv.batch, hkv = kv.num_kv_heads, hq = r.num_q_heads, d = kv.head_dim;
   const int C = r.num_clusters, H = r.hidden;
   if (B > st.max_batch || hkv < 1 || hkv != r.num_kv_heads || hq < 1 || hq % hkv != 0 ||
-      d != r.head_dim || d % 8 != 0 || d > 128 || H % 8 != 0 || C > kMaxClustersCuda ||
-      probes < 1 || probes > C || !q_pre || !selected || st.fold_every < 0 ||
-      st.fold_every > kMaxFold || st.index_every < 1 || st.index_every > kMaxIndexStep ||
-      lists.max_tokens < st.max_tokens)
+      d != r.head_dim || d % 8 != 0 || d > 128 || H % 8 != 0 || H > kMaxHiddenCuda ||
+      C > kMaxClustersCuda || probes < 1 || probes > C || !q_pre || !selected ||
+      st.fold_every < 0 || st.fold_every > kMaxFold || st.index_every < 1 ||
+      st.index_every > kMaxIndexStep || lists.max_tokens < st.max_tokens)
     return cudaErrorInvalidValue;
   const DecodeLayout lay = decode_layout(st.max_batch, hq, hkv, d, H, C, st.fold_every);
   if (!workspace || workspace_bytes < lay.total) return cudaErrorInvalidValue;
@@ -1421,11 +1662,7 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
 
   // 2. The router, on the caller's stream.
   if (r.use_mlp) {
-    const bf* q = reinterpret_cast<const bf*>(q_pre);
-    e = r.w1_e4m3
-            ? launch_mlp<E4m3Mma>(q, r.w1_e4m3, r.w1_scale, r.w2_e4m3, r.w2_scale, r, hidden,
-                                  logits, B, stream)
-            : launch_mlp<Bf16Mma>(q, r.w1, nullptr, r.w2, nullptr, r, hidden, logits, B, stream);
+    e = mlp_logits_cuda(q_pre, r, B, hidden, logits, stream);
     if (e != cudaSuccess) return e;
   }
   const int pow2 = next_pow2(C);
@@ -1559,25 +1796,31 @@ cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Win
 }
 
 cudaError_t prepare_cuda(int hidden) {
-  // The router's dynamic shared memory: the GEMV's x rows (kMmaN rows of 16-bit values, up
-  // to hidden wide) and the route sort (C up to kMaxClustersCuda) may exceed the 48 KiB default.
-  const int gemv = int(gemv_smem_bytes(std::max(hidden, 256)));
+  // The router's dynamic shared memory: the GEMVs' x rows (up to hidden wide; 16 batch rows
+  // in the column-block GEMV) and the route sort (C up to kMaxClustersCuda) may exceed the 48
+  // KiB default.
+  const int h = std::min(std::max(hidden, 256), kMaxHiddenCuda);
+  const int gemv = int(gemv_smem_bytes(h)), nonzero = int(gemv_nonzero_smem_bytes(kNzRows, h));
   using GemvKernel =
       void (*)(const float*, const uint4*, const float*, const float*, float*, int, int, int, int);
   using GemvKernelBf =
       void (*)(const bf*, const uint4*, const float*, const float*, float*, int, int, int, int);
-  for (GemvKernel fn : {gemv_kernel<float, Bf16Mma, false>, gemv_kernel<float, E4m3Mma, false>}) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
-    if (e != cudaSuccess) return e;
-  }
-  for (GemvKernelBf fn : {gemv_kernel<bf, Bf16Mma, true>, gemv_kernel<bf, E4m3Mma, true>}) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
-    if (e != cudaSuccess) return e;
-  }
-  const cudaError_t e = cudaFuncSetAttribute(
-      step_index_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(step_index_smem_bytes()));
+  cudaError_t e = cudaSuccess;
+  for (GemvKernel fn : {gemv_kernel<float, Bf16Mma, false>, gemv_kernel<float, E4m3Mma, false>})
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
+  for (GemvKernelBf fn : {gemv_kernel<bf, Bf16Mma, true>, gemv_kernel<bf, E4m3Mma, true>})
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(gemv_nonzero_kernel<Bf16Columns>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, nonzero);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(gemv_nonzero_kernel<E4m3Columns>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, nonzero);
+  if (e != cudaSuccess) return e;
+  e = cudaFuncSetAttribute(step_index_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           int(step_index_smem_bytes()));
   if (e != cudaSuccess) return e;
   return cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               int(route_smem_bytes(kMaxClustersCuda)));

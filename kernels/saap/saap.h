@@ -109,8 +109,8 @@ KVS_HOST_DEVICE bool fold_due(int fold_every, int indexed_len, int csr_len) {
 
 // One layer's router: centroids and the query MLP with batch norm folded into the first
 // linear layer: p = softmax(w2 relu(w1 q + b1) + b2). W is float (CPU reference, [heads,
-// rows, K] as the shapes below say) or bf16 (CUDA, in the tensor-core GEMV's fragment order:
-// pack_mma_rows).
+// rows, K] as the shapes below say) or bf16 (CUDA: w1 in the tensor-core GEMV's fragment
+// order, pack_mma_rows; w2 in that order or in column blocks, w2_column_blocks).
 template <class W>
 struct Router {
   const float* centroids = nullptr;       ///< [Hkv, C, d]
@@ -126,12 +126,18 @@ struct Router {
   int num_clusters = 0;
   bool use_mlp = true;  ///< false: nearest centroids of the group's mean pre-RoPE query
   /// CUDA with fp8 weights (SaapConfig::router_weights): w1 and w2 are null, and the MLP's
-  /// weights are these e4m3 rows (quantize_rows_e4m3, in pack_mma_rows_e4m3's order) with
+  /// weights are these e4m3 rows (quantize_rows_e4m3, in the orders of the bf16 ones) with
   /// their scales.
   const uint8_t* w1_e4m3 = nullptr;  ///< [Hq, hidden, d]
   const float* w1_scale = nullptr;   ///< [Hq, hidden]
   const uint8_t* w2_e4m3 = nullptr;  ///< [Hq, C, hidden]
   const float* w2_scale = nullptr;   ///< [Hq, C]
+  /// CUDA: w2 (either format) in column blocks (pack_column_blocks), read by the GEMV that
+  /// skips zero hidden units; false: in pack_mma_rows' order. The engine takes column blocks
+  /// when max_batch is 1: at batch 1 about half of the hidden layer is zero, while a batch's
+  /// union of nonzero units is nearly all of it, and the fragment order streams that faster
+  /// (docs/gpu.md).
+  bool w2_column_blocks = false;
 
   int group_size() const { return num_q_heads / num_kv_heads; }
 };
@@ -146,6 +152,18 @@ struct Router {
 size_t mma_rows_bytes(int heads, int rows, int K, bool e4m3);
 void pack_mma_rows(const float* w, int heads, int rows, int K, bf16* out);
 void pack_mma_rows_e4m3(const uint8_t* q, int heads, int rows, int K, uint8_t* out);
+
+// The layout of the MLP's second matrix (w2, [heads, C, hidden]), whose input is a ReLU:
+// about half of a query's hidden units are zero (0.44-0.51 on kvs-tiny-a's trained router),
+// and their columns of w2 need not be read. So the matrix is stored in blocks of
+// kColumnBlock rows, each block column by column: [heads, ceil(rows / 64), K, 64] (rows
+// padded with zeros), one hidden unit's weights for the block's 64 outputs contiguous
+// (64 bytes in e4m3: two DRAM sectors). The CUDA GEMV gathers the columns of the hidden
+// units that are nonzero in any of its batch rows (docs/gpu.md).
+constexpr int kColumnBlock = 64;
+size_t column_blocks_bytes(int heads, int rows, int K, bool e4m3);
+void pack_column_blocks(const float* w, int heads, int rows, int K, bf16* out);
+void pack_column_blocks_e4m3(const uint8_t* q, int heads, int rows, int K, uint8_t* out);
 
 // fp8 router weights: each row of K weights (one output of one head) becomes K e4m3 values
 // q and a float scale, w = scale * e4m3(q), with scale = max |w| / 448 so that the row's
@@ -221,6 +239,16 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
 // launch, on shapes it cannot serve (among them Hkv < 1 or Hq not a multiple of Hkv).
 size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
                               int hidden, int num_clusters, int fold_every);
+
+// The router MLP's logits [batch, Hq, C] (before the softmax) for q_pre [batch, Hq, d]: the
+// route's two GEMVs, hidden [batch, Hq, router.hidden] = relu(w1 q_pre + b1) and logits = w2
+// hidden + b2, with x rounded to the weights' 16-bit type (fp16 for e4m3 weights, saturated;
+// bf16) and fp32 accumulation. The second GEMV reads only the columns of w2 whose hidden
+// unit is nonzero in some row of its pass of up to 16 batch rows when w2 is in column blocks
+// (router.w2_column_blocks), and all of w2 otherwise. Graph-capturable; returns
+// cudaErrorInvalidValue, before any launch, on shapes it cannot serve.
+cudaError_t mlp_logits_cuda(const bf16* q_pre, const Router<bf16>& router, int batch, float* hidden,
+                            float* logits, cudaStream_t stream);
 cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float* inv_freq,
                                const Window& w, const Router<bf16>& router, int probes,
                                const IndexState& state, int32_t* selected,
@@ -275,5 +303,9 @@ cudaError_t prepare_cuda(int hidden);
 
 // Largest C the CUDA top-l supports (one CTA sorts the C scores in shared memory).
 constexpr int kMaxClustersCuda = 4096;
+
+// Largest MLP width the CUDA router supports: its second GEMV stages up to 16 batch rows of
+// the hidden layer in shared memory.
+constexpr int kMaxHiddenCuda = 4096;
 
 }  // namespace kvs::kernels::saap

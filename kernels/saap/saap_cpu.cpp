@@ -78,6 +78,36 @@ void pack_mma_rows_e4m3(const uint8_t* q, int heads, int rows, int K, uint8_t* o
   pack_fragments<uint8_t>(q, heads, rows, K, 0, out);
 }
 
+size_t column_blocks_bytes(int heads, int rows, int K, bool e4m3) {
+  return size_t(heads) * size_t((rows + kColumnBlock - 1) / kColumnBlock * kColumnBlock) *
+         size_t(K) * (e4m3 ? 1 : 2);
+}
+
+namespace {
+template <class T>
+void pack_columns(const T* w, int heads, int rows, int K, T zero, T* out) {
+  const int blocks = (rows + kColumnBlock - 1) / kColumnBlock;
+  size_t o = 0;
+  for (int h = 0; h < heads; ++h)
+    for (int blk = 0; blk < blocks; ++blk)
+      for (int k = 0; k < K; ++k)
+        for (int i = 0; i < kColumnBlock; ++i) {
+          const int r = blk * kColumnBlock + i;
+          out[o++] = r < rows ? w[(int64_t(h) * rows + r) * K + k] : zero;
+        }
+}
+}  // namespace
+
+void pack_column_blocks(const float* w, int heads, int rows, int K, bf16* out) {
+  std::vector<bf16> b(size_t(heads) * rows * K);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = float_to_bf16(w[i]);
+  pack_columns<bf16>(b.data(), heads, rows, K, float_to_bf16(0.f), out);
+}
+
+void pack_column_blocks_e4m3(const uint8_t* q, int heads, int rows, int K, uint8_t* out) {
+  pack_columns<uint8_t>(q, heads, rows, K, 0, out);
+}
+
 void quantize_rows_e4m3(const float* w, int64_t rows, int K, uint8_t* q, float* scale,
                         float* dequantized) {
   constexpr float kE4m3Max = 448.f;

@@ -515,6 +515,34 @@ TEST(SaapRouterWeights, E4m3RowsRoundWithinHalfAStepAndKeepEachRowsMaximum) {
   EXPECT_NE(msg.find("weight 7 of row 2 is not finite"), std::string::npos) << msg;
 }
 
+// The second GEMV's layout: block (h, blk) holds column k's kColumnBlock rows contiguously,
+// rows past the matrix zero, in both weight formats.
+TEST(SaapRouterWeights, ColumnBlocksHoldEachColumnsRowsContiguously) {
+  constexpr int kHeads = 3, kRows = 100, K = 24, kBlocks = 2;  // 100 rows: a padded block
+  std::vector<float> w(size_t(kHeads) * kRows * K);
+  std::vector<uint8_t> q(w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    w[i] = float(i % 251) - 125.f;  // exact in bf16
+    q[i] = uint8_t(1 + i % 200);    // never the padding's 0
+  }
+  ASSERT_EQ(sk::column_blocks_bytes(kHeads, kRows, K, true), size_t(kHeads) * kBlocks * 64 * K);
+  ASSERT_EQ(sk::column_blocks_bytes(kHeads, kRows, K, false), 2 * size_t(kHeads) * kBlocks * 64 * K);
+  std::vector<bf16> wb(sk::column_blocks_bytes(kHeads, kRows, K, false) / 2);
+  std::vector<uint8_t> qb(sk::column_blocks_bytes(kHeads, kRows, K, true));
+  sk::pack_column_blocks(w.data(), kHeads, kRows, K, wb.data());
+  sk::pack_column_blocks_e4m3(q.data(), kHeads, kRows, K, qb.data());
+  for (int h = 0; h < kHeads; ++h)
+    for (int blk = 0; blk < kBlocks; ++blk)
+      for (int k = 0; k < K; ++k)
+        for (int i = 0; i < sk::kColumnBlock; ++i) {
+          const size_t at = ((size_t(h) * kBlocks + blk) * K + k) * sk::kColumnBlock + i;
+          const int r = blk * sk::kColumnBlock + i;
+          const size_t from = (size_t(h) * kRows + r) * K + k;
+          EXPECT_EQ(bf16_to_float(wb[at]), r < kRows ? w[from] : 0.f) << h << " " << r << " " << k;
+          EXPECT_EQ(qb[at], r < kRows ? q[from] : 0) << h << " " << r << " " << k;
+        }
+}
+
 // The engine with fp8 weights routes with the dequantized rows: on the CPU it picks the
 // clusters that an independent fp64 scoring with those rows picks, and the knob parses.
 TEST(SaapEngineCpu, Fp8RouterWeightsRouteWithTheDequantizedRows) {

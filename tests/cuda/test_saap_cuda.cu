@@ -2,11 +2,13 @@
 // indexing, the router's top-l (bf16 weights: clusters may differ only at near-ties of the
 // CPU's fp64 scores), the token lists, and the attention output against exact attention over
 // the lists CUDA chose; the last decode step runs as a CUDA-graph replay. Paged cache, batch 2.
+#include <cuda_fp16.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <random>
 #include <set>
 
 #include "kernels/common/kv_update.h"
@@ -549,6 +551,173 @@ TEST(SaapCuda, DenseLayerDecodesInTheEnginesWorkspace) {
                     2e-2 * (1 + std::abs(o[size_t(i)])))
             << "b " << b << " head " << h << " dim " << i;
     }
+  }
+}
+// The router MLP on CUDA (mlp_logits_cuda) against fp64 on the host with the same weights. The
+// second GEMV reads only the columns of hidden units that are nonzero in some row of its pass
+// (up to 16 batch rows), so the hidden layers are shaped: head 0 is all zero (its logits are
+// b2 exactly), head 1 has one nonzero unit, the others are about half zero, a different half
+// in every batch row. hidden: checked against fp64 of the same weights; logits: against fp64
+// from the GPU's own hidden layer rounded as the kernel rounds it (fp16 for e4m3 weights,
+// bf16 for bf16), where every product is exact in fp32 and only the sum's rounding differs.
+void run_mlp(SaapWeights weights, bool columns, int heads, int d, int hidden, int C, int batch) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  KVS_CUDA_CHECK(sk::prepare_cuda(hidden));  // as an engine does at construction
+  const bool fp8 = weights == SaapWeights::Fp8;
+  std::mt19937 rng(uint32_t(heads * 1000 + hidden + C + batch));
+  std::normal_distribution<float> n(0.f, 1.f);
+  std::vector<float> w1(size_t(heads) * hidden * d), b1(size_t(heads) * hidden),
+      w2(size_t(heads) * C * hidden), b2(size_t(heads) * C);
+  for (float& x : w1) x = n(rng) / std::sqrt(float(d));
+  for (float& x : b1) x = 0.1f * n(rng);
+  for (float& x : w2) x = n(rng) / std::sqrt(float(hidden));
+  for (float& x : b2) x = 0.1f * n(rng);
+  const int lone = hidden / 2 + 3;  // head 1's one nonzero unit
+  for (int h = 0; h < std::min(heads, 2); ++h)
+    for (int u = 0; u < hidden; ++u) {
+      const bool keep = h == 1 && u == lone;
+      if (!keep) std::fill_n(w1.begin() + (size_t(h) * hidden + u) * d, d, 0.f);
+      b1[size_t(h) * hidden + u] = keep ? 10.f : -1.f;
+    }
+  // The weights both sides multiply with: e4m3 rows dequantized, or bf16.
+  std::vector<uint8_t> q1(w1.size()), q2(w2.size());
+  std::vector<float> s1(w1.size() / size_t(d)), s2(w2.size() / size_t(hidden));
+  if (fp8) {
+    sk::quantize_rows_e4m3(w1.data(), int64_t(s1.size()), d, q1.data(), s1.data(), w1.data());
+    sk::quantize_rows_e4m3(w2.data(), int64_t(s2.size()), hidden, q2.data(), s2.data(), w2.data());
+  } else {
+    for (std::vector<float>* w : {&w1, &w2})
+      for (float& x : *w) x = bf16_to_float(float_to_bf16(x));
+  }
+  std::vector<uint8_t> p1(sk::mma_rows_bytes(heads, hidden, d, fp8)),
+      p2(columns ? sk::column_blocks_bytes(heads, C, hidden, fp8)
+                 : sk::mma_rows_bytes(heads, C, hidden, fp8));
+  bf16* p1b = reinterpret_cast<bf16*>(p1.data());
+  bf16* p2b = reinterpret_cast<bf16*>(p2.data());
+  if (fp8) {
+    sk::pack_mma_rows_e4m3(q1.data(), heads, hidden, d, p1.data());
+    if (columns)
+      sk::pack_column_blocks_e4m3(q2.data(), heads, C, hidden, p2.data());
+    else
+      sk::pack_mma_rows_e4m3(q2.data(), heads, C, hidden, p2.data());
+  } else {
+    sk::pack_mma_rows(w1.data(), heads, hidden, d, p1b);
+    if (columns)
+      sk::pack_column_blocks(w2.data(), heads, C, hidden, p2b);
+    else
+      sk::pack_mma_rows(w2.data(), heads, C, hidden, p2b);
+  }
+  test::DeviceBuffer<uint8_t> p1d(p1), p2d(p2);
+  test::DeviceBuffer<float> s1d(s1), s2d(s2), b1d(b1), b2d(b2);
+  sk::Router<bf16> r;
+  r.b1 = b1d.get();
+  r.b2 = b2d.get();
+  r.num_q_heads = heads;
+  r.num_kv_heads = 1;
+  r.head_dim = d;
+  r.hidden = hidden;
+  r.num_clusters = C;
+  r.w2_column_blocks = columns;
+  if (fp8) {
+    r.w1_e4m3 = p1d.get();
+    r.w2_e4m3 = p2d.get();
+    r.w1_scale = s1d.get();
+    r.w2_scale = s2d.get();
+  } else {
+    r.w1 = reinterpret_cast<const bf16*>(p1d.get());
+    r.w2 = reinterpret_cast<const bf16*>(p2d.get());
+  }
+  const std::vector<bf16> q =
+      saap_test::random_bf16(size_t(batch) * heads * d, uint64_t(batch) + 5);
+  test::DeviceBuffer<bf16> qd(q);
+  test::DeviceBuffer<float> hid_d(size_t(batch) * heads * hidden), log_d(size_t(batch) * heads * C);
+  hid_d.poison();
+  log_d.poison();
+  KVS_CUDA_CHECK(sk::mlp_logits_cuda(qd.get(), r, batch, hid_d.get(), log_d.get(), nullptr));
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> hid = hid_d.download(), logit = log_d.download();
+  auto x_rounded = [&](float x) {  // the second GEMV's x
+    return fp8 ? __half2float(__float2half_rn(std::min(x, 65504.f)))
+               : bf16_to_float(float_to_bf16(x));
+  };
+  for (int b = 0; b < batch; ++b)
+    for (int h = 0; h < heads; ++h) {
+      const size_t row = size_t(b) * heads + h;
+      int nonzero = 0;
+      for (int u = 0; u < hidden; ++u) {
+        const size_t wr = size_t(h) * hidden + u;
+        double a = 0.0, mag = 0.0;
+        for (int i = 0; i < d; ++i) {
+          const double t =
+              double(w1[wr * d + i]) *
+              (fp8 ? double(__half2float(__float2half_rn(bf16_to_float(q[row * d + i]))))
+                   : bf16_to_float(q[row * d + i]));
+          a += t;
+          mag += std::abs(t);
+        }
+        a = std::max(a + b1[wr], 0.0);
+        const float got = hid[row * hidden + u];
+        ASSERT_NEAR(got, a, 1e-4 * (mag + std::abs(b1[wr])) + 1e-6)
+            << "b " << b << " head " << h << " unit " << u;
+        nonzero += got != 0.f;
+      }
+      if (h == 0) EXPECT_EQ(nonzero, 0) << "b " << b;
+      if (h == 1) EXPECT_EQ(nonzero, 1) << "b " << b;
+      if (h >= 2) EXPECT_GT(nonzero, hidden / 4) << "b " << b << " head " << h;
+      if (h >= 2) EXPECT_LT(nonzero, hidden * 3 / 4) << "b " << b << " head " << h;
+      for (int c = 0; c < C; ++c) {
+        const size_t wr = size_t(h) * C + c;
+        double a = 0.0, mag = 0.0;
+        for (int u = 0; u < hidden; ++u) {
+          const double t = double(w2[wr * hidden + u]) * x_rounded(hid[row * hidden + u]);
+          a += t;
+          mag += std::abs(t);
+        }
+        const float got = logit[row * C + c];
+        if (h == 0) {
+          ASSERT_EQ(got, b2[wr]) << "b " << b << " cluster " << c << ": no hidden unit is nonzero";
+        } else {
+          ASSERT_NEAR(got, a + b2[wr], 1e-4 * mag + 1e-6)
+              << "b " << b << " head " << h << " cluster " << c;
+        }
+      }
+    }
+}
+
+// Each case in both layouts of w2: column blocks (the nonzero-column GEMV) and fragment order.
+void run_mlp_layouts(SaapWeights weights, int heads, int d, int hidden, int C, int batch) {
+  for (bool columns : {true, false}) {
+    SCOPED_TRACE(columns ? "w2 in column blocks" : "w2 in fragment order");
+    run_mlp(weights, columns, heads, d, hidden, C, batch);
+  }
+}
+
+TEST(SaapCuda, RouterMlpSkipsZeroHiddenUnitsExactly) {
+  run_mlp_layouts(SaapWeights::Fp8, 4, 128, 1024, 1024, 1);
+  run_mlp_layouts(SaapWeights::Bf16, 4, 128, 1024, 1024, 1);
+}
+TEST(SaapCuda, RouterMlpAtPaddedShapes) {
+  run_mlp_layouts(SaapWeights::Fp8, 3, 64, 200, 100, 3);  // 200 units: a partial tile; 100 rows
+  run_mlp_layouts(SaapWeights::Bf16, 3, 64, 200, 100, 3);
+}
+TEST(SaapCuda, RouterMlpInTwoPassesOfBatchRows) {
+  run_mlp_layouts(SaapWeights::Fp8, 3, 128, 72, 130, 17);
+  run_mlp_layouts(SaapWeights::Bf16, 3, 128, 1032, 64, 17);  // 1032 units: two rounds of the scan
+}
+
+// The router's shapes that the CUDA GEMVs cannot serve are refused before any launch.
+TEST(SaapCuda, RouterMlpRefusesWidthsItCannotServe) {
+  sk::Router<bf16> r;
+  r.num_q_heads = 4;
+  r.num_kv_heads = 1;
+  r.head_dim = 128;
+  r.num_clusters = 64;
+  r.w1 = r.w2 = reinterpret_cast<const bf16*>(&r);  // host memory: a launch would fault
+  float x = 0.f;
+  bf16 qv{};
+  for (int hidden : {0, 12, sk::kMaxHiddenCuda + 8}) {
+    r.hidden = hidden;
+    EXPECT_EQ(sk::mlp_logits_cuda(&qv, r, 1, &x, &x, nullptr), cudaErrorInvalidValue) << hidden;
   }
 }
 }  // namespace
