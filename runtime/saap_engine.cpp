@@ -106,6 +106,9 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
     if (parts_.num_clusters > sk::kMaxClustersCuda)
       throw std::invalid_argument("saap engine (cuda): num_clusters " + str(parts_.num_clusters) +
                                   " above " + str(sk::kMaxClustersCuda));
+    if (c.query_router == SaapRouter::Mlp && parts_.hidden_dim > sk::kMaxHiddenCuda)
+      throw std::invalid_argument("saap engine (cuda): hidden_dim " + str(parts_.hidden_dim) +
+                                  " above " + str(sk::kMaxHiddenCuda));
     KVS_CUDA_CHECK(sk::prepare_cuda(parts_.hidden_dim));
     d_inv_freq_ = device_upload(inv_freq_.data(), inv_freq_.size());
     if (config_.collect_stats) device_counters_ = DeviceCounters(3);
@@ -136,20 +139,34 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
       r.d_centroids = device_upload(r.centroids.data(), r.centroids.size());
       r.d_norms = device_upload(r.norms.data(), r.norms.size());
       const int hq = parts_.num_q_heads, H = parts_.hidden_dim;
-      if (fp8) {  // e4m3 rows in the GEMVs' fragment order (sk::pack_mma_rows_e4m3)
+      // w1 in the first GEMV's fragment order. w2 in column blocks for an engine of one
+      // sequence, whose second GEMV then skips the zero hidden units' columns; in fragment
+      // order otherwise, which streams a batch's (nearly all nonzero) columns faster (saap.h,
+      // Router::w2_column_blocks).
+      r.w2_column_blocks = config_.max_batch == 1;
+      if (fp8) {
         std::vector<uint8_t> w1(sk::mma_rows_bytes(hq, H, d, true)),
-            w2(sk::mma_rows_bytes(hq, C, H, true));
+            w2(r.w2_column_blocks ? sk::column_blocks_bytes(hq, C, H, true)
+                                  : sk::mma_rows_bytes(hq, C, H, true));
         sk::pack_mma_rows_e4m3(q1.q.data(), hq, H, d, w1.data());
-        sk::pack_mma_rows_e4m3(q2.q.data(), hq, C, H, w2.data());
+        if (r.w2_column_blocks)
+          sk::pack_column_blocks_e4m3(q2.q.data(), hq, C, H, w2.data());
+        else
+          sk::pack_mma_rows_e4m3(q2.q.data(), hq, C, H, w2.data());
         r.d_w1_e4m3 = device_upload(w1.data(), w1.size());
         r.d_w1_scale = device_upload(q1.scale.data(), q1.scale.size());
         r.d_w2_e4m3 = device_upload(w2.data(), w2.size());
         r.d_w2_scale = device_upload(q2.scale.data(), q2.scale.size());
-      } else {  // bf16 in the GEMVs' fragment order (sk::pack_mma_rows)
+      } else {
         std::vector<bf16> w1(sk::mma_rows_bytes(hq, H, d, false) / 2),
-            w2(sk::mma_rows_bytes(hq, C, H, false) / 2);
+            w2((r.w2_column_blocks ? sk::column_blocks_bytes(hq, C, H, false)
+                                   : sk::mma_rows_bytes(hq, C, H, false)) /
+               2);
         sk::pack_mma_rows(mlp.w1.data(), hq, H, d, w1.data());
-        sk::pack_mma_rows(mlp.w2.data(), hq, C, H, w2.data());
+        if (r.w2_column_blocks)
+          sk::pack_column_blocks(mlp.w2.data(), hq, C, H, w2.data());
+        else
+          sk::pack_mma_rows(mlp.w2.data(), hq, C, H, w2.data());
         r.d_w1 = device_upload(w1.data(), w1.size());
         r.d_w2 = device_upload(w2.data(), w2.size());
       }
@@ -239,6 +256,7 @@ sk::Router<bf16> SaapEngine::cuda_router(int slot) const {
   r.w1_scale = lr.d_w1_scale;
   r.w2_e4m3 = lr.d_w2_e4m3;
   r.w2_scale = lr.d_w2_scale;
+  r.w2_column_blocks = lr.w2_column_blocks;
   r.num_q_heads = parts_.num_q_heads;
   r.num_kv_heads = parts_.num_kv_heads;
   r.head_dim = parts_.head_dim;

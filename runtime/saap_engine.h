@@ -62,8 +62,9 @@ class SaapEngine : public Engine {
 
  private:
   struct LayerRouter {
-    // CPU: host arrays (with fp8, w1 and w2 dequantized); CUDA: device buffers (w1, w2 bf16
-    // in the GEMVs' fragment order).
+    // CPU: host arrays (with fp8, w1 and w2 dequantized); CUDA: device buffers (w1 in the
+    // first GEMV's fragment order; w2 in column blocks when max_batch is 1, else in fragment
+    // order: w2_column_blocks).
     std::vector<float> centroids, norms, w1, b1, w2, b2;
     float* d_centroids = nullptr;
     float* d_norms = nullptr;
@@ -76,6 +77,7 @@ class SaapEngine : public Engine {
     float* d_w1_scale = nullptr;
     uint8_t* d_w2_e4m3 = nullptr;
     float* d_w2_scale = nullptr;
+    bool w2_column_blocks = false;
   };
   struct LayerIndex {
     kernels::saap::IndexState view;

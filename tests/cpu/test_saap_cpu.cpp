@@ -332,6 +332,19 @@ TEST(SaapEngineCpu, IndexesLeavingTokensInBatchesOfIndexEvery) {
             std::string::npos);
 }
 
+// The CUDA engine refuses an MLP wider than its router GEMVs stage, before touching a device
+// (so this runs without one), and names the width.
+TEST(SaapEngineCpu, CudaEngineRefusesAHiddenLayerWiderThanItsRouterTakes) {
+  const ModelShape shape = saap_test::scene_shape();
+  SaapParts parts = saap_test::random_parts(shape, 16, sk::kMaxHiddenCuda + 8, 3);
+  EngineConfig cfg = cpu_config(4, 1, 50);
+  cfg.backend = Backend::Cuda;
+  EXPECT_NE(message_of([&] { SaapEngine x(shape, cfg, parts); })
+                .find("hidden_dim " + std::to_string(sk::kMaxHiddenCuda + 8) + " above " +
+                      std::to_string(sk::kMaxHiddenCuda)),
+            std::string::npos);
+}
+
 // The fold (kernels/saap/saap.h): with fold_every F, every F post-prefill assignments are
 // merged into the CSR. After every step the CSR must equal the stable counting sort of
 // assign[sink, csr_len) (what a prefill of those assignments builds), fewer than F

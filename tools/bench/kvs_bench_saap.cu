@@ -205,11 +205,13 @@ void run(const Args& a, bench::BenchReport& report) {
   // steps that are multiples of index_every (kernels/saap/saap.h, index_step_count).
   const bool timed_indexes = (a.generated + 1) % a.index_every == 0;
   std::printf("kvs-bench-saap: Hq %d Hkv %d d %d, batch %d, C %d, l %d, hidden %d, router %s "
-              "(%s weights), dense part %d + %d, %d tokens generated since the prefill (index "
+              "(%s weights, w2 %s), dense part %d + %d, %d tokens generated since the prefill (index "
               "steps of %d tokens, the timed step %s; folded every %d), %d layers per graph, "
               "median of %d replays\n",
               a.hq, a.hkv, a.d, a.batch, a.clusters, a.probes, a.hidden, a.router.c_str(),
-              a.router_weights.c_str(), a.sink, a.recent, a.generated, a.index_every,
+              a.router_weights.c_str(),
+              a.batch == 1 ? "in column blocks, zero hidden units skipped" : "in fragment order",
+              a.sink, a.recent, a.generated, a.index_every,
               timed_indexes ? "indexes" : "does not index", a.fold_every, a.layers, a.iters);
   const double weight_bytes = cfg.saap.router_weights == SaapWeights::Fp8 ? 1 : 2;
   const double mlp_mb = a.router == "mlp"
