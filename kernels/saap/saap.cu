@@ -1620,7 +1620,7 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   const int B = kv.batch, hkv = kv.num_kv_heads, hq = r.num_q_heads, d = kv.head_dim;
   const int C = r.num_clusters, H = r.hidden;
   if (B > st.max_batch || hkv < 1 || hkv != r.num_kv_heads || hq < 1 || hq % hkv != 0 ||
-      d != r.head_dim || d % 8 != 0 || d > 128 || H % 8 != 0 || H > kMaxHiddenCuda ||
+      d != r.head_dim || d % 8 != 0 || d > 128 || H % 8 != 0 || (r.use_mlp && H > kMaxHiddenCuda) ||
       C > kMaxClustersCuda || probes < 1 || probes > C || !q_pre || !selected ||
       st.fold_every < 0 || st.fold_every > kMaxFold || st.index_every < 1 ||
       st.index_every > kMaxIndexStep || lists.max_tokens < st.max_tokens)
