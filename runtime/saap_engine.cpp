@@ -139,11 +139,8 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
       r.d_centroids = device_upload(r.centroids.data(), r.centroids.size());
       r.d_norms = device_upload(r.norms.data(), r.norms.size());
       const int hq = parts_.num_q_heads, H = parts_.hidden_dim;
-      // w1 in the first GEMV's fragment order. w2 in column blocks for an engine of one
-      // sequence, whose second GEMV then skips the zero hidden units' columns; in fragment
-      // order otherwise, which streams a batch's (nearly all nonzero) columns faster (saap.h,
-      // Router::w2_column_blocks).
-      r.w2_column_blocks = config_.max_batch == 1;
+      // w1 in the first GEMV's fragment order, w2 by saap_w2_in_column_blocks.
+      r.w2_column_blocks = saap_w2_in_column_blocks(config_.max_batch);
       if (fp8) {
         std::vector<uint8_t> w1(sk::mma_rows_bytes(hq, H, d, true)),
             w2(r.w2_column_blocks ? sk::column_blocks_bytes(hq, C, H, true)

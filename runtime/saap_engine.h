@@ -31,6 +31,12 @@
 
 namespace kvs {
 
+// Whether a CUDA SAAP engine stores the router's w2 in column blocks, whose GEMV skips zero
+// hidden units (kernels/saap/saap.h, Router::w2_column_blocks): only for one sequence. At
+// batch 2 and more the union of the rows' nonzero units is nearly all of w2, and the fragment
+// order streams that faster (docs/gpu.md).
+inline bool saap_w2_in_column_blocks(int max_batch) { return max_batch == 1; }
+
 class SaapEngine : public Engine {
  public:
   SaapEngine(const ModelShape& shape, const EngineConfig& config, SaapParts parts);

@@ -210,7 +210,8 @@ void run(const Args& a, bench::BenchReport& report) {
               "median of %d replays\n",
               a.hq, a.hkv, a.d, a.batch, a.clusters, a.probes, a.hidden, a.router.c_str(),
               a.router_weights.c_str(),
-              a.batch == 1 ? "in column blocks, zero hidden units skipped" : "in fragment order",
+              saap_w2_in_column_blocks(cfg.max_batch) ? "in column blocks, zero hidden units skipped"
+                                                      : "in fragment order",
               a.sink, a.recent, a.generated, a.index_every,
               timed_indexes ? "indexes" : "does not index", a.fold_every, a.layers, a.iters);
   const double weight_bytes = cfg.saap.router_weights == SaapWeights::Fp8 ? 1 : 2;
