@@ -7,7 +7,11 @@
 # results.md of them, and the JSON goes back in json.tgz (docs/gpu.md: into docs/data/).
 #   scripts/gpu_check.sh            (summary.txt, results.md, json.tgz, logs.tgz in ${OUT:-out}/)
 # Environment: KVS_GPU_BUILD (build folder, default build-gpu), KVS_BENCH_ARGS (extra
-# arguments for both benchmarks, e.g. "--contexts 8K,128K --batches 1").
+# arguments for both benchmarks, e.g. "--contexts 8K,128K --batches 1"). Steps switched off
+# by =0: KVS_GPU_TORCH (the libtorch build), KVS_GPU_TESTS (every test run), KVS_GPU_SANITIZE
+# (the sanitizers), KVS_GPU_DENSE_EXTRA, KVS_GPU_METHODS, KVS_GPU_CAPTURE, KVS_GPU_MODEL_EVAL.
+# The benchmarks alone on the main job's kernels:
+#   KVS_GPU_TORCH=0 KVS_GPU_TESTS=0 KVS_GPU_CAPTURE=0 scripts/gpu_check.sh
 # Each step has a time cap so that the whole stays under about 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -54,6 +58,9 @@ run_step() {  # name, seconds, log, command...
 
 tests_cpu=$BUILD/tests/kvs_tests_cpu
 tests_cuda=$BUILD/tests/kvs_tests_cuda
+if [ "${KVS_GPU_TESTS:-1}" != 1 ]; then
+  note "tests skipped (KVS_GPU_TESTS=0)"
+else
 if [ -x "$tests_cpu" ]; then run_step "kvs_tests_cpu" 120 tests.log "$tests_cpu"; else note "kvs_tests_cpu missing"; fi
 tests_torch=$BUILD/tests/kvs_tests_torch
 if [ -x "$tests_torch" ]; then run_step "kvs_tests_torch" 150 tests.log "$tests_torch"; fi
@@ -76,6 +83,7 @@ if [ -x "$tests_cuda" ]; then
 else
   note "kvs_tests_cuda missing"
 fi
+fi
 
 if [ -x "$BUILD/tools/kvs-bench" ]; then
   # shellcheck disable=SC2086
@@ -93,14 +101,16 @@ else
 fi
 # The sparse methods: their CUDA tests ran in kvs_tests_cuda; racecheck on a subset of
 # each, then each method's benchmark against the dense kernel in the same process.
-if [ "${KVS_GPU_METHODS:-1}" = 1 ] && [ -x "$tests_cuda" ]; then
+if [ "${KVS_GPU_METHODS:-1}" = 1 ]; then
   # One small test per method (SAAP: its router shapes and the fold, not the 2300-step
   # generation): the tools slow kernels down by orders of magnitude.
   methods_filter='TacticCuda.SelectionAndAttentionMatchCpuGqa4:MacCuda.MissesMatchTheDenseEngine:MagicPigCuda.NoCandidate*:SaapCuda.MlpRouter*:SaapCuda.FoldKeeps*:AttnPredCuda.TopBlocksEqualCpu:AttnPredCuda.CnnEquals*-*LongGeneration'
+  if [ "${KVS_GPU_SANITIZE:-1}" = 1 ] && [ "${KVS_GPU_TESTS:-1}" = 1 ] && [ -x "$tests_cuda" ]; then
   run_step "memcheck methods" 150 sanitizer.log "$sanitizer" --tool memcheck --error-exitcode 3 \
     "$tests_cuda" --gtest_filter="$methods_filter"
   run_step "racecheck methods" 240 sanitizer.log "$sanitizer" --tool racecheck --error-exitcode 3 \
     "$tests_cuda" --gtest_filter="$methods_filter"
+  fi
   # Each line: the JSON's name (scripts/results.py reads it by that name), program, arguments.
   for b in "kvs_bench_tactic kvs-bench --method tactic --contexts 128K --batches 1,8" \
            "kvs_bench_mac kvs-bench-mac" "kvs_bench_magicpig kvs-bench-magicpig ${KVS_MAGICPIG_ARGS:-}" \
