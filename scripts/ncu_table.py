@@ -8,16 +8,19 @@ import sys
 
 
 def short_name(name):
-    # "void kvs::kernels::saap::(anonymous namespace)::route_kernel<...>(...)" -> "route_kernel<...>"
-    name = name.replace("(anonymous namespace)::", "")
-    head = name.split("(")[0] if not name.startswith("void ") else name[5:].split("(")[0]
-    head = head.split("::")[-1] if "<" not in head else head
+    # "void kvs::kernels::saap::(anonymous namespace)::route_kernel<...>(...)" -> "route_kernel<...>";
+    # newer ncu writes the anonymous namespace as "<unnamed>".
+    for anon in ("(anonymous namespace)::", "<unnamed>::"):
+        name = name.replace(anon, "")
+    if name.startswith("void "):
+        name = name[5:]
+    head = name.split("(")[0]
     if "<" in head:
         base, args = head.split("<", 1)
         base = base.split("::")[-1]
         args = args.rsplit(">", 1)[0]
         return f"{base}<{args[:40]}>"
-    return head
+    return head.split("::")[-1]
 
 
 def main(path):
