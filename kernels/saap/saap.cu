@@ -1061,6 +1061,8 @@ __global__ void __launch_bounds__(kNzWarps * 32, 4)
   using Load = typename Fmt::Load;
   constexpr int kThreads = kNzWarps * 32, kInFlight = Fmt::kInFlight;
   extern __shared__ uint32_t nz_smem[];
+  // The route (programmatic, behind this grid) may get resident as this grid's CTAs leave.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int head = blockIdx.y, blk = blockIdx.x, tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
   const int pass_rows = min(batch, kNzRows), cap = nz_warp_capacity(K), stride = cap / 2 + 4;
@@ -1389,6 +1391,18 @@ struct RouteSmem {
   }
 };
 
+// The route is launched programmatically behind the second GEMV, which releases it at its
+// start, so that its CTAs get resident on the SMs the GEMV's CTAs leave instead of launching
+// after the GEMV's last CTA (a 2 us gap at 128K on an H200, docs/gpu.md). It reads nothing
+// before this wait, which also covers the index branch joined before it (a join before a
+// programmatic launch is a programmatic edge too). Only then does it let the attention
+// launch: the attention reads the index before its own wait, so its launch must follow the
+// index step's completion, as it did when the route was a plain launch.
+__device__ __forceinline__ void route_wait_then_release() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // Whether a route takes route_mlp_kernel: the MLP router with C <= kRouteThreads and a group
 // of at most kMaxRouteGroup query heads (every shipped shape).
 bool route_in_registers(const Router<bf16>& r, int pow2) {
@@ -1404,9 +1418,7 @@ bool route_in_registers(const Router<bf16>& r, int pow2) {
 template <bool kTop32, int kG>
 __global__ void __launch_bounds__(kRouteThreads)
     route_mlp_kernel(const float* logits, Router<bf16> r, int probes, int pow2, int32_t* selected) {
-  // The attention (launched programmatically) may get resident now: it reads nothing this
-  // kernel writes before its griddepcontrol.wait.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  route_wait_then_release();
   extern __shared__ float route_s[];
   const RouteSmem sm(route_s, pow2);
   const int hkv = r.num_kv_heads, g = r.num_q_heads / hkv;
@@ -1425,8 +1437,7 @@ __global__ void __launch_bounds__(kRouteThreads)
 __global__ void __launch_bounds__(kRouteThreads)
     route_kernel(const float* logits, const bf* q_pre, Router<bf16> r, int probes, int pow2,
                  int32_t* selected) {
-  // As in route_mlp_kernel: the attention reads nothing of this kernel's before its wait.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  route_wait_then_release();
   extern __shared__ float route_s[];
   const RouteSmem sm(route_s, pow2);
   float *score = sm.score, *red = sm.red, *qmean = sm.qmean;
@@ -1676,8 +1687,9 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   }
   using RouteKernel = void (*)(const float*, Router<bf16>, int, int, int32_t*);
   if (!route_in_registers(r, pow2)) {
-    route_kernel<<<B * hkv, kRouteThreads, route_smem, stream>>>(
-        logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2, selected);
+    e = launch_programmatic(route_kernel, dim3(unsigned(B * hkv)), dim3(kRouteThreads), route_smem,
+                            stream, logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2,
+                            selected);
   } else {
     // Llama-3's groups of 4 (and smaller) take the kernel unrolled for 4 heads.
     const bool top32 = probes <= 32, small_group = hq / hkv <= 4;
@@ -1685,9 +1697,10 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
         top32
             ? (small_group ? route_mlp_kernel<true, 4> : route_mlp_kernel<true, kMaxRouteGroup>)
             : (small_group ? route_mlp_kernel<false, 4> : route_mlp_kernel<false, kMaxRouteGroup>);
-    fn<<<B * hkv, kRouteThreads, route_smem, stream>>>(logits, r, probes, pow2, selected);
+    e = launch_programmatic(fn, dim3(unsigned(B * hkv)), dim3(kRouteThreads), route_smem, stream,
+                            logits, r, probes, pow2, selected);
   }
-  return cudaGetLastError();
+  return e;
 }
 
 size_t attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim) {
