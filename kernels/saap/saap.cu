@@ -16,8 +16,8 @@
 //           e4m3 (default) or bf16 weights (a warp per 16 output rows, one 16-byte fragment
 //           load per lane and 256 or 512 weights, 8 batch rows of x from shared memory per
 //           pass): the router's cost is one read of its weights per step up to batch 8
-//   route   one CTA per (b, h): softmax per query head, group sum (or mean-query centroid
-//           scores), bitonic sort of the C scores in shared memory, top-l ids
+//   route   one CTA per (b, h), launched programmatically behind the second GEMV: softmax
+//           per query head, group sum (or mean-query centroid scores), top-l ids
 //   attend  per (b, h) and part (attend_cuda), launched programmatically behind the route:
 //           the token lists and the attention in one kernel. The parts split the members
 //           and the window (sink + unindexed tail) by their sizes, the members estimated
@@ -1680,7 +1680,9 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   const size_t route_smem = route_smem_bytes(pow2);
   // The route waits for the index step: the attention, launched programmatically behind the
   // route, reads the index before its griddepcontrol.wait, and a cross-stream join right
-  // before it would be captured as a programmatic edge too (docs/gpu.md, device facts).
+  // before it would be captured as a programmatic edge too (docs/gpu.md, device facts). The
+  // route, programmatic itself, passes its own wait (the GEMV and the joined index branch
+  // complete and flushed) before it releases the attention (route_wait_then_release).
   if (side) {
     e = join_into(*side, stream);
     if (e != cudaSuccess) return e;
