@@ -66,12 +66,18 @@ void pack_fragments(const T* w, int heads, int rows, int K, T zero, T* out) {
           }
         }
 }
+
+// The weights of `heads` heads of rows x K, rounded to bf16 (both bf16 layouts pack these).
+std::vector<bf16> rows_to_bf16(const float* w, int heads, int rows, int K) {
+  std::vector<bf16> b(size_t(heads) * rows * K);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = float_to_bf16(w[i]);
+  return b;
+}
 }  // namespace
 
 void pack_mma_rows(const float* w, int heads, int rows, int K, bf16* out) {
-  std::vector<bf16> b(size_t(heads) * rows * K);
-  for (size_t i = 0; i < b.size(); ++i) b[i] = float_to_bf16(w[i]);
-  pack_fragments<bf16>(b.data(), heads, rows, K, float_to_bf16(0.f), out);
+  pack_fragments<bf16>(rows_to_bf16(w, heads, rows, K).data(), heads, rows, K, float_to_bf16(0.f),
+                       out);
 }
 
 void pack_mma_rows_e4m3(const uint8_t* q, int heads, int rows, int K, uint8_t* out) {
@@ -99,9 +105,8 @@ void pack_columns(const T* w, int heads, int rows, int K, T zero, T* out) {
 }  // namespace
 
 void pack_column_blocks(const float* w, int heads, int rows, int K, bf16* out) {
-  std::vector<bf16> b(size_t(heads) * rows * K);
-  for (size_t i = 0; i < b.size(); ++i) b[i] = float_to_bf16(w[i]);
-  pack_columns<bf16>(b.data(), heads, rows, K, float_to_bf16(0.f), out);
+  pack_columns<bf16>(rows_to_bf16(w, heads, rows, K).data(), heads, rows, K, float_to_bf16(0.f),
+                     out);
 }
 
 void pack_column_blocks_e4m3(const uint8_t* q, int heads, int rows, int K, uint8_t* out) {
