@@ -1320,84 +1320,171 @@ __device__ void route_top32(float s, int id, float* xs, int* xi, int* out_id) {
   *out_id = id;
 }
 
+// A float as an unsigned key in the same order (for the warp reductions of redux.sync).
+__device__ __forceinline__ unsigned ordered_key(float x) {
+  const unsigned u = __float_as_uint(x);
+  return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+__device__ __forceinline__ float from_ordered_key(unsigned k) {
+  return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k);
+}
+
 // Softmax of each of the group's g query heads over the C <= kRouteThreads cluster logits,
-// summed over the group, for cluster threadIdx.x: the g maxima and sums reduced together (4
-// barriers instead of 4 per head), each thread's logits loaded once. The same arithmetic, in
-// the same order, as the per-head loop of route_kernel's general path. kG (4 or 8) bounds g:
-// the unrolled per-head arrays, their code and registers, take kG heads.
+// summed over the group, for cluster threadIdx.x (-FLT_MAX past C). Each warp reduces its 32
+// logits of a head to a pair (max m_w by one redux.sync, sum s_w of exponentials relative to
+// it by shuffles); after a barrier warp 0 combines the 32 pairs of each head (lane w holds
+// warp w's): M = max m_w, S = sum_w s_w exp(m_w - M), and leaves every warp its factors
+// exp(m_w - M) / S; a second barrier, and a cluster's score is the sum over heads of its
+// relative exponential times its warp's factor. The shuffles are the cost in a CTA of 1024
+// threads (an SM shuffles one warp a cycle): the form with a block-wide max, then a
+// block-wide sum took 1.6 us of the route's 6 on an H200, and every warp combining the
+// pairs itself 2.5 (docs/gpu.md). kG (4 or 8) bounds g: the unrolled per-head arrays, their
+// code and registers, take kG heads.
 template <int kG>
 __device__ float route_mlp_score(const float* logits, int row0, int g, int C, float* red) {
   static_assert(kG <= kMaxRouteGroup, "red holds kMaxRouteGroup heads per warp");
+  static_assert(kRouteThreads == 32 * 32, "a lane of warp 0 per warp when the pairs combine");
   const int c = threadIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  constexpr int nw = kRouteThreads / 32;
-  float z[kG], m[kG], e[kG], sum[kG];
+  float z[kG], e[kG];
 #pragma unroll
   for (int j = 0; j < kG; ++j) z[j] = j < g && c < C ? logits[int64_t(row0 + j) * C + c] : -FLT_MAX;
-  auto reduce = [&](float(&v)[kG], auto op) {
-#pragma unroll
-    for (int j = 0; j < kG; ++j)
-      for (int off = 16; off > 0; off /= 2)
-        v[j] = op(v[j], __shfl_xor_sync(0xffffffffu, v[j], off));
-    __syncthreads();
-    if (lane == 0)
-#pragma unroll
-      for (int j = 0; j < kG; ++j) red[warp * kMaxRouteGroup + j] = v[j];
-    __syncthreads();
-    // The warps' partials combined once, by lane j of warp 0, in warp order, then broadcast
-    // (every thread walking all 32 x g partials cost 248 shared loads a thread).
-    if (threadIdx.x < kG) {
-      const int j = threadIdx.x;
-      float x = red[j];
-      for (int w2 = 1; w2 < nw; ++w2) x = op(x, red[w2 * kMaxRouteGroup + j]);
-      red[nw * kMaxRouteGroup + j] = x;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kG; ++j) v[j] = red[nw * kMaxRouteGroup + j];
-  };
-#pragma unroll
-  for (int j = 0; j < kG; ++j) m[j] = z[j];
-  reduce(m, [](float a, float x) { return fmaxf(a, x); });
+  float* pair_m = red;                        // [32 warps][kMaxRouteGroup]
+  float* pair_s = red + 32 * kMaxRouteGroup;  // [32 warps][kMaxRouteGroup]; then the factors
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
-    e[j] = j < g && c < C ? __expf(z[j] - m[j]) : 0.f;
-    sum[j] = e[j];
+    const float m = from_ordered_key(__reduce_max_sync(0xffffffffu, ordered_key(z[j])));
+    e[j] = j < g && c < C ? __expf(z[j] - m) : 0.f;
+    if (lane == 0) pair_m[warp * kMaxRouteGroup + j] = m;
   }
-  reduce(sum, [](float a, float x) { return a + x; });
+  float sum[kG];
+#pragma unroll
+  for (int j = 0; j < kG; ++j) sum[j] = e[j];
+  for (int off = 16; off > 0; off /= 2)
+#pragma unroll
+    for (int j = 0; j < kG; ++j) sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], off);
+  if (lane == 0)
+#pragma unroll
+    for (int j = 0; j < kG; ++j) pair_s[warp * kMaxRouteGroup + j] = sum[j];
+  __syncthreads();
+  if (warp == 0) {
+    // A warp with no logits of the head (past C, or j >= g) has s_w = 0 and adds nothing.
+#pragma unroll
+    for (int j = 0; j < kG; ++j) {
+      const float m = pair_m[lane * kMaxRouteGroup + j];
+      const float big = from_ordered_key(__reduce_max_sync(0xffffffffu, ordered_key(m)));
+      const float w = __expf(m - big);
+      float total = pair_s[lane * kMaxRouteGroup + j] * w;
+      for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
+      pair_s[lane * kMaxRouteGroup + j] = j < g ? w * (1.f / total) : 0.f;
+    }
+  }
+  __syncthreads();
   float score = 0.f;
 #pragma unroll
   for (int j = 0; j < kG; ++j)
-    if (j < g) score += e[j] * (1.f / sum[j]);
+    if (j < g) score += e[j] * pair_s[warp * kMaxRouteGroup + j];
   return c < C ? score : -FLT_MAX;
 }
 
-// route_kernel's shared memory for C rounded up to pow2 (route_smem_bytes): scores and ids,
-// the reduction scratch, the mean query and the register sort's exchange buffers.
-struct RouteSmem {
-  float* score;  // [pow2]
-  int* ids;      // [pow2]
-  float* red;    // [(kRouteThreads / 32 + 1) * kMaxRouteGroup]
-  float* qmean;  // [128]
-  float* exchange;
-  int* exchange_ids;  // [2 * kRouteThreads] each
+// The best `probes` <= 32 of the block's C <= kRouteThreads scores (thread c holds cluster
+// c's, s >= 0), in route_sort_registers' order (descending score, ascending id), to
+// out[rank]; or false, with nothing written, when the candidates below overflow (then the
+// caller takes route_top32). Every warp's best score is one of 32 distinct elements, so the
+// smallest of the 32 warp maxima, t, is at most the 32nd best score: only elements scoring
+// t or more can be among the best 32. Those candidates are compacted into shared memory, and
+// each is ranked by counting the candidates better than it, a quarter of them per thread.
+// Three barriers and no sorting network: route_top32's warp sorts and five merge rounds took
+// 3.3 us of the route's 6 on an H200 (docs/gpu.md).
+constexpr int kRouteCandidates = 256;
+__device__ bool route_top_candidates(float s, int C, int probes, unsigned long long* cand,
+                                     int* cand_rank, unsigned* warp_max, int* cand_count,
+                                     int32_t* out) {
+  const int c = threadIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // Scores as ordered keys: a nonnegative float's bits grow with it; 1 + them for clusters
+  // (0 and NaN scores: 1), 0 past C, so that padding ranks below every cluster.
+  const unsigned key = c < C ? (s > 0.f ? __float_as_uint(s) + 1u : 1u) : 0u;
+  const unsigned wmax = __reduce_max_sync(0xffffffffu, key);
+  if (lane == 0) warp_max[warp] = wmax;
+  if (c == 0) *cand_count = 0;
+  if (c < kRouteCandidates) cand_rank[c] = 0;
+  __syncthreads();
+  const unsigned t = __reduce_min_sync(0xffffffffu, warp_max[lane]);
+  const bool is = key >= t && c < C;
+  const unsigned ballot = __ballot_sync(0xffffffffu, is);
+  int base = 0;
+  if (lane == 0 && ballot != 0u) base = atomicAdd(cand_count, __popc(ballot));
+  base = __shfl_sync(0xffffffffu, base, 0);
+  const int slot = base + __popc(ballot & ((1u << lane) - 1u));
+  // The full order as one 64-bit key: the score's key, then the id reversed (lower id better).
+  if (is && slot < kRouteCandidates)
+    cand[slot] = (static_cast<unsigned long long>(key) << 32) | unsigned(~unsigned(c));
+  __syncthreads();
+  const int K = *cand_count;
+  if (K > kRouteCandidates) return false;  // uniform over the block
+  {
+    const int i = c % kRouteCandidates, quarter = c / kRouteCandidates;
+    static_assert(kRouteThreads == 4 * kRouteCandidates, "a quarter of the candidates a thread");
+    if (i < K) {
+      const unsigned long long mine = cand[i];
+      int better_count = 0;
+      const int u0 = quarter * K / 4, u1 = (quarter + 1) * K / 4;
+#pragma unroll 8
+      for (int u = u0; u < u1; ++u) better_count += cand[u] > mine;
+      if (better_count > 0) atomicAdd(&cand_rank[i], better_count);
+    }
+  }
+  __syncthreads();
+  if (c < K) {
+    const int rank = cand_rank[c];
+    if (rank < probes) out[rank] = int(~unsigned(cand[c] & 0xffffffffull));
+  }
+  return true;
+}
 
+// The route kernels' shared memory for C rounded up to pow2 (route_smem_bytes): the top
+// candidates (first: 8-byte keys), scores and ids, the reduction scratch, the mean query, the
+// register sort's exchange buffers, the candidates' ranks, the warp maxima and their count.
+struct RouteSmem {
+  unsigned long long* cand;  // [kRouteCandidates]
+  float* score;              // [pow2]
+  int* ids;                  // [pow2]
+  float* red;                // [2 * 32 * kMaxRouteGroup]
+  float* qmean;              // [128]
+  float* exchange;
+  int* exchange_ids;   // [2 * kRouteThreads] each
+  int* cand_rank;      // [kRouteCandidates]
+  unsigned* warp_max;  // [32]
+  int* cand_count;     // [1]
+
+  static constexpr size_t bytes(int pow2) {
+    return kRouteCandidates * sizeof(unsigned long long) +
+           size_t(pow2) * (sizeof(float) + sizeof(int)) +
+           (2 * 32 * kMaxRouteGroup + 128) * sizeof(float) +
+           2 * size_t(kRouteThreads) * (sizeof(float) + sizeof(int)) +
+           (kRouteCandidates + 32 + 1) * sizeof(int);
+  }
   __device__ RouteSmem(float* base, int pow2) {
-    score = base;
+    cand = reinterpret_cast<unsigned long long*>(base);
+    score = reinterpret_cast<float*>(cand + kRouteCandidates);
     ids = reinterpret_cast<int*>(score + pow2);
     red = reinterpret_cast<float*>(ids + pow2);
-    qmean = red + (kRouteThreads / 32 + 1) * kMaxRouteGroup;
+    qmean = red + 2 * 32 * kMaxRouteGroup;
     exchange = qmean + 128;
     exchange_ids = reinterpret_cast<int*>(exchange + 2 * kRouteThreads);
+    cand_rank = exchange_ids + 2 * kRouteThreads;
+    warp_max = reinterpret_cast<unsigned*>(cand_rank + kRouteCandidates);
+    cand_count = reinterpret_cast<int*>(warp_max + 32);
   }
 };
 
 // The route is launched programmatically behind the second GEMV, which releases it at its
-// start, so that its CTAs get resident on the SMs the GEMV's CTAs leave instead of launching
-// after the GEMV's last CTA (a 2 us gap at 128K on an H200, docs/gpu.md). It reads nothing
-// before this wait, which also covers the index branch joined before it (a join before a
-// programmatic launch is a programmatic edge too). Only then does it let the attention
-// launch: the attention reads the index before its own wait, so its launch must follow the
-// index step's completion, as it did when the route was a plain launch.
+// start. It reads nothing before this wait, which also covers the index branch joined before
+// it; only then does it let the attention launch: the attention reads the index before its own
+// wait, so its launch must follow the index step's completion. In a captured step the join
+// gives the route a second predecessor, and a kernel node with two predecessors got resident
+// only after both had completed, even with both edges programmatic: the route enters 2 us
+// after the GEMV's last CTA at 128K on an H200, and with the branch joined after the attention
+// instead (a diagnostic, wrong on steps that index) the step was 1 us shorter (docs/gpu.md).
 __device__ __forceinline__ void route_wait_then_release() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -1410,11 +1497,11 @@ bool route_in_registers(const Router<bf16>& r, int pow2) {
 }
 
 // The route of route_in_registers shapes for (b, h): the group's softmax-summed scores in
-// registers (a group of at most kG heads), then the best `probes` by route_top32 (kTop32:
-// probes <= 32) or the register sort, to selected[(b * Hkv + h) * probes ...]. A kernel apart from
-// route_kernel's general paths so that their code is not in its instructions: in these one-wave
-// kernels that run their code once, code that no thread executes still cost time (docs/gpu.md,
-// device facts).
+// registers (a group of at most kG heads), then the best `probes` by route_top_candidates
+// (kTop32: probes <= 32; route_top32 when its candidates overflow) or the register sort, to
+// selected[(b * Hkv + h) * probes ...]. A kernel apart from route_kernel's general paths so
+// that their code is not in its instructions: in these one-wave kernels that run their code
+// once, code that no thread executes still cost time (docs/gpu.md, device facts).
 template <bool kTop32, int kG>
 __global__ void __launch_bounds__(kRouteThreads)
     route_mlp_kernel(const float* logits, Router<bf16> r, int probes, int pow2, int32_t* selected) {
@@ -1423,13 +1510,18 @@ __global__ void __launch_bounds__(kRouteThreads)
   const RouteSmem sm(route_s, pow2);
   const int hkv = r.num_kv_heads, g = r.num_q_heads / hkv;
   const int b = blockIdx.x / hkv, h = blockIdx.x % hkv;
+  int32_t* out = selected + int64_t(blockIdx.x) * probes;
   const float s = route_mlp_score<kG>(logits, b * r.num_q_heads + h * g, g, r.num_clusters, sm.red);
   int id;
-  if (kTop32)
+  if (kTop32) {
+    if (route_top_candidates(s, r.num_clusters, probes, sm.cand, sm.cand_rank, sm.warp_max,
+                             sm.cand_count, out))
+      return;
     route_top32(s, int(threadIdx.x), sm.exchange, sm.exchange_ids, &id);
-  else
+  } else {
     id = route_sort_registers(s, sm.exchange, sm.exchange_ids);
-  if (int(threadIdx.x) < probes) selected[int64_t(blockIdx.x) * probes + threadIdx.x] = id;
+  }
+  if (int(threadIdx.x) < probes) out[threadIdx.x] = id;
 }
 
 // Scores of the C clusters for (b, h), bitonic-sorted (descending score, ascending id), top l
@@ -1525,11 +1617,7 @@ DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, in
 }
 
 // The route kernels' shared memory for C rounded up to pow2 (the layout of RouteSmem).
-size_t route_smem_bytes(int pow2) {
-  return size_t(pow2) * (sizeof(float) + sizeof(int)) +
-         ((kRouteThreads / 32 + 1) * kMaxRouteGroup + 128) * sizeof(float) +
-         2 * size_t(kRouteThreads) * (sizeof(float) + sizeof(int));
-}
+size_t route_smem_bytes(int pow2) { return RouteSmem::bytes(pow2); }
 
 int next_pow2(int x) {
   int p = 1;

@@ -151,13 +151,31 @@ void expect_same_clusters(const std::vector<int32_t>& gpu, const std::vector<int
       EXPECT_LE(std::abs(score[size_t(x)] - lth), tol * (std::abs(lth) + 1e-12)) << what;
 }
 
+// Which path of the route's best 32 the steps' scores send a (b, h) to: route_top_candidates
+// when at most 256 clusters score at least the smallest of the maxima of the 32 warps' 32
+// consecutive clusters, route_top32 past that (kRouteCandidates, saap.cu). Counted from the CPU's
+// scores with a margin, since the GPU's differ in the last bits: a test that asks for one path
+// fails if its scores do not send the route there.
+struct RoutePaths {
+  int candidates = 0, fallback = 0;
+  void count(const std::vector<double>& score) {
+    if (score.size() != 1024) return;
+    double t = 1e300;
+    for (size_t w = 0; w < 32; ++w)
+      t = std::min(t, *std::max_element(score.begin() + w * 32, score.begin() + w * 32 + 32));
+    const auto k = std::count_if(score.begin(), score.end(), [&](double x) { return x >= t; });
+    if (k <= 200) ++candidates;
+    if (k > 320) ++fallback;
+  }
+};
+
 // One decode step of both engines (just run; q, q_pre and the GPU's output on the host):
 // the same index lengths, the same clusters up to near-ties of the CPU's scores, the same
 // token lists where the clusters and the index agree, and the GPU's output equal to an
 // fp64 attention over the GPU's own token list.
 void expect_decode_matches(Pair& p, SaapRouter router, const std::vector<bf16>& q,
                            const std::vector<bf16>& q_pre, const std::vector<bf16>& out_gpu,
-                           bool same_index, const std::string& label) {
+                           bool same_index, const std::string& label, RoutePaths* paths = nullptr) {
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
   const int g = p.shape.group_size(), batch = p.cpu_cache->config().max_batch;
   const sk::IndexState& cs = p.cpu->index_state(p.layer);
@@ -172,8 +190,9 @@ void expect_decode_matches(Pair& p, SaapRouter router, const std::vector<bf16>& 
       EXPECT_EQ(g_idx2[size_t(cs.slot(b, h))], cs.indexed_len[cs.slot(b, h)]) << what;
       const auto gc = p.gpu->last_clusters(p.layer, b, h);
       const auto cc = p.cpu->last_clusters(p.layer, b, h);
-      expect_same_clusters(gc, cc, p.scores(q_pre, b, h, router == SaapRouter::Mlp),
-                           router == SaapRouter::Mlp ? 3e-2 : 1e-4, what);
+      const std::vector<double> scores = p.scores(q_pre, b, h, router == SaapRouter::Mlp);
+      expect_same_clusters(gc, cc, scores, router == SaapRouter::Mlp ? 3e-2 : 1e-4, what);
+      if (paths) paths->count(scores);
       if (same_index && std::set<int>(gc.begin(), gc.end()) == std::set<int>(cc.begin(), cc.end()))
         EXPECT_EQ(read_gpu[size_t(h) * g], read_cpu[size_t(h) * g]) << what;
       const std::vector<int32_t>& tokens = read_gpu[size_t(h) * g];
@@ -195,12 +214,13 @@ void expect_decode_matches(Pair& p, SaapRouter router, const std::vector<bf16>& 
 }
 
 // lens: one sequence per entry; hidden: the MLP router's width (the GEMVs' K and rows); C
-// clusters, of which probes are taken
-// (the route kernel ranks the best 32 by merging sorted warp lists, more by a full sort).
+// clusters, of which probes are taken (the route ranks the best 32 among its threshold
+// candidates, or by merging sorted warp lists when they overflow; more by a full sort);
+// paths, when given, counts the routes' paths (RoutePaths).
 void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C = 64,
               int probes = 6, SaapWeights weights = SaapWeights::Bf16,
               const std::function<void(SaapParts&)>& edit = {},
-              const ModelShape& shape = saap_test::scene_shape()) {
+              const ModelShape& shape = saap_test::scene_shape(), RoutePaths* paths = nullptr) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const int batch = int(lens.size());
   Pair p(router, lens, C, hidden, probes, weights, 2048, SaapConfig().fold_every,
@@ -265,7 +285,7 @@ void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C
     }
     KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
     expect_decode_matches(p, router, q, q_pre, outd.download(), mismatches == 0,
-                          "step " + std::to_string(step));
+                          "step " + std::to_string(step), paths);
   }
   const EngineStats st = p.gpu->stats();
   uint64_t context = 0;  // rows a dense read of the 4 steps reads: len + 1 + s per sequence
@@ -320,25 +340,57 @@ TEST(SaapCuda, NearestCentroidRouterMatchesTheCpuEngine) {
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAtBatchOneWideHidden) {
   run_pair(SaapRouter::Mlp, {1300}, 320);
 }
-// The default shape of the route: the best 32 of 1024 clusters, and more than 32 probes
-// (the full sort).
+// The default shape of the route: the best 32 of 1024 clusters, ranked among the threshold
+// candidates on the random router's scores.
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineThirtyTwoOfAThousandClusters) {
-  run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32);
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  RoutePaths paths;
+  run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16, {}, saap_test::scene_shape(),
+           &paths);
+  EXPECT_GT(paths.candidates, 0) << "no route took the candidates' path";
+}
+// Exact ties at the route's threshold: with w2 zero every head's logits are b2, so the 32
+// clusters 32 w + 5 score the same, the best of every warp; they are the only candidates and
+// must come out in ascending id, as on the CPU (the token lists' order follows it).
+TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithTiedScores) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  RoutePaths paths;
+  run_pair(
+      SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16,
+      [](SaapParts& parts) {
+        const int C = parts.num_clusters;
+        for (SaapLayerParts& l : parts.per_layer) {
+          for (float& w : l.w2) w = 0.f;
+          for (size_t i = 0; i < l.b2.size(); ++i) {
+            const int c = int(i % size_t(C));
+            l.b2[i] = c % 32 == 5 ? 4.f : c % 32 == 9 ? 2.f : -1.f - 0.001f * float(c);
+          }
+        }
+      },
+      saap_test::scene_shape(), &paths);
+  EXPECT_GT(paths.candidates, 0) << "the tied clusters did not take the candidates' path";
 }
 // The best 32 of 1024 in one warp of the route: clusters 0-31 get logits near 8 (0.05 apart),
-// the others' fall with the id, so warp 0's whole sorted list must win all five merges of
-// route_top32, and the softmax's warp maxima differ by orders of magnitude.
+// the others' fall with the id, so nearly every cluster scores at least the smallest warp
+// maximum (warp 31's first), the candidates overflow, and warp 0's whole sorted list must win
+// all five merges of route_top32; the softmax's warp maxima differ by orders of magnitude.
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWhenOneWarpHoldsTheBestClusters) {
-  run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16, [](SaapParts& parts) {
-    const int C = parts.num_clusters;
-    for (SaapLayerParts& l : parts.per_layer) {
-      for (float& w : l.w2) w *= 0.01f;
-      for (size_t i = 0; i < l.b2.size(); ++i) {
-        const int c = int(i % size_t(C));
-        l.b2[i] = c < 32 ? 8.f + 0.05f * float(c) : -0.004f * float(c);
-      }
-    }
-  });
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  RoutePaths paths;
+  run_pair(
+      SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16,
+      [](SaapParts& parts) {
+        const int C = parts.num_clusters;
+        for (SaapLayerParts& l : parts.per_layer) {
+          for (float& w : l.w2) w *= 0.01f;
+          for (size_t i = 0; i < l.b2.size(); ++i) {
+            const int c = int(i % size_t(C));
+            l.b2[i] = c < 32 ? 8.f + 0.05f * float(c) : -0.004f * float(c);
+          }
+        }
+      },
+      saap_test::scene_shape(), &paths);
+  EXPECT_GT(paths.fallback, 0) << "no route overflowed its candidates";
 }
 // Groups of 8 and of 2 query heads (the scene's are 4): the route's kernels unrolled for 8
 // heads and for 4 with two of them empty, at the default route (32 of 1024) and at 40 probes.
