@@ -1767,10 +1767,11 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   const int pow2 = next_pow2(C);
   const size_t route_smem = route_smem_bytes(pow2);
   // The route waits for the index step: the attention, launched programmatically behind the
-  // route, reads the index before its griddepcontrol.wait, and a cross-stream join right
-  // before it would be captured as a programmatic edge too (docs/gpu.md, device facts). The
-  // route, programmatic itself, passes its own wait (the GEMV and the joined index branch
-  // complete and flushed) before it releases the attention (route_wait_then_release).
+  // route, reads the index before its griddepcontrol.wait. The route, programmatic itself,
+  // passes its own wait (the GEMV and the joined index branch complete and flushed) before it
+  // releases the attention (route_wait_then_release). With the join it has two predecessors
+  // in a captured graph, and so gets resident only once both have completed (docs/gpu.md,
+  // device facts).
   if (side) {
     e = join_into(*side, stream);
     if (e != cudaSuccess) return e;
