@@ -1391,8 +1391,10 @@ __device__ float route_mlp_score(const float* logits, int row0, int g, int C, fl
 // out[rank]; or false, with nothing written, when the candidates below overflow (then the
 // caller takes route_top32). Every warp's best score is one of 32 distinct elements, so the
 // smallest of the 32 warp maxima, t, is at most the 32nd best score: only elements scoring
-// t or more can be among the best 32. Those candidates are compacted into shared memory, and
-// each is ranked by counting the candidates better than it, a quarter of them per thread.
+// t or more can be among the best 32 (for C < kRouteThreads a warp of padding puts t at 0,
+// so every cluster is a candidate, and C > kRouteCandidates always takes route_top32). Those
+// candidates are compacted into shared memory, and each is ranked by counting the candidates
+// better than it, a quarter of them per thread.
 // Three barriers and no sorting network: route_top32's warp sorts and five merge rounds took
 // 3.3 us of the route's 6 on an H200 (docs/gpu.md).
 constexpr int kRouteCandidates = 256;
