@@ -349,25 +349,30 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineThirtyTwoOfAThousandClusters) {
            &paths);
   EXPECT_GT(paths.candidates, 0) << "no route took the candidates' path";
 }
+// The default route (the best 32 of 1024 clusters) on the random router with its second layer
+// scaled by w2_scale and its bias b2(c) for cluster c in every head; returns the routes' paths.
+RoutePaths run_pair_with_bias(float w2_scale, const std::function<float(int)>& b2) {
+  RoutePaths paths;
+  run_pair(
+      SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16,
+      [&](SaapParts& parts) {
+        const int C = parts.num_clusters;
+        for (SaapLayerParts& l : parts.per_layer) {
+          for (float& w : l.w2) w *= w2_scale;
+          for (size_t i = 0; i < l.b2.size(); ++i) l.b2[i] = b2(int(i % size_t(C)));
+        }
+      },
+      saap_test::scene_shape(), &paths);
+  return paths;
+}
 // Exact ties at the route's threshold: with w2 zero every head's logits are b2, so the 32
 // clusters 32 w + 5 score the same, the best of every warp; they are the only candidates and
 // must come out in ascending id, as on the CPU (the token lists' order follows it).
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithTiedScores) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-  RoutePaths paths;
-  run_pair(
-      SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16,
-      [](SaapParts& parts) {
-        const int C = parts.num_clusters;
-        for (SaapLayerParts& l : parts.per_layer) {
-          for (float& w : l.w2) w = 0.f;
-          for (size_t i = 0; i < l.b2.size(); ++i) {
-            const int c = int(i % size_t(C));
-            l.b2[i] = c % 32 == 5 ? 4.f : c % 32 == 9 ? 2.f : -1.f - 0.001f * float(c);
-          }
-        }
-      },
-      saap_test::scene_shape(), &paths);
+  const RoutePaths paths = run_pair_with_bias(0.f, [](int c) {
+    return c % 32 == 5 ? 4.f : c % 32 == 9 ? 2.f : -1.f - 0.001f * float(c);
+  });
   EXPECT_GT(paths.candidates, 0) << "the tied clusters did not take the candidates' path";
 }
 // The best 32 of 1024 in one warp of the route: clusters 0-31 get logits near 8 (0.05 apart),
@@ -376,20 +381,8 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithTiedScores) {
 // all five merges of route_top32; the softmax's warp maxima differ by orders of magnitude.
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWhenOneWarpHoldsTheBestClusters) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-  RoutePaths paths;
-  run_pair(
-      SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16,
-      [](SaapParts& parts) {
-        const int C = parts.num_clusters;
-        for (SaapLayerParts& l : parts.per_layer) {
-          for (float& w : l.w2) w *= 0.01f;
-          for (size_t i = 0; i < l.b2.size(); ++i) {
-            const int c = int(i % size_t(C));
-            l.b2[i] = c < 32 ? 8.f + 0.05f * float(c) : -0.004f * float(c);
-          }
-        }
-      },
-      saap_test::scene_shape(), &paths);
+  const RoutePaths paths = run_pair_with_bias(
+      0.01f, [](int c) { return c < 32 ? 8.f + 0.05f * float(c) : -0.004f * float(c); });
   EXPECT_GT(paths.fallback, 0) << "no route overflowed its candidates";
 }
 // Groups of 8 and of 2 query heads (the scene's are 4): the route's kernels unrolled for 8
