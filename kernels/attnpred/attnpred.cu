@@ -41,6 +41,7 @@
 #include <string>
 
 #include "kernels/attnpred/attnpred.h"
+#include "kernels/common/float_key.cuh"
 #include "kernels/common/ptx.cuh"
 
 namespace kvs::kernels::attnpred {
@@ -596,11 +597,6 @@ __global__ void reset_cnn_cache_kernel(CnnCache cache, int batch) {
   if (b < batch) cache.count[b] = -1;
 }
 
-__device__ __forceinline__ unsigned order_key(float f) {
-  unsigned u = f == 0.f ? 0u : __float_as_uint(f);  // -0 ranks as +0, as in the CPU comparator
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 // One CTA per (sequence, query head): the k-th largest key by a 4-pass 8-bit radix select
 // (shared histogram, then one block scan over the bins from the top finds the digit), then the
 // keys above it and the first `remaining` keys equal to it by index (a contiguous run per
@@ -633,7 +629,7 @@ __global__ void __launch_bounds__(kSelThreads)
 #pragma unroll
   for (int i = 0; i < kSelCached; ++i) {
     const int j = tid + i * kSelThreads;
-    cached[i] = j < count ? order_key(sc[j]) : 0u;
+    cached[i] = j < count ? float_order_key(sc[j]) : 0u;
   }
   unsigned prefix = 0, mask = 0;
   int remaining = k;
@@ -647,7 +643,7 @@ __global__ void __launch_bounds__(kSelThreads)
         atomicAdd(&hist_bins[(key >> shift) & 255u], 1);
     }
     for (int j = tid + kSelCached * kSelThreads; j < count; j += kSelThreads) {
-      const unsigned key = order_key(sc[j]);
+      const unsigned key = float_order_key(sc[j]);
       if ((key & mask) == prefix) atomicAdd(&hist_bins[(key >> shift) & 255u], 1);
     }
     __syncthreads();
@@ -668,11 +664,11 @@ __global__ void __launch_bounds__(kSelThreads)
   const int per = (count + kSelThreads - 1) / kSelThreads;
   const int j0 = min(count, tid * per), j1 = min(count, j0 + per);
   int ties = 0;
-  for (int j = j0; j < j1; ++j) ties += order_key(sc[j]) == prefix;
+  for (int j = j0; j < j1; ++j) ties += float_order_key(sc[j]) == prefix;
   int before, total;
   Scan(scan).ExclusiveSum(ties, before, total);
   for (int j = j0; j < j1; ++j) {
-    const unsigned key = order_key(sc[j]);
+    const unsigned key = float_order_key(sc[j]);
     if (key > prefix) {
       fl[j] = 1;
     } else if (key == prefix) {

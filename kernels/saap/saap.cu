@@ -39,6 +39,7 @@
 #include <mutex>
 
 #include "kernels/common/attend_tiles.cuh"
+#include "kernels/common/float_key.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/merge_states.cuh"
 #include "kernels/common/ptx.cuh"
@@ -1320,15 +1321,6 @@ __device__ void route_top32(float s, int id, float* xs, int* xi, int* out_id) {
   *out_id = id;
 }
 
-// A float as an unsigned key in the same order (for the warp reductions of redux.sync).
-__device__ __forceinline__ unsigned ordered_key(float x) {
-  const unsigned u = __float_as_uint(x);
-  return u & 0x80000000u ? ~u : u | 0x80000000u;
-}
-__device__ __forceinline__ float from_ordered_key(unsigned k) {
-  return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k);
-}
-
 // Softmax of each of the group's g query heads over the C <= kRouteThreads cluster logits,
 // summed over the group, for cluster threadIdx.x (-FLT_MAX past C). Each warp reduces its 32
 // logits of a head to a pair (max m_w by one redux.sync, sum s_w of exponentials relative to
@@ -1352,7 +1344,7 @@ __device__ float route_mlp_score(const float* logits, int row0, int g, int C, fl
   float* pair_s = red + 32 * kMaxRouteGroup;  // [32 warps][kMaxRouteGroup]; then the factors
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
-    const float m = from_ordered_key(__reduce_max_sync(0xffffffffu, ordered_key(z[j])));
+    const float m = float_from_order_key(__reduce_max_sync(0xffffffffu, float_order_key(z[j])));
     e[j] = j < g && c < C ? __expf(z[j] - m) : 0.f;
     if (lane == 0) pair_m[warp * kMaxRouteGroup + j] = m;
   }
@@ -1371,7 +1363,7 @@ __device__ float route_mlp_score(const float* logits, int row0, int g, int C, fl
 #pragma unroll
     for (int j = 0; j < kG; ++j) {
       const float m = pair_m[lane * kMaxRouteGroup + j];
-      const float big = from_ordered_key(__reduce_max_sync(0xffffffffu, ordered_key(m)));
+      const float big = float_from_order_key(__reduce_max_sync(0xffffffffu, float_order_key(m)));
       const float w = __expf(m - big);
       float total = pair_s[lane * kMaxRouteGroup + j] * w;
       for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
