@@ -1204,17 +1204,19 @@ __global__ void __launch_bounds__(kNzWarps * 32, 4)
 }
 
 // The MLP's two GEMVs, hidden = relu(w1 q_pre + b1) and logits = w2 hidden + b2, in the
-// router's weight format; the second by w2's layout (Router::w2_column_blocks). The second is
-// a programmatic dependent launch: its CTAs get resident while the first runs and put their
-// first round of weights in flight before they wait for the hidden layer (128K batch 1: 0.4-1
-// us off 57.4; docs/gpu.md).
+// router's weight format; the second by w2's layout (Router::w2_column_blocks). Both are
+// programmatic dependent launches. The second's CTAs get resident while the first runs and
+// put their first round of weights in flight before they wait for the hidden layer (128K
+// batch 1: 0.4-1 us off 57.4; docs/gpu.md). The first's do the same behind whatever kernel
+// precedes the call: before their wait they read only the weights, scales and biases, which
+// no kernel of a decode step writes, and q_pre after it.
 template <class Mma, class Columns>
 cudaError_t launch_mlp(const bf* q_pre, const void* w1, const float* s1, const void* w2,
                        const float* s2, const Router<bf16>& r, float* hidden, float* logits,
                        int batch, cudaStream_t stream) {
   const int hq = r.num_q_heads;
   const cudaError_t e = launch_gemv<bf, Mma, true>(q_pre, w1, s1, r.b1, hidden, batch, hq, r.hidden,
-                                                   r.head_dim, false, stream);
+                                                   r.head_dim, true, stream);
   if (e != cudaSuccess || !r.w2_column_blocks)
     return e != cudaSuccess
                ? e
