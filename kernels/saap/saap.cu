@@ -910,8 +910,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     }
     load_round(0);
   }
-  // x is the previous grid's output when this is the second GEMV: wait for that grid here,
-  // after the loads above are in flight (a no-op for a launch without the attribute).
+  // x may be the previous grid's output (the first GEMV's hidden layer for the second; q_pre,
+  // for the first, from whatever kernel wrote it): wait for that grid here, after the loads
+  // above are in flight (a no-op for a launch without the attribute).
   asm volatile("griddepcontrol.wait;" ::: "memory");
   for (int b0 = 0; b0 < batch; b0 += kMmaN) {
     const int nb = min(kMmaN, batch - b0);
@@ -1209,7 +1210,8 @@ __global__ void __launch_bounds__(kNzWarps * 32, 4)
 // put their first round of weights in flight before they wait for the hidden layer (128K
 // batch 1: 0.4-1 us off 57.4; docs/gpu.md). The first's do the same behind whatever kernel
 // precedes the call: before their wait they read only the weights, scales and biases, which
-// no kernel of a decode step writes, and q_pre after it.
+// no kernel of a decode step writes, and q_pre after it (128K batch 1 on an H200: 38.0 ->
+// 36.5 us on the steps that do not index, 39.0 -> 39.3 on the one that does).
 template <class Mma, class Columns>
 cudaError_t launch_mlp(const bf* q_pre, const void* w1, const float* s1, const void* w2,
                        const float* s2, const Router<bf16>& r, float* hidden, float* logits,
