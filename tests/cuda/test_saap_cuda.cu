@@ -605,7 +605,22 @@ TEST(SaapCuda, DenseLayerDecodesInTheEnginesWorkspace) {
 // in every batch row. hidden: checked against fp64 of the same weights; logits: against fp64
 // from the GPU's own hidden layer rounded as the kernel rounds it (fp16 for e4m3 weights,
 // bf16 for bf16), where every product is exact in fp32 and only the sum's rounding differs.
-void run_mlp(SaapWeights weights, bool columns, int heads, int d, int hidden, int C, int batch) {
+// A kernel that lets its programmatic dependents launch at once
+// (griddepcontrol.launch_dependents), spins for about a millisecond, then copies n 16-bit
+// words: the query a step's kernel before the router writes. A GEMV that read it before this
+// kernel completed would see the poison it replaces.
+__global__ void late_copy_kernel(const unsigned short* src, unsigned short* dst, int n) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const long long t0 = clock64();
+  while (clock64() - t0 < 2000000) {
+  }
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+// late_q: the query is written on the call's stream by late_copy_kernel, right before the
+// router's first GEMV, which is launched programmatically behind it.
+void run_mlp(SaapWeights weights, bool columns, int heads, int d, int hidden, int C, int batch,
+             bool late_q = false) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   KVS_CUDA_CHECK(sk::prepare_cuda(hidden));  // as an engine does at construction
   const bool fp8 = weights == SaapWeights::Fp8;
@@ -674,12 +689,23 @@ void run_mlp(SaapWeights weights, bool columns, int heads, int d, int hidden, in
   }
   const std::vector<bf16> q =
       saap_test::random_bf16(size_t(batch) * heads * d, uint64_t(batch) + 5);
-  test::DeviceBuffer<bf16> qd(q);
+  test::DeviceBuffer<bf16> qd(q), q_src(q);
   test::DeviceBuffer<float> hid_d(size_t(batch) * heads * hidden), log_d(size_t(batch) * heads * C);
   hid_d.poison();
   log_d.poison();
-  KVS_CUDA_CHECK(sk::mlp_logits_cuda(qd.get(), r, batch, hid_d.get(), log_d.get(), nullptr));
+  cudaStream_t stream = nullptr;
+  if (late_q) {
+    qd.poison();
+    KVS_CUDA_CHECK(cudaDeviceSynchronize());
+    KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    late_copy_kernel<<<1, 256, 0, stream>>>(reinterpret_cast<const unsigned short*>(q_src.get()),
+                                            reinterpret_cast<unsigned short*>(qd.get()),
+                                            int(q.size()));
+    KVS_CUDA_CHECK(cudaGetLastError());
+  }
+  KVS_CUDA_CHECK(sk::mlp_logits_cuda(qd.get(), r, batch, hid_d.get(), log_d.get(), stream));
   KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  if (stream) KVS_CUDA_CHECK(cudaStreamDestroy(stream));
   const std::vector<float> hid = hid_d.download(), logit = log_d.download();
   auto x_rounded = [&](float x) {  // the second GEMV's x
     return fp8 ? __half2float(__float2half_rn(std::min(x, 65504.f)))
@@ -748,6 +774,15 @@ TEST(SaapCuda, RouterMlpAtPaddedShapes) {
 TEST(SaapCuda, RouterMlpInTwoPassesOfBatchRows) {
   run_mlp_layouts(SaapWeights::Fp8, 3, 128, 72, 130, 17);
   run_mlp_layouts(SaapWeights::Bf16, 3, 128, 1032, 64, 17);  // 1032 units: two rounds of the scan
+}
+// The first GEMV is a programmatic launch: right behind a kernel that writes the query late,
+// it must still read the query that kernel wrote.
+TEST(SaapCuda, RouterMlpReadsTheQueryTheKernelBeforeWrote) {
+  for (bool columns : {true, false}) {
+    SCOPED_TRACE(columns ? "w2 in column blocks" : "w2 in fragment order");
+    run_mlp(SaapWeights::Fp8, columns, 4, 128, 1024, 1024, 1, /*late_q=*/true);
+    run_mlp(SaapWeights::Bf16, columns, 3, 128, 200, 100, 3, /*late_q=*/true);
+  }
 }
 
 // The router's shapes that the CUDA GEMVs cannot serve are refused before any launch.
