@@ -598,13 +598,6 @@ TEST(SaapCuda, DenseLayerDecodesInTheEnginesWorkspace) {
     }
   }
 }
-// The router MLP on CUDA (mlp_logits_cuda) against fp64 on the host with the same weights. The
-// second GEMV reads only the columns of hidden units that are nonzero in some row of its pass
-// (up to 16 batch rows), so the hidden layers are shaped: head 0 is all zero (its logits are
-// b2 exactly), head 1 has one nonzero unit, the others are about half zero, a different half
-// in every batch row. hidden: checked against fp64 of the same weights; logits: against fp64
-// from the GPU's own hidden layer rounded as the kernel rounds it (fp16 for e4m3 weights,
-// bf16 for bf16), where every product is exact in fp32 and only the sum's rounding differs.
 // A kernel that lets its programmatic dependents launch at once
 // (griddepcontrol.launch_dependents), spins for about a millisecond, then copies n 16-bit
 // words: the query a step's kernel before the router writes. A GEMV that read it before this
@@ -617,6 +610,13 @@ __global__ void late_copy_kernel(const unsigned short* src, unsigned short* dst,
   for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
 
+// The router MLP on CUDA (mlp_logits_cuda) against fp64 on the host with the same weights. The
+// second GEMV reads only the columns of hidden units that are nonzero in some row of its pass
+// (up to 16 batch rows), so the hidden layers are shaped: head 0 is all zero (its logits are
+// b2 exactly), head 1 has one nonzero unit, the others are about half zero, a different half
+// in every batch row. hidden: checked against fp64 of the same weights; logits: against fp64
+// from the GPU's own hidden layer rounded as the kernel rounds it (fp16 for e4m3 weights,
+// bf16 for bf16), where every product is exact in fp32 and only the sum's rounding differs.
 // late_q: the query is written on the call's stream by late_copy_kernel, right before the
 // router's first GEMV, which is launched programmatically behind it.
 void run_mlp(SaapWeights weights, bool columns, int heads, int d, int hidden, int C, int batch,
