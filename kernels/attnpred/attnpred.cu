@@ -8,7 +8,8 @@
 //              fragments by ldmatrix, 2 of the 4 N tiles per warp), and each position's conv3
 //              projection s is summed from the N tiles' shares in a fixed order.
 //   predict    the same bands over the history, but incremental (CnnCache): the 4 edge rows
-//              and the newly interior row per step, plus fix-up CTAs that recompute the
+//              and the rows that became interior since the last prediction (one per step
+//              when it predicts every step), plus fix-up CTAs that recompute the
 //              stored rows' columns next to a moved slice end; then a sum kernel adds the H
 //              rows' s per column (and commits the cache's count and end).
 //   select     one CTA per (sequence, query head): 4-pass 8-bit radix select of the k-th
@@ -484,9 +485,13 @@ struct PredictSample {
   __device__ const float* row(int r) const {
     return count - H + r < 0 ? nullptr : hist.slot(b, h, slot(r)) + c0;
   }
-  // Ring slot of logical row r (0 <= r < H), also for the zero rows of a short history (slots
-  // not yet appended to: their s describes a zero row).
-  __device__ int slot(int r) const { return slot0 + r < H ? slot0 + r : slot0 + r - H; }
+  // Ring slot of logical row r (-H <= r < H; r < 0: rows that have left the history since
+  // the last prediction), also for the zero rows of a short history (slots not yet appended
+  // to: their s describes a zero row).
+  __device__ int slot(int r) const {
+    const int i = slot0 + r;
+    return i < 0 ? i + H : (i < H ? i : i - H);
+  }
   // The stored s of logical row r's ring slot (what it held while interior).
   __device__ float* ring(int r) const {
     return cache.s + (int64_t(s) * H + slot(r)) * hist.max_blocks + c0;
@@ -500,6 +505,16 @@ struct PredictSample {
     return reinterpret_cast<unsigned long long*>(cache.sum + int64_t(s) * hist.max_blocks + c0);
   }
 };
+
+// The incremental prediction's bands of conv2 rows, k rows appended since the last one: band 0
+// is the edge rows [0, 2), the rest cut [H-2-k, H) (the k rows that became interior and the
+// new edge rows H-2, H-1) into bands of kMaxRows from its start. Bands past the last are empty.
+__device__ __forceinline__ int incremental_bands(int k) { return 1 + (k + 2 + kMaxRows - 1) / kMaxRows; }
+__device__ __forceinline__ void incremental_band(int i, int k, int H, int& ra, int& rb) {
+  const int n = incremental_bands(k);
+  ra = i == 0 ? 0 : H - 2 - k + (i - 1) * kMaxRows;
+  rb = i == 0 ? 2 : (i < n ? min(H, ra + kMaxRows) : ra);
+}
 
 // Grid (n_tiles + fix-up CTAs, batch * Hq): tiles compute rows, fix-up CTA f recomputes the
 // stored rows [2 + f * kFixRows, ...) in the columns next to a moved slice end. The interior
@@ -518,8 +533,11 @@ __global__ void __launch_bounds__(kCnnThreads, 3)
   const int H = ps.H, W = ps.W;
   if (W <= 0) return;
   const int seen = cache.count[ps.b], end = cache.end[ps.b], c1 = ps.c0 + W;
+  // k rows appended since the last prediction make rows H-2-k .. H-3 interior and take as
+  // many out (k <= H - 4: the interior's size); the other interior rows keep their s.
+  const int k = ps.count - seen;
   const bool incremental =
-      H >= 5 && (seen == ps.count || seen + 1 == ps.count) && end <= c1 && c1 - end <= kMaxEndMove;
+      H >= 5 && seen >= 0 && k >= 0 && k <= H - 4 && end <= c1 && c1 - end <= kMaxEndMove;
   auto row = [&](int r) { return ps.row(r); };
   if (blockIdx.x < n_tiles) {
     const int x0 = blockIdx.x * kTile;
@@ -535,25 +553,38 @@ __global__ void __launch_bounds__(kCnnThreads, 3)
       if (threadIdx.x < kTile && x0 + threadIdx.x < W) ps.sum()[x0 + threadIdx.x] = sum;
       return;
     }
-    // Every load of the step is issued before any is used: the band inputs, the weights, and
-    // what row H-3's store takes out of the interior sum (the row that left the interior, or
-    // row H-3's own stored s when no row was appended; neither slot is written here).
-    const BandInputs in = load_band_inputs(row, H, W, x0, 0, 2, H - 3, H);
+    // The first pass's loads are issued before any is used: its band inputs, the weights, and
+    // the stored s of the k rows that left the interior (logical rows 2-k .. 1), which the
+    // sum loses. Those are read before any store: a row that became interior may take the
+    // ring slot of one that left.
+    int ra0, rb0, ra1, rb1;
+    incremental_band(0, k, H, ra0, rb0);
+    incremental_band(1, k, H, ra1, rb1);
+    BandInputs in = load_band_inputs(row, H, W, x0, ra0, rb0, ra1, rb1);
     const int x = x0 + threadIdx.x;
-    const float leaving =
-        threadIdx.x < kTile && x < W ? ps.ring(seen == ps.count ? H - 3 : 1)[x] : 0.f;
+    long long delta = 0;  // this thread's column: what the sum gains
+    if (threadIdx.x < kTile && x < W)
+      for (int r = 2 - k; r < 2; ++r) delta -= fixed(ps.ring(r)[x]);
     load_weights(params, cache.frags, cw, f);
     __syncthreads();
-    auto store = [&](int r, int x, float v) {
-      if (r == H - 3)  // the row that became interior (or, no row appended, is recomputed)
-        atomicAdd(ps.sum() + x, static_cast<unsigned long long>(fixed(v) - fixed(leaving)));
+    auto store = [&](int r, int, float v) {  // called by the column's thread
+      if (r >= H - 2 - k && r < H - 2) delta += fixed(v);
       ps.s_of(r)[x] = v;
     };
-    conv_rows(cw, f, sm.band, in, H, W, x0, 0, 2, H - 3, H, store);
+    for (int band = 2;; band += 2) {
+      conv_rows(cw, f, sm.band, in, H, W, x0, ra0, rb0, ra1, rb1, store);
+      if (band >= incremental_bands(k)) break;
+      incremental_band(band, k, H, ra0, rb0);
+      incremental_band(band + 1, k, H, ra1, rb1);
+      in = load_band_inputs(row, H, W, x0, ra0, rb0, ra1, rb1);
+    }
+    if (k > 0 && threadIdx.x < kTile && x < W)
+      atomicAdd(ps.sum() + x, static_cast<unsigned long long>(delta));
     return;
   }
   if (!incremental || end == c1) return;
-  const int ra = 2 + (blockIdx.x - n_tiles) * kFixRows, rb = min(ra + kFixRows, H - 3);
+  // The interior rows that stay: [2, H-2-k).
+  const int ra = 2 + (blockIdx.x - n_tiles) * kFixRows, rb = min(ra + kFixRows, H - 2 - k);
   if (ra >= rb) return;
   load_weights(params, cache.frags, cw, f);
   __syncthreads();

@@ -134,22 +134,23 @@ cudaError_t cnn_forward_cuda(const float* params, const float* x, int n, int H, 
                              cudaStream_t stream);
 
 // The CUDA predictor's per-row cache (per layer, beside a HistoryState), which makes a decode
-// step's prediction cost about 5 conv2 rows instead of `history`.
+// step's prediction cost about 5 conv2 rows instead of `history` (4 + k after k appends).
 //
 // Conv2 row r of the CNN input depends on input rows r-2 .. r+2 and on the zero padding only
 // when r < 2 or r > H-3 ("edge rows"). An interior row's s (attnpred.h top) is therefore a
 // function of its ring slot's content alone, and once computed it stays valid while the
 // history slides, except in the two columns next to the candidate slice's right end
-// candidate_end(tokens), which moves as the context grows. So per step:
+// candidate_end(tokens), which moves as the context grows. So per prediction, with k rows
+// appended since the last one (1 when the engine predicts every step):
 //   - the edge rows 0, 1, H-2, H-1 are recomputed into `edge`;
-//   - the row that just became interior (H-3) is computed into its slot of `s`;
+//   - the k rows that became interior (H-2-k .. H-3) are computed into their slots of `s`;
 //   - when candidate_end moved (by at most 2 blocks), the stored interior rows are recomputed
 //     in columns [old end - 2, new end);
 //   - `sum` keeps the interior rows' fixed-point time sum, adjusted by exact integer atomics
 //     as rows enter, leave or are fixed up; y adds the edge rows to it.
-// Anything else (the first prediction after a prefill, more than one row appended since the
-// last prediction, the end moving back or by more than 2 blocks, H < 5) recomputes every row.
-// Either way the result is bit for bit the full recompute's.
+// Anything else (the first prediction after a prefill, more than H - 4 rows appended, the end
+// moving back or by more than 2 blocks, H < 5) recomputes every row. Either way the result is
+// bit for bit the full recompute's.
 constexpr int kCnnFragWords = 4 * 32 * 22;  // 4 conv2 N tiles x 32 lanes x 22 words
 
 struct CnnCache {
