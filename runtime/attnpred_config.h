@@ -17,6 +17,11 @@ struct AttnPredConfig {
   int sink_tokens = -1;        ///< S (a multiple of the block); -1: the bundle's (64)
   int recent_tokens = -1;      ///< R (a multiple of the block); -1: the bundle's (64)
   int calibration_period = 0;  ///< M: every M-th step appends a full row; 0: the bundle's (5)
+  /// P: the CNN predicts (and the selection changes) every P-th step; the steps between
+  /// attend the last selection (its sink and recent tokens follow the context) and still
+  /// append their history rows. 1 (the paper's code): every step. The paper predicts "every
+  /// several steps for efficiency" without giving P; its cost is measured in docs/gpu.md.
+  int predict_interval = 1;
   /// Layers attended densely with no history (paper: {0, 1}); unset: the bundle's.
   std::optional<std::vector<int>> dense_layers;
   /// Decode steps after a prefill attended densely (full rows) before the first prediction:

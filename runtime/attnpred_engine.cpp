@@ -138,6 +138,8 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
   k_blocks_ = (budget_ - geo_.sink - geo_.recent) / geo_.block;
   period_ = c.calibration_period > 0 ? c.calibration_period : params.calibration_period;
   need(period_ >= 1, "AttnPredConfig: calibration_period must be >= 1, got " + str(period_));
+  interval_ = c.predict_interval;
+  need(interval_ >= 1, "AttnPredConfig: predict_interval must be >= 1, got " + str(interval_));
   warmup_ = c.warmup_steps;
   need(warmup_ >= 1,
        "AttnPredConfig: warmup_steps must be >= 1 (the first decode has no "
@@ -432,9 +434,12 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
                                        kv.batch, hkv, scale, geo_, ls.hist, scratch, scratch_bytes,
                                        false, stream));
   }
-  KVS_CUDA_CHECK(ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, scores, stream));
-  KVS_CUDA_CHECK(
-      ap::select_blocks_cuda(scores, ls.hist, kv.batch, hkv, geo_, k_blocks_, ls.flags, stream));
+  if (predicts(c)) {
+    KVS_CUDA_CHECK(
+        ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, scores, stream));
+    KVS_CUDA_CHECK(
+        ap::select_blocks_cuda(scores, ls.hist, kv.batch, hkv, geo_, k_blocks_, ls.flags, stream));
+  }
   if (!warm && attn_branch_) KVS_CUDA_CHECK(kernels::join_into(attn_branch_->get(), stream));
   if (offload) {
     // Cross-token prefetch of the blocks step t+1 needs. The lengths are snapshotted on the
@@ -576,7 +581,7 @@ void AttnPredEngine::decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf1
     ls.hist.count[b] += 1;
     ls.hist.tokens[b] = n;
   }
-  predict_cpu(ls, kv.batch);
+  if (predicts(c)) predict_cpu(ls, kv.batch);
 }
 
 std::vector<std::vector<int32_t>> AttnPredEngine::last_read(int layer, int b) const {

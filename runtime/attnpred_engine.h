@@ -12,8 +12,12 @@
 //      still the sparse attention, as the paper does; only the history is calibrated);
 //   3. predicts the next step's block scores with the CNN and takes each query head's top
 //      (budget - sink - recent) / block candidate blocks. On CUDA the CNN is incremental
-//      (kernels/attnpred/attnpred.h CnnCache: about 5 of the `history` conv rows per step);
-//      its cache doubles the history's device memory (one fp32 value per history cell).
+//      (kernels/attnpred/attnpred.h CnnCache: 4 + k of the `history` conv rows for k rows
+//      appended since the last prediction); its cache doubles the history's device memory
+//      (one fp32 value per history cell). With predict_interval P > 1 this step runs on the
+//      last warm-up step and every P-th step after it; the steps between keep the block
+//      flags, so they attend the same predicted blocks, with sink and recent tokens taken
+//      from their own context length.
 // The prefill gives the engine keys but no queries, so it cannot compute the paper's prefill
 // history (the last 64 prompt queries' rows); the warm-up steps build it instead, and until
 // `history` rows exist the older rows are zeros.
@@ -36,8 +40,8 @@
 // read, so it waits on an event recorded after that attention and its history row. Calibration rows
 // read the full K from host memory (1/M of a full-K transfer per step); warm-up steps attend the
 // host KV directly (zero-copy dense). Offload decode keeps state across steps on two streams and is
-// not meant for CUDA graph capture; GPU-resident decode is (one graph per calibration phase: the
-// phase is host state).
+// not meant for CUDA graph capture; GPU-resident decode is (one graph per phase of the step
+// count modulo lcm(calibration_period, predict_interval): the phase is host state).
 #pragma once
 
 #include <memory>
@@ -89,6 +93,7 @@ class AttnPredEngine : public Engine {
   int budget_tokens() const { return budget_; }
   int k_blocks() const { return k_blocks_; }
   int calibration_period() const { return period_; }
+  int predict_interval() const { return interval_; }
   int max_context() const { return max_context_; }
   int max_blocks() const { return max_blocks_; }
   int max_selected_tokens() const { return max_tokens_; }
@@ -130,7 +135,10 @@ class AttnPredEngine : public Engine {
   size_t selection_bytes() const;
 
   kernels::attnpred::Geometry geo_;
-  int budget_ = 0, k_blocks_ = 0, period_ = 0, warmup_ = 1;
+  // Whether decode call c (0-based since the prefill) predicts the next selection.
+  bool predicts(int c) const { return c < warmup_ || (c - warmup_ + 1) % interval_ == 0; }
+
+  int budget_ = 0, k_blocks_ = 0, period_ = 0, warmup_ = 1, interval_ = 1;
   int max_context_ = 0, max_blocks_ = 0, max_tokens_ = 0, slots_per_head_ = 0;
   std::vector<int> dense_layers_;
   std::vector<float> host_params_;

@@ -76,6 +76,7 @@ const Table& knob_table(Method m) {
       {"recent_tokens", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.recent_tokens = to_int(k, v); }},
       {"calibration_period", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.calibration_period = to_int(k, v); }},
       {"warmup_steps", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.warmup_steps = to_int(k, v); }},
+      {"predict_interval", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.predict_interval = to_int(k, v); }},
       {"dense_layers", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.dense_layers = to_ints(k, v); }},
   };
   static const Table saap = {

@@ -209,6 +209,49 @@ TEST(AttnPredCpu, EngineAttendsItsSelectionAndMatchesDenseWhenTheBudgetCoversAll
                std::logic_error);  // layer 1 never prefilled
 }
 
+// predict_interval 3: the block flags change only on the last warm-up step and every third
+// step after it; every step still appends its history row, and a step between predictions
+// attends sink, its own recent window and the kept blocks.
+TEST(AttnPredCpu, EnginePredictsEveryIntervalAndKeepsItsBlocksBetween) {
+  Scene sc(900, 4);
+  EngineConfig cfg;
+  cfg.backend = Backend::Cpu;
+  cfg.attnpred.predict_interval = 0;
+  EXPECT_THROW(AttnPredEngine(sc.shape, cfg, test_params(256)), std::invalid_argument);
+  cfg.attnpred.predict_interval = 3;
+  cfg.attnpred.warmup_steps = 2;
+  AttnPredEngine e(sc.shape, cfg, test_params(256));
+  EXPECT_EQ(e.predict_interval(), 3);
+  e.prefill(1, sc.kv, nullptr);
+  std::vector<bf16> out(sc.q.size());
+  std::vector<uint8_t> before = e.block_flags(1);
+  int changed = 0;
+  for (int step = 0; step < 14; ++step) {
+    sc.len = sc.n + step;
+    sc.new_query(300 + step);
+    e.decode(1, sc.q.data(), nullptr, sc.kv, out.data(), nullptr, nullptr);
+    EXPECT_EQ(e.history_count(1)[0], step + 1);
+    const std::vector<uint8_t> flags = e.block_flags(1);
+    const bool predicted = step < 2 || (step - 1) % 3 == 0;
+    if (!predicted) {
+      ASSERT_EQ(flags, before) << "step " << step << " changed the selection between predictions";
+    } else if (step > 1) {
+      changed += flags != before;
+    }
+    if (step >= 2) {  // sparse: the flags as they were when the step began
+      const auto read = e.last_read(1, 0);
+      ASSERT_EQ(read.size(), 4u);
+      for (int h = 0; h < 2; ++h)
+        EXPECT_EQ(read[size_t(h) * 2],
+                  ap::selected_tokens_cpu(e.geometry(), sc.len,
+                                          before.data() + size_t(h) * e.max_blocks()))
+            << "step " << step << " kv head " << h;
+    }
+    before = flags;
+  }
+  EXPECT_GT(changed, 0) << "no prediction after the warm-up changed the selection";
+}
+
 TEST(AttnPredCpu, StoredPartsRoundTripAndValidate) {
   Scene sc(100, 3);
   const std::string path = "attnpred_parts_" + std::to_string(::getpid()) + ".h5";

@@ -75,8 +75,9 @@ TEST(AttnPredCuda, CnnMatchesCpu) {
 // recompute (a second cache, reset before each prediction), and the CPU CNN over the gathered
 // history within close_score. The steps cover a short history filling up (zero rows), the ring
 // wrapping, the slice end moving by 0, 1 or 2 blocks (stored rows fixed up) and by 3 (all
-// recomputed), a slice that starts empty, a prediction repeated without an append, two rows
-// appended to one sequence only (it recomputes, the other stays incremental), and a cache reset.
+// recomputed), a slice that starts empty, a prediction repeated without an append, several
+// rows appended between two predictions (predict_interval > 1; the sequences differ): 2, 4,
+// H - 4 (the most that stays incremental) and H - 3 (recomputed), and a cache reset.
 TEST(AttnPredCuda, IncrementalPredictorEqualsFullRecomputeEveryStep) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const std::vector<float> p = random_params(3);
@@ -142,12 +143,14 @@ TEST(AttnPredCuda, IncrementalPredictorEqualsFullRecomputeEveryStep) {
         }
       }
     };
+    // Rows appended before a prediction, besides the step's own.
+    const int extra[] = {0, 0, 1, 0, 3, 0, 0, std::max(0, H - 5), 0, std::max(0, H - 4), 0};
     for (int step = 0; step < H + 12; ++step) {
       for (int b = 0; b < B; ++b) {
         tokens[size_t(b)] += growth[(step + 3 * b) % 10];
         append(b);
+        for (int i = 0; i < extra[(step + 5 * b) % 11]; ++i) append(b);
       }
-      if (step % 7 == 3) append(1);
       if (step == H / 2 + 4) KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(dp.p, cache, B, nullptr));
       check(step);
       if (step % 5 == 2) check(step);
@@ -231,7 +234,7 @@ struct Scene {
   }
 };
 
-void run_against_cpu(bool offload) {
+void run_against_cpu(bool offload, int predict_interval = 1) {
   Scene sc;
   AttnPredParams params;
   params.cnn = random_params(3);
@@ -240,7 +243,8 @@ void run_against_cpu(bool offload) {
   params.dense_layers = {0};
   EngineConfig cc;
   cc.backend = Backend::Cpu;
-  EngineConfig gc;
+  cc.attnpred.predict_interval = predict_interval;
+  EngineConfig gc = cc;
   gc.backend = Backend::Cuda;
   gc.attnpred.offload = offload;
   AttnPredEngine cpu(sc.shape, cc, params), gpu(sc.shape, gc, params);
@@ -496,6 +500,18 @@ TEST(AttnPredCuda, GpuResidentEngineMatchesCpu) {
 TEST(AttnPredCuda, OffloadPrefetchesTheSelectedBlocks) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   run_against_cpu(true);
+}
+
+// A prediction every 3rd (every 2nd) step: the CUDA predictor's incremental update then
+// covers several appended rows, and the steps between keep the selection.
+TEST(AttnPredCuda, GpuResidentEngineMatchesCpuPredictingEveryThirdStep) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  run_against_cpu(false, 3);
+}
+
+TEST(AttnPredCuda, OffloadPrefetchesTheSelectedBlocksPredictingEverySecondStep) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  run_against_cpu(true, 2);
 }
 
 }  // namespace
