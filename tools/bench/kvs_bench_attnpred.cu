@@ -7,7 +7,9 @@
 //   dense        dense_decode_cuda over the device cache
 //   ap_gpu       the attnpred engine, GPU-resident (attention + history row + prediction)
 //   sparse_attn  its attention alone: selection build + split-KV over the sub-request view
-//   predictor    its CNN + top-K alone (the paper's "predict attention"; hideable, cross-token)
+//   predictor    its CNN + top-K alone, one prediction (the paper's "predict attention";
+//                hideable, cross-token); with --predict-interval P it follows P appended
+//                history rows, and 1/P of the steps pay it
 //   full_row     one calibration row (scores over all keys); 1/M of the steps pay it
 //   offl_copy    the paper's baseline: the whole layer's KV copied H2D (cudaMemcpyAsync from
 //                pinned memory), then dense attention
@@ -17,7 +19,8 @@
 //                layer step (prefetched + on demand)
 // Weights are random (selection quality does not change the cost); queries and keys are
 // random bf16. Targets (issue): ap_offload 5.6x faster than offl_copy at 32K; ap_gpu 5x faster
-// than dense at 128K with budget 2048. --json writes every row (docs/formats.md).
+// than dense at 128K with budget 2048. --predict-interval P (AttnPredConfig::predict_interval)
+// makes the engines predict every P-th step. --json writes every row (docs/formats.md).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -60,9 +63,9 @@ double median_us(int reps, int per_rep, cudaStream_t s, F&& f) {
   return kvs::bench::time_calls(f, 1, reps, s) * 1000.0 / per_rep;
 }
 
-// One more history row per sequence (its content is not what is timed): each predictor call
-// is then a decode step's incremental CNN update, not a repeat of the last one.
-__global__ void advance_count(int32_t* count) { count[threadIdx.x] += 1; }
+// `rows` more history rows per sequence (their content is not what is timed): each predictor
+// call is then an incremental CNN update over that many appended rows, not a repeat of the last.
+__global__ void advance_count(int32_t* count, int rows) { count[threadIdx.x] += rows; }
 
 template <class T>
 T* dalloc(size_t n) {
@@ -75,7 +78,7 @@ T* dalloc(size_t n) {
 
 int main(int argc, char** argv) try {
   std::string contexts_s, json_path;
-  int hq, hkv, d, budget, layers, steps, reps, period;
+  int hq, hkv, d, budget, layers, steps, reps, period, interval;
   po::options_description opts(
       "kvs-bench-attnpred: AttentionPredictor decode vs dense, GPU and offload");
   opts.add_options()("help,h", "show this help")(
@@ -86,6 +89,8 @@ int main(int argc, char** argv) try {
       "budget", po::value(&budget)->default_value(2048),
       "tokens per head (sink + recent included)")("period", po::value(&period)->default_value(5),
                                                   "calibration period M")(
+      "predict-interval", po::value(&interval)->default_value(1),
+      "predict every P-th step (AttnPredConfig::predict_interval)")(
       "layers", po::value(&layers)->default_value(4), "layers per step (prefetch overlaps them)")(
       "steps", po::value(&steps)->default_value(10), "decode steps per repetition (whole periods)")(
       "reps", po::value(&reps)->default_value(5), "repetitions (median)")(
@@ -95,9 +100,15 @@ int main(int argc, char** argv) try {
     std::fprintf(stderr, "kvs-bench-attnpred: no CUDA device\n");
     return 1;
   }
-  if (steps % period != 0) {
-    std::fprintf(stderr, "kvs-bench-attnpred: --steps %d is not a multiple of --period %d\n", steps,
-                 period);
+  if (interval < 1) {
+    std::fprintf(stderr, "kvs-bench-attnpred: --predict-interval %d is below 1\n", interval);
+    return 1;
+  }
+  if (steps % period != 0 || steps % interval != 0) {
+    std::fprintf(stderr,
+                 "kvs-bench-attnpred: --steps %d is not a multiple of --period %d and "
+                 "--predict-interval %d (a loop covers whole phases of both)\n",
+                 steps, period, interval);
     return 1;
   }
   const std::vector<int> contexts = kvs::bench::parse_counts(contexts_s, "contexts");
@@ -110,12 +121,13 @@ int main(int argc, char** argv) try {
                      {"head_dim", d},
                      {"budget", budget},
                      {"period", period},
+                     {"predict_interval", interval},
                      {"layers", layers},
                      {"steps", steps},
                      {"reps", reps}});
   report.save();
-  std::printf("# %s, Hq %d, Hkv %d, d %d, budget %d, M %d, %d layers, batch 1\n", prop.name, hq,
-              hkv, d, budget, period, layers);
+  std::printf("# %s, Hq %d, Hkv %d, d %d, budget %d, M %d, predict every %d, %d layers, batch 1\n",
+              prop.name, hq, hkv, d, budget, period, interval, layers);
   std::printf("%8s %9s %9s %11s %9s %9s %10s %9s %11s %6s %9s %8s %8s\n", "context", "dense",
               "ap_gpu", "sparse_attn", "predictor", "full_row", "offl_copy", "offl_zc",
               "ap_offload", "late", "blk/step", "x_gpu", "x_offl");
@@ -196,6 +208,7 @@ int main(int argc, char** argv) try {
     kvs::EngineConfig ec;
     ec.backend = kvs::Backend::Cuda;
     ec.attnpred.max_context = cap;
+    ec.attnpred.predict_interval = interval;
     auto run_engine = [&](kvs::AttnPredEngine& e, const std::vector<kvs::bf16*>& K,
                           const std::vector<kvs::bf16*>& V) {
       void* ws = dalloc<char>(e.workspace_bytes());
@@ -254,11 +267,11 @@ int main(int argc, char** argv) try {
     uint8_t* flags = dalloc<uint8_t>(size_t(hkv) * mb);
     KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(dparams, cnn, 1, stream));
     set_len(0);
-    // A decode step's predictor: one row appended since the last prediction, the slice end
-    // where it was (the stored rows' end columns are recomputed one step in 16 as the
-    // context grows: not in this figure; ap_gpu has them).
+    // One prediction: `interval` rows appended since the last, the slice end where it was
+    // (the stored rows' end columns are recomputed one step in 16 as the context grows: not
+    // in this figure; ap_gpu has them).
     const double predictor = median_us(reps, 1, stream, [&] {
-      advance_count<<<1, 1, 0, stream>>>(hist.count);
+      advance_count<<<1, 1, 0, stream>>>(hist.count, interval);
       KVS_CUDA_CHECK(ap::predict_cuda(dparams, hist, cnn, 1, geo, scores, stream));
       KVS_CUDA_CHECK(
           ap::select_blocks_cuda(scores, hist, 1, hkv, geo, gpu.k_blocks(), flags, stream));
