@@ -436,7 +436,7 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   }
   if (predicts(c)) {
     KVS_CUDA_CHECK(
-        ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, scores, stream));
+        ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, scores, interval_, stream));
     KVS_CUDA_CHECK(
         ap::select_blocks_cuda(scores, ls.hist, kv.batch, hkv, geo_, k_blocks_, ls.flags, stream));
   }

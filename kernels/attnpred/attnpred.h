@@ -179,9 +179,12 @@ cudaError_t reset_cnn_cache_cuda(const float* params, const CnnCache& cache, int
 
 // CNN over every (b < batch, h) history's candidate slice: scores [max_batch, Hq, max_blocks]
 // get the predictions at their absolute column indices (columns outside the slice untouched).
-// Updates `cache` (see CnnCache).
+// Updates `cache` (see CnnCache). rows_between: the history rows the caller appends between
+// two predictions (1: a prediction every step), which picks the kernel's form; any count is
+// computed exactly, the others more slowly.
 cudaError_t predict_cuda(const float* params, const HistoryState& hist, const CnnCache& cache,
-                         int batch, const Geometry& g, float* scores, cudaStream_t stream);
+                         int batch, const Geometry& g, float* scores, int rows_between,
+                         cudaStream_t stream);
 
 // Per (b, query head): top-k of the candidate scores, OR-ed into block_flags [max_batch, Hkv,
 // max_blocks] (zeroed here first). Same order as select_top_blocks_cpu.

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <random>
 #include <string>
 
@@ -77,7 +78,9 @@ TEST(AttnPredCuda, CnnMatchesCpu) {
 // wrapping, the slice end moving by 0, 1 or 2 blocks (stored rows fixed up) and by 3 (all
 // recomputed), a slice that starts empty, a prediction repeated without an append, several
 // rows appended between two predictions (predict_interval > 1; the sequences differ): 2, 4,
-// H - 4 (the most that stays incremental) and H - 3 (recomputed), and a cache reset.
+// H - 4 and H - 3 (at most H - 4 stay incremental, fewer where whole bands would reach the
+// edge rows), and a cache reset. Both kernel forms: for a prediction every step (several
+// rows appended: recomputed) and every 4th (incremental).
 TEST(AttnPredCuda, IncrementalPredictorEqualsFullRecomputeEveryStep) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const std::vector<float> p = random_params(3);
@@ -85,7 +88,9 @@ TEST(AttnPredCuda, IncrementalPredictorEqualsFullRecomputeEveryStep) {
   const ap::Geometry g{0, 16, 64, 64};
   const int B = 2, hq = 2, mb = 120;
   const int growth[] = {1, 0, 1, 16, 1, 32, 1, 48, 5, 2};
-  for (int H : {1, 3, 5, 6, 13, 64}) {
+  const int histories[] = {1, 3, 5, 6, 13, 64};
+  for (int run = 0; run < 12; ++run) {
+    const int rows_between = run < 6 ? 1 : 4, H = histories[run % 6];
     ap::Geometry geo = g;
     geo.history = H;
     std::vector<float> rows(size_t(B) * hq * H * mb, 0.f);
@@ -119,9 +124,9 @@ TEST(AttnPredCuda, IncrementalPredictorEqualsFullRecomputeEveryStep) {
       KVS_CUDA_CHECK(cudaMemcpy(drows.p, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice));
       KVS_CUDA_CHECK(cudaMemcpy(dcount.p, count.data(), B * 4, cudaMemcpyHostToDevice));
       KVS_CUDA_CHECK(cudaMemcpy(dtokens.p, tokens.data(), B * 4, cudaMemcpyHostToDevice));
-      KVS_CUDA_CHECK(ap::predict_cuda(dp.p, dh, cache, B, geo, dscores.p, nullptr));
+      KVS_CUDA_CHECK(ap::predict_cuda(dp.p, dh, cache, B, geo, dscores.p, rows_between, nullptr));
       KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(dp.p, full, B, nullptr));
-      KVS_CUDA_CHECK(ap::predict_cuda(dp.p, dh, full, B, geo, dfull.p, nullptr));
+      KVS_CUDA_CHECK(ap::predict_cuda(dp.p, dh, full, B, geo, dfull.p, rows_between, nullptr));
       const std::vector<float> got = dscores.get(size_t(B) * hq * mb);
       const std::vector<float> want = dfull.get(size_t(B) * hq * mb);
       for (int b = 0; b < B; ++b) {
@@ -134,8 +139,9 @@ TEST(AttnPredCuda, IncrementalPredictorEqualsFullRecomputeEveryStep) {
           for (int c = c0; c < c1; ++c) {
             const size_t i = (size_t(b) * hq + h) * mb + size_t(c);
             ASSERT_EQ(got[i], want[i])
-                << "H " << H << " step " << step << " seq " << b << " head " << h << " column " << c
-                << " (slice [" << c0 << ", " << c1 << "), " << count[size_t(b)] << " rows)";
+                << "form " << rows_between << " H " << H << " step " << step << " seq " << b
+                << " head " << h << " column " << c << " (slice [" << c0 << ", " << c1 << "), "
+                << count[size_t(b)] << " rows)";
             ASSERT_PRED2(close_score, got[i], y[size_t(c - c0)])
                 << "H " << H << " step " << step << " seq " << b << " head " << h << " column "
                 << c;
@@ -181,6 +187,95 @@ TEST(AttnPredCuda, TopBlocksEqualCpu) {
       ap::select_top_blocks_cpu(scores.data() + size_t(qh) * mb + c0, c1 - c0, k, c0,
                                 want.data() + size_t(qh / 2) * mb);
     EXPECT_EQ(flags.get(want.size()), want) << "k " << k;
+  }
+}
+
+// The block list (build_selection_cuda) against the CPU token rule, over lists long enough to
+// span several of the kernel's parts (256 blocks each): sequences of 9,001, 0, 4,096 and 300
+// tokens, random flags; pages of 8 tokens (a block spans two pages) and of 32; the lists cut
+// at max_tokens with the cut counted as errors; and offload's block slots (rows inside the
+// slots, unassigned slots counted as errors).
+TEST(AttnPredCuda, BlockListEqualsCpuAcrossParts) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  const ap::Geometry g{64, 16, 64, 64};
+  const int B = 4, hkv = 2, d = 8, mb = 600;
+  const std::vector<int32_t> lens = {9001, 0, 4096, 300};
+  std::mt19937 rng(17);
+  std::vector<uint8_t> flags(size_t(B) * hkv * mb);
+  for (auto& f : flags) f = rng() % 10 < 3;
+  std::vector<int32_t> slots(flags.size());
+  for (auto& x : slots) x = int32_t(rng() % 50) - 5;  // some blocks without a slot
+  for (int page : {8, 32}) {
+    for (int max_tokens : {9001, 1000}) {
+      for (bool offload : {false, true}) {
+        const int pages_per_seq = (9001 + page - 1) / page;
+        std::vector<int32_t> table(size_t(B) * pages_per_seq);
+        std::iota(table.begin(), table.end(), 0);
+        std::shuffle(table.begin(), table.end(), rng);
+        Dev<int32_t> dtable(table), dlens(lens), dslots(slots);
+        Dev<uint8_t> dflags(flags);
+        PagedKV kv;
+        kv.page_table = dtable.p;
+        kv.seq_lens = dlens.p;
+        kv.batch = B;
+        kv.num_pages = int(table.size());
+        kv.page_size = page;
+        kv.num_kv_heads = hkv;
+        kv.head_dim = d;
+        kv.max_pages_per_seq = pages_per_seq;
+        Dev<int32_t> rows(size_t(B) * hkv * max_tokens), toks(size_t(B) * hkv * max_tokens);
+        Dev<int32_t> counts(size_t(B) * hkv);
+        Dev<unsigned long long> counters(2);
+        KVS_CUDA_CHECK(cudaMemset(counters.p, 0, 2 * sizeof(unsigned long long)));
+        kernels::tactic::Selection sel;
+        sel.rows = rows.p;
+        sel.tokens = toks.p;
+        sel.counts = counts.p;
+        sel.max_tokens = max_tokens;
+        KVS_CUDA_CHECK(ap::build_selection_cuda(kv, dflags.p, mb, g, offload ? dslots.p : nullptr,
+                                                sel, counters.p, nullptr));
+        const std::vector<int32_t> got_rows = rows.get(size_t(B) * hkv * max_tokens);
+        const std::vector<int32_t> got_toks = toks.get(size_t(B) * hkv * max_tokens);
+        const std::vector<int32_t> got_counts = counts.get(size_t(B) * hkv);
+        const std::vector<unsigned long long> got_counters = counters.get(2);
+        unsigned long long want_read = 0, want_errors = 0;
+        PagedKV host = kv;
+        host.page_table = table.data();
+        for (int b = 0; b < B; ++b) {
+          for (int h = 0; h < hkv; ++h) {
+            const size_t bh = size_t(b) * hkv + size_t(h);
+            const std::vector<int32_t> all =
+                ap::selected_tokens_cpu(g, lens[size_t(b)], flags.data() + bh * mb);
+            const int count = std::min(int(all.size()), max_tokens);
+            want_read += unsigned(count);
+            want_errors += all.size() - size_t(count);
+            const std::string where = "page " + std::to_string(page) + " max_tokens " +
+                                      std::to_string(max_tokens) + " offload " +
+                                      std::to_string(offload) + " seq " + std::to_string(b) +
+                                      " kv head " + std::to_string(h);
+            ASSERT_EQ(got_counts[bh], count) << where;
+            // Offload: a block without a slot counts its attended tokens as errors when its
+            // first one made the list.
+            for (size_t i = 0; offload && i < all.size(); ++i) {
+              const int j = all[i] / 16;
+              if (slots[bh * mb + size_t(j)] < 0 && (i == 0 || all[i - 1] / 16 != j) &&
+                  int(i) < max_tokens)
+                for (size_t e = i; e < all.size() && all[e] / 16 == j; ++e) ++want_errors;
+            }
+            for (int i = 0; i < count; ++i) {
+              const int t = all[size_t(i)], slot = slots[bh * mb + size_t(t / 16)];
+              const int32_t want_row =
+                  offload ? std::max(slot, 0) * 16 + t % 16 : int32_t(host.offset(b, t, h) / d);
+              ASSERT_EQ(got_toks[bh * size_t(max_tokens) + size_t(i)], t) << where << " at " << i;
+              ASSERT_EQ(got_rows[bh * size_t(max_tokens) + size_t(i)], want_row)
+                  << where << " token " << t;
+            }
+          }
+        }
+        EXPECT_EQ(got_counters[0], want_read) << "page " << page << " offload " << offload;
+        EXPECT_EQ(got_counters[1], want_errors) << "page " << page << " offload " << offload;
+      }
+    }
   }
 }
 

@@ -272,7 +272,7 @@ int main(int argc, char** argv) try {
     // in this figure; ap_gpu has them).
     const double predictor = median_us(reps, 1, stream, [&] {
       advance_count<<<1, 1, 0, stream>>>(hist.count, interval);
-      KVS_CUDA_CHECK(ap::predict_cuda(dparams, hist, cnn, 1, geo, scores, stream));
+      KVS_CUDA_CHECK(ap::predict_cuda(dparams, hist, cnn, 1, geo, scores, interval, stream));
       KVS_CUDA_CHECK(
           ap::select_blocks_cuda(scores, hist, 1, hkv, geo, gpu.k_blocks(), flags, stream));
     });
