@@ -4,8 +4,10 @@
 // Columns (microseconds per layer and decode step, median over --reps repetitions of a
 // --steps step loop over --layers layers; every loop covers whole calibration periods, so
 // calibration rows are amortised as in a real decode):
-//   dense        dense_decode_cuda over the device cache
-//   ap_gpu       the attnpred engine, GPU-resident (attention + history row + prediction)
+//   dense        dense_decode_cuda over the device cache (CUDA graph replays)
+//   ap_gpu       the attnpred engine, GPU-resident (attention + history row + prediction),
+//                CUDA graph replays of the step loop, as a decode loop would run it
+//   ap_eager     the same loop launched kernel by kernel (the host's launches may bound it)
 //   sparse_attn  its attention alone: selection build + split-KV over the sub-request view
 //   predictor    its CNN + top-K alone, one prediction (the paper's "predict attention";
 //                hideable, cross-token); with --predict-interval P it follows P appended
@@ -29,6 +31,7 @@
 #include <iostream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/common/cuda_check.h"
@@ -128,9 +131,9 @@ int main(int argc, char** argv) try {
   report.save();
   std::printf("# %s, Hq %d, Hkv %d, d %d, budget %d, M %d, predict every %d, %d layers, batch 1\n",
               prop.name, hq, hkv, d, budget, period, interval, layers);
-  std::printf("%8s %9s %9s %11s %9s %9s %10s %9s %11s %6s %9s %8s %8s\n", "context", "dense",
-              "ap_gpu", "sparse_attn", "predictor", "full_row", "offl_copy", "offl_zc",
-              "ap_offload", "late", "blk/step", "x_gpu", "x_offl");
+  std::printf("%8s %9s %9s %9s %11s %9s %9s %10s %9s %11s %6s %9s %8s %8s\n", "context",
+              "dense", "ap_gpu", "ap_eager", "sparse_attn", "predictor", "full_row", "offl_copy",
+              "offl_zc", "ap_offload", "late", "blk/step", "x_gpu", "x_offl");
 
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.f, 0.05f);
@@ -197,12 +200,11 @@ int main(int argc, char** argv) try {
     void* dws = dalloc<char>(dws_bytes);
 
     // Dense over the device cache.
-    const double dense = median_us(reps, layers, stream, [&] {
+    const double dense = kvs::bench::time_graph(stream, reps, [&] {
       for (int l = 0; l < layers; ++l)
-        KVS_CUDA_CHECK(kvs::kernels::dense_decode_cuda(q, hq, view(dk[size_t(l)], dv[size_t(l)]),
-                                                       scale, out, nullptr, dws, dws_bytes,
-                                                       stream));
-    });
+        KVS_CUDA_CHECK(kvs::kernels::dense_decode_cuda(
+            q, hq, view(dk[size_t(l)], dv[size_t(l)]), scale, out, nullptr, dws, dws_bytes, stream));
+    }) * 1000.0 / layers;
 
     // GPU-resident engine.
     kvs::EngineConfig ec;
@@ -210,7 +212,7 @@ int main(int argc, char** argv) try {
     ec.attnpred.max_context = cap;
     ec.attnpred.predict_interval = interval;
     auto run_engine = [&](kvs::AttnPredEngine& e, const std::vector<kvs::bf16*>& K,
-                          const std::vector<kvs::bf16*>& V) {
+                          const std::vector<kvs::bf16*>& V, bool graph_too) {
       void* ws = dalloc<char>(e.workspace_bytes());
       e.bind_workspace({ws, e.workspace_bytes()});
       set_len(0);
@@ -226,11 +228,15 @@ int main(int argc, char** argv) try {
       };
       loop();
       e.reset_stats();
-      const double t = median_us(reps, layers * steps, stream, loop);
-      return std::make_pair(t, ws);
+      const double eager = median_us(reps, layers * steps, stream, loop);
+      // GPU-resident: the loop (whole phases of calibration and prediction) captured once and
+      // replayed; the replays repeat its lengths, which does not change the work.
+      const double graph =
+          graph_too ? kvs::bench::time_graph(stream, reps, loop) * 1000.0 / (layers * steps) : 0.0;
+      return std::make_tuple(eager, graph, ws);
     };
     kvs::AttnPredEngine gpu(shape, ec, params);
-    auto [ap_gpu, ws_gpu] = run_engine(gpu, dk, dv);
+    auto [ap_eager, ap_gpu, ws_gpu] = run_engine(gpu, dk, dv, true);
 
     // Its parts: predictor, sparse attention, full row, on a history of random rows.
     const int mb = gpu.max_blocks();
@@ -333,9 +339,9 @@ int main(int argc, char** argv) try {
     void* ws_off = nullptr;
     {
       kvs::AttnPredEngine off(shape, eo, params);
-      auto r = run_engine(off, hk, hv);
-      ap_off = r.first;
-      ws_off = r.second;
+      auto r = run_engine(off, hk, hv, false);  // offload decode is not for graph capture
+      ap_off = std::get<0>(r);
+      ws_off = std::get<2>(r);
       const auto os = off.offload_stats();
       late = os.prefetches ? double(os.late_prefetches) / double(os.prefetches) : 0.0;
       blk = os.prefetches
@@ -346,14 +352,16 @@ int main(int argc, char** argv) try {
                      (unsigned long long)os.selection_errors, L);
       KVS_CUDA_CHECK(cudaDeviceSynchronize());
     }
-    std::printf("%8d %9.1f %9.1f %11.1f %9.1f %9.1f %10.1f %9.1f %11.1f %6.3f %9.1f %8.2f %8.2f\n",
-                L, dense, ap_gpu, sparse_attn, predictor, full_row, offl_copy, offl_zc, ap_off,
-                late, blk, dense / ap_gpu, offl_copy / ap_off);
+    std::printf(
+        "%8d %9.1f %9.1f %9.1f %11.1f %9.1f %9.1f %10.1f %9.1f %11.1f %6.3f %9.1f %8.2f %8.2f\n", L,
+        dense, ap_gpu, ap_eager, sparse_attn, predictor, full_row, offl_copy, offl_zc, ap_off, late,
+        blk, dense / ap_gpu, offl_copy / ap_off);
     std::fflush(stdout);
     report.add_row({{"context", L},
                     {"batch", 1},
                     {"dense_us", dense},
                     {"ap_gpu_us", ap_gpu},
+                    {"ap_gpu_eager_us", ap_eager},
                     {"sparse_attn_us", sparse_attn},
                     {"predictor_us", predictor},
                     {"full_row_us", full_row},
