@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <iostream>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -147,7 +148,9 @@ int main(int argc, char** argv) try {
   cudaStream_t stream;
   KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (int L : contexts) {
-    const int total_steps = steps * (reps + 2);  // every decode grows the sequence by one
+    // Every decode grows the sequence by one: a warm-up loop, 1 + reps eager loops and the
+    // loop captured for the graph replays (which repeat its lengths).
+    const int total_steps = steps * (reps + 3);
     const int cap = L + total_steps + 16;
     kvs::ModelShape shape;
     shape.name = "bench";
@@ -192,6 +195,9 @@ int main(int argc, char** argv) try {
       return kv;
     };
     auto set_len = [&](int s) {
+      if (s < 0 || s > total_steps)
+        throw std::logic_error("kvs-bench-attnpred: step " + std::to_string(s) +
+                               " past the lengths prepared (" + std::to_string(total_steps) + ")");
       KVS_CUDA_CHECK(
           cudaMemcpyAsync(len, lens_host + s, sizeof(int32_t), cudaMemcpyHostToDevice, stream));
     };
