@@ -30,7 +30,6 @@
 #include <cstdio>
 #include <iostream>
 #include <random>
-#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -67,8 +66,9 @@ double median_us(int reps, int per_rep, cudaStream_t s, F&& f) {
   return kvs::bench::time_calls(f, 1, reps, s) * 1000.0 / per_rep;
 }
 
-// `rows` more history rows per sequence (their content is not what is timed): each predictor
-// call is then an incremental CNN update over that many appended rows, not a repeat of the last.
+// count[0] += rows: the next decode step's length, or `rows` more history rows (their content
+// is not what is timed: each predictor call is then an incremental CNN update over that many
+// appended rows, not a repeat of the last).
 __global__ void advance_count(int32_t* count, int rows) { count[threadIdx.x] += rows; }
 
 template <class T>
@@ -148,9 +148,10 @@ int main(int argc, char** argv) try {
   cudaStream_t stream;
   KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (int L : contexts) {
-    // Every decode grows the sequence by one: a warm-up loop, 1 + reps eager loops and the
-    // loop captured for the graph replays (which repeat its lengths).
-    const int total_steps = steps * (reps + 3);
+    // Every decode step grows the sequence by one: a warm-up loop, 1 + reps eager loops, and
+    // 3 + reps replays of the captured loop (the step advances the length on the device, so
+    // the replays go on growing it, as a decode loop does).
+    const int total_steps = steps * (2 * reps + 5);
     const int cap = L + total_steps + 16;
     kvs::ModelShape shape;
     shape.name = "bench";
@@ -173,10 +174,6 @@ int main(int argc, char** argv) try {
     int32_t* table = dalloc<int32_t>(1);
     KVS_CUDA_CHECK(cudaMemset(table, 0, sizeof(int32_t)));
     int32_t* len = dalloc<int32_t>(1);
-    int32_t* lens_host = nullptr;  // pinned: lens_host[s] = the length at step s
-    KVS_CUDA_CHECK(
-        cudaHostAlloc(&lens_host, sizeof(int32_t) * (total_steps + 1), cudaHostAllocDefault));
-    for (int s = 0; s <= total_steps; ++s) lens_host[s] = L + s;
     kvs::bf16* q = dalloc<kvs::bf16>(size_t(hq) * d);
     kvs::bf16* out = dalloc<kvs::bf16>(size_t(hq) * d);
     fill_random(q, size_t(hq) * d, 5u);
@@ -194,14 +191,11 @@ int main(int argc, char** argv) try {
       kv.max_pages_per_seq = 1;
       return kv;
     };
-    auto set_len = [&](int s) {
-      if (s < 0 || s > total_steps)
-        throw std::logic_error("kvs-bench-attnpred: step " + std::to_string(s) +
-                               " past the lengths prepared (" + std::to_string(total_steps) + ")");
-      KVS_CUDA_CHECK(
-          cudaMemcpyAsync(len, lens_host + s, sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+    auto set_len = [&] {  // the prefill's length (decode steps advance it on the device)
+      KVS_CUDA_CHECK(cudaMemcpyAsync(len, &L, sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+      KVS_CUDA_CHECK(cudaStreamSynchronize(stream));  // L is a host variable
     };
-    set_len(0);
+    set_len();
     const size_t dws_bytes = kvs::kernels::dense_decode_workspace_bytes(1, hq, d);
     void* dws = dalloc<char>(dws_bytes);
 
@@ -221,13 +215,12 @@ int main(int argc, char** argv) try {
                           const std::vector<kvs::bf16*>& V, bool graph_too) {
       void* ws = dalloc<char>(e.workspace_bytes());
       e.bind_workspace({ws, e.workspace_bytes()});
-      set_len(0);
+      set_len();
       for (int l = 0; l < layers; ++l) e.prefill(l, view(K[size_t(l)], V[size_t(l)]), stream);
       // Past the warm-up, into a steady state, then timed loops of whole periods.
-      int s = 0;
       auto loop = [&] {
-        for (int i = 0; i < steps; ++i, ++s) {
-          set_len(s);
+        for (int i = 0; i < steps; ++i) {
+          advance_count<<<1, 1, 0, stream>>>(len, 1);
           for (int l = 0; l < layers; ++l)
             e.decode(l, q, nullptr, view(K[size_t(l)], V[size_t(l)]), out, nullptr, stream);
         }
@@ -236,7 +229,7 @@ int main(int argc, char** argv) try {
       e.reset_stats();
       const double eager = median_us(reps, layers * steps, stream, loop);
       // GPU-resident: the loop (whole phases of calibration and prediction) captured once and
-      // replayed; the replays repeat its lengths, which does not change the work.
+      // replayed.
       const double graph =
           graph_too ? kvs::bench::time_graph(stream, reps, loop) * 1000.0 / (layers * steps) : 0.0;
       return std::make_tuple(eager, graph, ws);
@@ -278,7 +271,7 @@ int main(int argc, char** argv) try {
     float* scores = dalloc<float>(size_t(hq) * mb);
     uint8_t* flags = dalloc<uint8_t>(size_t(hkv) * mb);
     KVS_CUDA_CHECK(ap::reset_cnn_cache_cuda(dparams, cnn, 1, stream));
-    set_len(0);
+    set_len();
     // One prediction: `interval` rows appended since the last, the slice end where it was
     // (the stored rows' end columns are recomputed one step in 16 as the context grows: not
     // in this figure; ap_gpu has them).
@@ -321,7 +314,7 @@ int main(int argc, char** argv) try {
       KVS_CUDA_CHECK(cudaMemcpy(hv[size_t(l)], dv[size_t(l)], layer_elems * sizeof(kvs::bf16),
                                 cudaMemcpyDeviceToHost));
     }
-    set_len(0);
+    set_len();
     const size_t layer_bytes = size_t(L) * hkv * d * sizeof(kvs::bf16);
     const double offl_copy = median_us(reps, layers, stream, [&] {
       for (int l = 0; l < layers; ++l) {
@@ -392,7 +385,6 @@ int main(int argc, char** argv) try {
     for (void* p : {(void*)cnn.edge, (void*)cnn.count, (void*)cnn.end, (void*)dparams}) cudaFree(p);
     for (void* p : {(void*)scores, (void*)flags, (void*)sel.rows, (void*)sel.tokens}) cudaFree(p);
     for (void* p : {(void*)sel.counts, sws, rs, (void*)cnn.sum, (void*)cnn.frags}) cudaFree(p);
-    cudaFreeHost(lens_host);
   }
   cudaStreamDestroy(stream);
   return 0;
