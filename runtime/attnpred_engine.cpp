@@ -112,6 +112,9 @@ struct AttnPredEngine::LayerState {
   unsigned int expected_done = 0;
   bool prefetch_pending = false;
   cudaEvent_t selected = nullptr, prefetched = nullptr;
+  // CUDA GPU-resident: this layer's prediction on the predictor's branch, not yet joined.
+  bool prediction_pending = false;
+  cudaEvent_t predicted = nullptr;
 };
 
 AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& config,
@@ -174,18 +177,25 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
                               host_params_.size() * sizeof(float), cudaMemcpyHostToDevice));
     counters_ = DeviceCounters(kNumCounters);
     if (c.offload) KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-    if (!c.offload) attn_branch_ = std::make_unique<OwnedStreamFork>();
+    if (!c.offload) {
+      attn_branch_ = std::make_unique<OwnedStreamFork>();
+      predict_branch_ = std::make_unique<OwnedStreamFork>();
+    }
   }
   layers_.resize(size_t(shape_.num_layers));
+  for (int l = 0; l < shape_.num_layers; ++l)
+    if (!is_dense_layer(l)) last_sparse_ = l;
 }
 
 AttnPredEngine::~AttnPredEngine() {
   if (config_.backend != Backend::Cuda) return;
   // A prefetch may still be copying into a layer's block cache on the side stream.
   if (side_stream_) cudaStreamSynchronize(side_stream_);
-  attn_branch_.reset();  // its stream drains first
+  attn_branch_.reset();  // their streams drain first
+  predict_branch_.reset();
   for (LayerState& ls : layers_) {
     if (!ls.allocated) continue;
+    if (ls.predicted) cudaEventDestroy(ls.predicted);
     cudaFree(ls.hist.rows);
     cudaFree(ls.hist.count);
     cudaFree(ls.hist.tokens);
@@ -215,6 +225,12 @@ AttnPredEngine::~AttnPredEngine() {
 
 bool AttnPredEngine::is_dense_layer(int layer) const {
   return std::find(dense_layers_.begin(), dense_layers_.end(), layer) != dense_layers_.end();
+}
+
+void AttnPredEngine::wait_for_prediction(LayerState& ls, cudaStream_t stream) {
+  if (!ls.prediction_pending) return;
+  KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.predicted, 0));
+  ls.prediction_pending = false;
 }
 
 AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
@@ -248,6 +264,8 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
     ls.cnn.sum = device_alloc<long long>(int64_t(ap::CnnCache::sum_values(h)));
     ls.cnn.frags = device_alloc<uint32_t>(ap::kCnnFragWords);
     ls.flags = device_alloc<uint8_t>(n_flags);
+    if (predict_branch_)
+      KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.predicted, cudaEventDisableTiming));
     if (config_.attnpred.offload) {
       ap::BlockCache& c = ls.cache;
       c.max_batch = B;
@@ -330,6 +348,7 @@ void AttnPredEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) 
     return;
   }
   if (ls.prefetch_pending) KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.prefetched, 0));
+  wait_for_prediction(ls, stream);
   ls.prefetch_pending = false;
   KVS_CUDA_CHECK(cudaMemsetAsync(h.rows, 0, size_t(kv.batch) * row_elems * sizeof(float), stream));
   KVS_CUDA_CHECK(cudaMemsetAsync(h.count, 0, size_t(kv.batch) * sizeof(int32_t), stream));
@@ -383,6 +402,7 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   const int c = ls.calls++;
   const bool warm = c < warmup_;
   const bool full_row = warm || (c + 1) % period_ == 0;
+  wait_for_prediction(ls, stream);  // its flags, history and CNN cache
   if (offload && ls.prefetch_pending) {
     KVS_CUDA_CHECK(
         ap::prefetch_probe_cuda(ls.done, ls.expected_done, counters_.get() + kLate, stream));
@@ -434,13 +454,29 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
                                        kv.batch, hkv, scale, geo_, ls.hist, scratch, scratch_bytes,
                                        false, stream));
   }
-  if (predicts(c)) {
+  if (predicts(c, layer)) {
+    // The prediction reads only this layer's history and writes its CNN cache, its flags and
+    // the scores buffer, which only predictions use (one branch: they run in order).
+    cudaStream_t ps = stream;
+    if (predict_branch_) {
+      KVS_CUDA_CHECK(kernels::fork_from(predict_branch_->get(), stream));
+      ps = predict_branch_->get().side;
+    }
     KVS_CUDA_CHECK(
-        ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, scores, interval_, stream));
+        ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, scores, interval_, ps));
     KVS_CUDA_CHECK(
-        ap::select_blocks_cuda(scores, ls.hist, kv.batch, hkv, geo_, k_blocks_, ls.flags, stream));
+        ap::select_blocks_cuda(scores, ls.hist, kv.batch, hkv, geo_, k_blocks_, ls.flags, ps));
+    if (predict_branch_) {
+      KVS_CUDA_CHECK(cudaEventRecord(ls.predicted, ps));
+      ls.prediction_pending = true;
+    }
   }
   if (!warm && attn_branch_) KVS_CUDA_CHECK(kernels::join_into(attn_branch_->get(), stream));
+  if (predict_branch_ && layer == last_sparse_) {
+    // The end of a decode step (of a captured graph): every prediction joined.
+    KVS_CUDA_CHECK(kernels::join_into(predict_branch_->get(), stream));
+    for (LayerState& other : layers_) other.prediction_pending = false;
+  }
   if (offload) {
     // Cross-token prefetch of the blocks step t+1 needs. The lengths are snapshotted on the
     // main stream: the caller may advance kv.seq_lens for the next step while the copy runs.
@@ -581,7 +617,7 @@ void AttnPredEngine::decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf1
     ls.hist.count[b] += 1;
     ls.hist.tokens[b] = n;
   }
-  if (predicts(c)) predict_cpu(ls, kv.batch);
+  if (predicts(c, layer)) predict_cpu(ls, kv.batch);
 }
 
 std::vector<std::vector<int32_t>> AttnPredEngine::last_read(int layer, int b) const {

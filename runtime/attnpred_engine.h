@@ -11,11 +11,15 @@
 //      row over all n tokens instead (a separate score kernel over all keys: the output is
 //      still the sparse attention, as the paper does; only the history is calibrated);
 //   3. predicts the next step's block scores with the CNN and takes each query head's top
-//      (budget - sink - recent) / block candidate blocks. On CUDA the CNN is incremental
+//      (budget - sink - recent) / block candidate blocks; GPU-resident, on a branch of its own
+//      that the decode of the last sparse layer joins, so that a layer's prediction runs
+//      beside the later layers' steps (the paper's cross-layer overlap: the selection for
+//      step t+1 is needed only at step t+1). On CUDA the CNN is incremental
 //      (kernels/attnpred/attnpred.h CnnCache: 4 + k of the `history` conv rows for k rows
 //      appended since the last prediction); its cache doubles the history's device memory
 //      (one fp32 value per history cell). With predict_interval P > 1 this step runs on the
-//      last warm-up step and every P-th step after it; the steps between keep the block
+//      warm-up steps and every P-th step after them, layer l's phase shifted by l so that
+//      each step predicts for about 1 / P of the layers; the steps between keep the block
 //      flags, so they attend the same predicted blocks, with sink and recent tokens taken
 //      from their own context length.
 // The prefill gives the engine keys but no queries, so it cannot compute the paper's prefill
@@ -41,7 +45,8 @@
 // read the full K from host memory (1/M of a full-K transfer per step); warm-up steps attend the
 // host KV directly (zero-copy dense). Offload decode keeps state across steps on two streams and is
 // not meant for CUDA graph capture; GPU-resident decode is (one graph per phase of the step
-// count modulo lcm(calibration_period, predict_interval): the phase is host state).
+// count modulo lcm(calibration_period, predict_interval): the phase is host state). A captured
+// step must include the decode of the last sparse layer, which joins the predictor's branch.
 #pragma once
 
 #include <memory>
@@ -127,6 +132,8 @@ class AttnPredEngine : public Engine {
  private:
   struct LayerState;
   LayerState& allocate_layer(int layer);
+  // Makes `stream` wait for the layer's prediction when it is still on the predictor's branch.
+  void wait_for_prediction(LayerState& ls, cudaStream_t stream);
   void decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf16* out, float* lse);
   void history_row_cpu(LayerState& ls, const float* q, const PagedKV& kv, int b, int qh,
                        const int32_t* tokens, int count, double scale);
@@ -135,8 +142,12 @@ class AttnPredEngine : public Engine {
   size_t selection_bytes() const;
 
   kernels::attnpred::Geometry geo_;
-  // Whether decode call c (0-based since the prefill) predicts the next selection.
-  bool predicts(int c) const { return c < warmup_ || (c - warmup_ + 1) % interval_ == 0; }
+  // Whether decode call c (0-based since the prefill) of `layer` predicts the next selection:
+  // every warm-up step, then every interval-th step, the layers' phases staggered so that
+  // each step predicts for about 1 / interval of them.
+  bool predicts(int c, int layer) const {
+    return c < warmup_ || (c - warmup_ + 1 + layer) % interval_ == 0;
+  }
 
   int budget_ = 0, k_blocks_ = 0, period_ = 0, warmup_ = 1, interval_ = 1;
   int max_context_ = 0, max_blocks_ = 0, max_tokens_ = 0, slots_per_head_ = 0;
@@ -150,6 +161,10 @@ class AttnPredEngine : public Engine {
   // CUDA, GPU-resident mode: the sparse attention's branch, forked after the block list and
   // joined at the end of the step, so that it overlaps the history row and the predictor.
   std::unique_ptr<OwnedStreamFork> attn_branch_;
+  // CUDA, GPU-resident mode: the predictor's branch (prediction and top-K of a layer run there
+  // after its history row, beside the later layers' steps). decode(last_sparse_) joins it.
+  std::unique_ptr<OwnedStreamFork> predict_branch_;
+  int last_sparse_ = -1;  // the highest layer that is not dense
   uint64_t prefetches_ = 0;
 };
 

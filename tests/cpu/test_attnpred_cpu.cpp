@@ -209,9 +209,9 @@ TEST(AttnPredCpu, EngineAttendsItsSelectionAndMatchesDenseWhenTheBudgetCoversAll
                std::logic_error);  // layer 1 never prefilled
 }
 
-// predict_interval 3: the block flags change only on the last warm-up step and every third
-// step after it; every step still appends its history row, and a step between predictions
-// attends sink, its own recent window and the kept blocks.
+// predict_interval 3: the block flags change only on the warm-up steps and every third step
+// after them (layer 1's phase shifted by one step); every step still appends its history row,
+// and a step between predictions attends sink, its own recent window and the kept blocks.
 TEST(AttnPredCpu, EnginePredictsEveryIntervalAndKeepsItsBlocksBetween) {
   Scene sc(900, 4);
   EngineConfig cfg;
@@ -232,7 +232,7 @@ TEST(AttnPredCpu, EnginePredictsEveryIntervalAndKeepsItsBlocksBetween) {
     e.decode(1, sc.q.data(), nullptr, sc.kv, out.data(), nullptr, nullptr);
     EXPECT_EQ(e.history_count(1)[0], step + 1);
     const std::vector<uint8_t> flags = e.block_flags(1);
-    const bool predicted = step < 2 || (step - 1) % 3 == 0;
+    const bool predicted = step < 2 || (step - 2 + 1 + 1) % 3 == 0;  // layer 1: phase shifted by 1
     if (!predicted) {
       ASSERT_EQ(flags, before) << "step " << step << " changed the selection between predictions";
     } else if (step > 1) {

@@ -597,6 +597,79 @@ TEST(AttnPredCuda, OffloadPrefetchesTheSelectedBlocks) {
   run_against_cpu(true);
 }
 
+// A CUDA graph of decode steps over every layer (the way a decode loop runs the engine): the
+// predictions on their branch, joined by the last sparse layer's decode, must give exactly
+// the eager calls' outputs, histories and selections. Layers 1-3 sparse (0 dense), a
+// prediction every 2nd step (the layers' phases staggered), calibration every 3rd: the graph
+// covers one whole phase of 6 steps.
+TEST(AttnPredCuda, GraphOfStepsEqualsEagerSteps) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  Scene sc;
+  sc.shape.num_layers = 4;
+  AttnPredParams params;
+  params.cnn = random_params(5);
+  params.budget_tokens = 256;
+  params.calibration_period = 3;
+  params.dense_layers = {0};
+  EngineConfig cfg;
+  cfg.backend = Backend::Cuda;
+  cfg.attnpred.predict_interval = 2;
+  AttnPredEngine eager(sc.shape, cfg, params), graphed(sc.shape, cfg, params);
+  Dev<char> ws_e(eager.workspace_bytes()), ws_g(graphed.workspace_bytes());
+  eager.bind_workspace({ws_e.p, eager.workspace_bytes()});
+  graphed.bind_workspace({ws_g.p, graphed.workspace_bytes()});
+  constexpr int kSteps = 7, kLayers = 4;  // one warm-up step, then the graph's 6
+  const size_t qn = size_t(8) * 128;
+  std::mt19937 rng(23);
+  std::normal_distribution<float> nd(0.f, 2.f);
+  std::vector<bf16> qs(qn * kSteps);
+  for (auto& x : qs) x = float_to_bf16(nd(rng));
+  Dev<bf16> dk(sc.k), dv(sc.v), dq(qs), out_e(qn * kSteps * kLayers), out_g(qn * kSteps * kLayers);
+  Dev<int32_t> tab(sc.table), len_e(1), len_g(1);
+  int32_t* lens = nullptr;  // pinned: the graph's copies read it when replayed
+  KVS_CUDA_CHECK(cudaHostAlloc(&lens, kSteps * sizeof(int32_t), cudaHostAllocDefault));
+  for (int s = 0; s < kSteps; ++s) lens[s] = 900 + s;
+  cudaStream_t stream;
+  KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto step = [&](AttnPredEngine& e, int32_t* len, bf16* out, int s) {
+    KVS_CUDA_CHECK(
+        cudaMemcpyAsync(len, lens + s, sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+    const PagedKV kv = sc.view(dk.p, dv.p, tab.p, len);
+    for (int l = 0; l < kLayers; ++l)
+      e.decode(l, dq.p + size_t(s) * qn, nullptr, kv, out + (size_t(s) * kLayers + l) * qn,
+               nullptr, stream);
+  };
+  for (AttnPredEngine* e : {&eager, &graphed}) {
+    int32_t* len = e == &eager ? len_e.p : len_g.p;
+    KVS_CUDA_CHECK(cudaMemcpyAsync(len, lens, sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+    for (int l = 1; l < kLayers; ++l) e->prefill(l, sc.view(dk.p, dv.p, tab.p, len), stream);
+    step(*e, len, e == &eager ? out_e.p : out_g.p, 0);
+  }
+  for (int s = 1; s < kSteps; ++s) step(eager, len_e.p, out_e.p, s);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int s = 1; s < kSteps; ++s) step(graphed, len_g.p, out_g.p, s);
+  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const size_t n_out = qn * kSteps * kLayers;
+  const std::vector<bf16> oe = out_e.get(n_out), og = out_g.get(n_out);
+  for (size_t i = 0; i < n_out; ++i)
+    ASSERT_EQ(oe[i].bits, og[i].bits) << "step " << i / (qn * kLayers) << " layer "
+                                      << i / qn % kLayers << " at " << i % qn;
+  for (int l = 1; l < kLayers; ++l) {
+    EXPECT_EQ(eager.block_flags(l), graphed.block_flags(l)) << "layer " << l;
+    EXPECT_EQ(eager.history_rows(l), graphed.history_rows(l)) << "layer " << l;
+    EXPECT_EQ(graphed.history_count(l)[0], kSteps) << "layer " << l;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  cudaFreeHost(lens);
+}
+
 // A prediction every 3rd (every 2nd) step: the CUDA predictor's incremental update then
 // covers several appended rows, and the steps between keep the selection.
 TEST(AttnPredCuda, GpuResidentEngineMatchesCpuPredictingEveryThirdStep) {
