@@ -48,7 +48,7 @@ FIDELITY_COLUMNS = [
     ("budget_tokens_mean", "budget", "f1"), ("read_reuse_mean", "reuse", "f3"),
 ]
 # Columns that rows of older programs may lack: shown as "-" there.
-OPTIONAL_KEYS = {"read_reuse_mean"}
+OPTIONAL_KEYS = {"read_reuse_mean", "ap_gpu_eager_us"}
 PPL_COLUMNS = [
     ("context", "context", "ctx"), ("method", "method", "str"), ("knobs", "knobs", "str"),
     ("windows", "windows", "int"), ("tokens", "tokens", "int"),
@@ -67,6 +67,18 @@ DENSE_COLUMNS = [
 ]
 
 # The method benchmarks: file, meta.impl, title, columns, the speedup over dense to plot.
+ATTNPRED_COLUMNS = [
+    ("context", "context", "ctx"), ("batch", "batch", "int"),
+    ("dense_us", "dense us", "f1"), ("ap_gpu_us", "GPU us", "f1"),
+    ("speedup_gpu", "speedup", "x2"), ("ap_gpu_eager_us", "GPU eager us", "f1"),
+    ("sparse_attn_us", "sparse attn us", "f1"),
+    ("predictor_us", "predictor us", "f1"), ("full_row_us", "full row us", "f1"),
+    ("offload_copy_us", "offload copy us", "f1"),
+    ("offload_zero_copy_us", "zero-copy us", "f1"),
+    ("ap_offload_us", "offload us", "f1"), ("speedup_offload", "vs copy", "x2"),
+    ("late_fraction", "late", "f3"), ("blocks_per_step", "blocks/step", "f1"),
+]
+
 METHODS = [
     ("kvs_bench_tactic.json", "kvs_tactic", "Tactic", [
         ("context", "context", "ctx"), ("batch", "batch", "int"),
@@ -99,16 +111,10 @@ METHODS = [
         ("kv_mb", "KV MB", "f1"), ("router_mb", "router MB", "f1"),
         ("prefill_ms", "prefill ms", "f1"),
     ], "speedup"),
-    ("kvs_bench_attnpred.json", "kvs_attnpred", "AttentionPredictor", [
-        ("context", "context", "ctx"), ("batch", "batch", "int"),
-        ("dense_us", "dense us", "f1"), ("ap_gpu_us", "GPU us", "f1"),
-        ("speedup_gpu", "speedup", "x2"), ("sparse_attn_us", "sparse attn us", "f1"),
-        ("predictor_us", "predictor us", "f1"), ("full_row_us", "full row us", "f1"),
-        ("offload_copy_us", "offload copy us", "f1"),
-        ("offload_zero_copy_us", "zero-copy us", "f1"),
-        ("ap_offload_us", "offload us", "f1"), ("speedup_offload", "vs copy", "x2"),
-        ("late_fraction", "late", "f3"), ("blocks_per_step", "blocks/step", "f1"),
-    ], "speedup_gpu"),
+    ("kvs_bench_attnpred.json", "kvs_attnpred", "AttentionPredictor", ATTNPRED_COLUMNS,
+     "speedup_gpu"),
+    ("kvs_bench_attnpred_p4.json", "kvs_attnpred",
+     "AttentionPredictor, a prediction every 4 steps", ATTNPRED_COLUMNS, "speedup_gpu"),
 ]
 
 INPUTS = ["eval.json", "ppl.json", "needle.json", "kvs_bench.json", "kvs_bench_shuffled.json",
