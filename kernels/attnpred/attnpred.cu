@@ -43,6 +43,7 @@
 
 #include "kernels/attnpred/attnpred.h"
 #include "kernels/common/float_key.cuh"
+#include "kernels/common/launch.cuh"
 #include "kernels/common/ptx.cuh"
 
 namespace kvs::kernels::attnpred {
@@ -845,28 +846,26 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int kWarps = kThreads / 32, kTiles = kScoreChunk / kWarps / 8;  // N tiles per warp
   constexpr int kPieces = D / 32;  // 16-byte pieces a lane loads per key
   static_assert(kScoreChunk == kWarps * 32 && kTiles == 4, "a warp takes 32 keys");
-  __shared__ float2 warp_part[kWarps][kMaxGroup];
+  __shared__ float2 warp_part[2][kWarps][kMaxGroup];  // by chunk parity: one barrier a chunk
   const int bh = blockIdx.x, tid = threadIdx.x;
   const int b = bh / num_kv_heads, h = bh % num_kv_heads;
   const int group = num_q_heads / num_kv_heads;
   zero_history_share(hist, b, h, group, pool_done);
   const int seq = sub ? bh : b, kvh = sub ? 0 : h;
   const int n = view.seq_lens[seq];
-  const int i0 = blockIdx.y * kScoreChunk;
-  if (i0 >= n) return;
+  if (int(blockIdx.y) * kScoreChunk >= n) return;
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int key0 = i0 + warp * 32;  // the warp's first position
-  // Every load first: the keys' rows (page-table entries, then the rows) and the query pieces.
+  // The chunks blockIdx.y, + gridDim.y, ... (a full row's grid is one wave of CTAs that walk
+  // its chunks). Each chunk's key rows are requested at once (page-table entries, then the
+  // rows); the next chunk's page-table entries are requested before this chunk's rows are
+  // used, so a chunk after the first waits for one round trip, not two.
   int64_t off[kTiles];
+  auto key_offsets = [&](int i0) {
 #pragma unroll
-  for (int nt = 0; nt < kTiles; ++nt)
-    off[nt] = view.offset(seq, min(key0 + nt * 8 + g, n - 1), kvh);
-  uint4 kp[kTiles][kPieces];
-#pragma unroll
-  for (int nt = 0; nt < kTiles; ++nt)
-#pragma unroll
-    for (int p = 0; p < kPieces; ++p)
-      kp[nt][p] = reinterpret_cast<const uint4*>(view.k + off[nt])[t + 4 * p];
+    for (int nt = 0; nt < kTiles; ++nt)
+      off[nt] = view.offset(seq, min(i0 + warp * 32 + nt * 8 + g, n - 1), kvh);
+  };
+  key_offsets(blockIdx.y * kScoreChunk);
   uint4 qp[kPieces];
   {
     const bf16* q = q_raw + (int64_t(b) * num_q_heads + h * group + min(g, group - 1)) * D;
@@ -874,67 +873,79 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int p = 0; p < kPieces; ++p)
       qp[p] = g < group ? reinterpret_cast<const uint4*>(q)[t + 4 * p] : make_uint4(0, 0, 0, 0);
   }
-  float2 part = make_float2(-INFINITY, 0.f);  // head g's partial over this lane's keys
-  float tile_max[kTiles];                     // head g's largest score in each tile
+  int parity = 0;
+  for (int chunk = blockIdx.y; chunk * kScoreChunk < n; chunk += gridDim.y, parity ^= 1) {
+    const int key0 = chunk * kScoreChunk + warp * 32;  // the warp's first position
+    uint4 kp[kTiles][kPieces];
 #pragma unroll
-  for (int nt = 0; nt < kTiles; ++nt) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int nt = 0; nt < kTiles; ++nt)
 #pragma unroll
-    for (int p = 0; p < kPieces; ++p) {
-      const uint32_t a0[4] = {qp[p].x, 0u, qp[p].y, 0u}, a1[4] = {qp[p].z, 0u, qp[p].w, 0u};
-      const uint32_t b0[2] = {kp[nt][p].x, kp[nt][p].y}, b1[2] = {kp[nt][p].z, kp[nt][p].w};
-      ptx::mma_bf16_16816(acc, a0, b0, acc);
-      ptx::mma_bf16_16816(acc, a1, b1, acc);
-    }
-    tile_max[nt] = -INFINITY;
-    if (g < group) {  // acc[0], acc[1]: head g x keys 2t, 2t + 1 of the tile
-      float* row = scores + (int64_t(b) * num_q_heads + h * group + g) * max_tokens;
+      for (int p = 0; p < kPieces; ++p)
+        kp[nt][p] = reinterpret_cast<const uint4*>(view.k + off[nt])[t + 4 * p];
+    const int next = chunk + int(gridDim.y);
+    if (next * kScoreChunk < n) key_offsets(next * kScoreChunk);
+    float2 part = make_float2(-INFINITY, 0.f);  // head g's partial over this lane's keys
+    float tile_max[kTiles];                     // head g's largest score in each tile
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int i = key0 + nt * 8 + 2 * t + e;
-        if (i < n) {
-          const float x = acc[e] * scale;
-          if (!kPooled) row[i] = x;
-          if (kPooled) tile_max[nt] = fmaxf(tile_max[nt], x);
-          add_to_partial(part, x);
+    for (int nt = 0; nt < kTiles; ++nt) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int p = 0; p < kPieces; ++p) {
+        const uint32_t a0[4] = {qp[p].x, 0u, qp[p].y, 0u}, a1[4] = {qp[p].z, 0u, qp[p].w, 0u};
+        const uint32_t b0[2] = {kp[nt][p].x, kp[nt][p].y}, b1[2] = {kp[nt][p].z, kp[nt][p].w};
+        ptx::mma_bf16_16816(acc, a0, b0, acc);
+        ptx::mma_bf16_16816(acc, a1, b1, acc);
+      }
+      tile_max[nt] = -INFINITY;
+      if (g < group) {  // acc[0], acc[1]: head g x keys 2t, 2t + 1 of the tile
+        float* row = scores + (int64_t(b) * num_q_heads + h * group + g) * max_tokens;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = key0 + nt * 8 + 2 * t + e;
+          if (i < n) {
+            const float x = acc[e] * scale;
+            if (!kPooled) row[i] = x;
+            if (kPooled) tile_max[nt] = fmaxf(tile_max[nt], x);
+            add_to_partial(part, x);
+          }
         }
       }
     }
-  }
-  if (kPooled) {
-    // Pooled output (full rows, keys = tokens, pool_block 8, 16 or 32): the warp's 32 tokens
-    // are whole blocks, so each block's largest score is reduced here, over the tiles and the
-    // 4 lanes of a key group, and stored once: scores is [rows, hist.max_blocks] of block
-    // maxima, not the scores themselves (row_pool_max_kernel).
-#pragma unroll
-    for (int nt = 0; nt < kTiles; ++nt) {
-      tile_max[nt] = fmaxf(tile_max[nt], __shfl_xor_sync(0xffffffffu, tile_max[nt], 1));
-      tile_max[nt] = fmaxf(tile_max[nt], __shfl_xor_sync(0xffffffffu, tile_max[nt], 2));
-    }
-    if (t == 0 && g < group) {
-      float* out = scores + (int64_t(b) * num_q_heads + h * group + g) * hist.max_blocks;
-      const int per_tile = 8, tiles_per_block = pool_block / per_tile;
+    if (kPooled) {
+      // Pooled output (full rows, keys = tokens, pool_block 8, 16 or 32): the warp's 32
+      // tokens are whole blocks, so each block's largest score is reduced here, over the
+      // tiles and the 4 lanes of a key group, and stored once: scores is [rows,
+      // hist.max_blocks] of block maxima, not the scores themselves (row_pool_max_kernel).
 #pragma unroll
       for (int nt = 0; nt < kTiles; ++nt) {
-        if (nt % tiles_per_block != 0 || key0 + nt * per_tile >= n) continue;
-        float m = tile_max[nt];
+        tile_max[nt] = fmaxf(tile_max[nt], __shfl_xor_sync(0xffffffffu, tile_max[nt], 1));
+        tile_max[nt] = fmaxf(tile_max[nt], __shfl_xor_sync(0xffffffffu, tile_max[nt], 2));
+      }
+      if (t == 0 && g < group) {
+        float* out = scores + (int64_t(b) * num_q_heads + h * group + g) * hist.max_blocks;
+        const int per_tile = 8, tiles_per_block = pool_block / per_tile;
 #pragma unroll
-        for (int u = 1; u < kTiles; ++u)
-          if (u < tiles_per_block && nt + u < kTiles) m = fmaxf(m, tile_max[nt + u]);
-        out[(key0 + nt * per_tile) / pool_block] = m;
+        for (int nt = 0; nt < kTiles; ++nt) {
+          if (nt % tiles_per_block != 0 || key0 + nt * per_tile >= n) continue;
+          float m = tile_max[nt];
+#pragma unroll
+          for (int u = 1; u < kTiles; ++u)
+            if (u < tiles_per_block && nt + u < kTiles) m = fmaxf(m, tile_max[nt + u]);
+          out[(key0 + nt * per_tile) / pool_block] = m;
+        }
       }
     }
-  }
-  part = merge_partial(part, make_float2(__shfl_xor_sync(0xffffffffu, part.x, 1),
-                                         __shfl_xor_sync(0xffffffffu, part.y, 1)));
-  part = merge_partial(part, make_float2(__shfl_xor_sync(0xffffffffu, part.x, 2),
-                                         __shfl_xor_sync(0xffffffffu, part.y, 2)));
-  if (t == 0 && g < group) warp_part[warp][g] = part;
-  __syncthreads();
-  if (tid < group) {
-    float2 pt = make_float2(-INFINITY, 0.f);
-    for (int w = 0; w < kWarps; ++w) pt = merge_partial(pt, warp_part[w][tid]);
-    partials[(int64_t(b) * num_q_heads + h * group + tid) * num_chunks + blockIdx.y] = pt;
+    part = merge_partial(part, make_float2(__shfl_xor_sync(0xffffffffu, part.x, 1),
+                                           __shfl_xor_sync(0xffffffffu, part.y, 1)));
+    part = merge_partial(part, make_float2(__shfl_xor_sync(0xffffffffu, part.x, 2),
+                                           __shfl_xor_sync(0xffffffffu, part.y, 2)));
+    if (t == 0 && g < group) warp_part[parity][warp][g] = part;
+    __syncthreads();  // also orders this parity's reads before its reuse two chunks on
+    if (tid < group) {
+      float2 pt = make_float2(-INFINITY, 0.f);
+      for (int w = 0; w < kWarps; ++w) pt = merge_partial(pt, warp_part[parity][w][tid]);
+      partials[(int64_t(b) * num_q_heads + h * group + tid) * num_chunks + chunk] = pt;
+    }
   }
 }
 
@@ -1367,7 +1378,7 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
       (size_t(batch) * num_q_heads * max_tokens * sizeof(float) + 255) / 256 * 256);
   unsigned int* pool_done =
       reinterpret_cast<unsigned int*>(partials + size_t(batch) * num_q_heads * chunks);
-  const dim3 grid(batch * num_kv_heads, chunks);
+  const dim3 chunk_grid(batch * num_kv_heads, chunks);
   // Mapped host memory is read far better by 16-byte lanes per key: offload mode's 128K step
   // measured 1273-1278 us with them against 1333-1335 with the tensor-core form. A full row
   // from device memory pools its block maxima in the score kernel (blocks of 8, 16 or 32
@@ -1380,6 +1391,15 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
                                      : (keys_on_host ? row_scores_kernel<64>
                                         : pooled     ? row_scores_mma_kernel<64, true>
                                                      : row_scores_mma_kernel<64, false>);
+  // The tensor-core form walks a full row's chunks in one wave of CTAs (2 per SM); the lane
+  // form keeps a CTA per chunk.
+  dim3 grid = chunk_grid;
+  if (!keys_on_host) {
+    int sms = 0;
+    const cudaError_t e = sm_count(&sms);
+    if (e != cudaSuccess) return e;
+    grid.y = std::min<unsigned>(grid.y, std::max(1u, unsigned(2 * sms) / grid.x));
+  }
   kernel<<<grid, kThreads, 0, stream>>>(q, num_q_heads, view, sub, num_kv_heads, scale, scores,
                                         max_tokens, partials, chunks, hist, pooled ? g.block : 0,
                                         pool_done);
