@@ -732,8 +732,9 @@ __device__ __forceinline__ int block_attended(const Geometry& g, int j, int n, c
 
 // Grid (sequence x kv head, parts of kListBlocks blocks): thread t of part y owns block
 // y * kListBlocks + t. A part finds where its tokens start by counting the attended tokens of
-// every block before it (their flags, a block reduction), then one block scan places its own (ascending, as attended_token order). The parts of a list run
-// side by side: one CTA per list walked 8 blocks per thread (128K: 17 us cold on an H200).
+// every block before it (their flags, a block reduction), then one block scan places its own
+// (ascending, as attended_token order). The parts of a list run side by side: one CTA per list
+// walked 8 blocks per thread (128K: 17 us cold on an H200).
 constexpr int kListBlocks = 256;
 __global__ void __launch_bounds__(kListBlocks)
     build_selection_kernel(PagedKV kv, const uint8_t* __restrict__ flags, int max_blocks,

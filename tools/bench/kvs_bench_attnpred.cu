@@ -202,8 +202,9 @@ int main(int argc, char** argv) try {
     // Dense over the device cache.
     const double dense = kvs::bench::time_graph(stream, reps, [&] {
       for (int l = 0; l < layers; ++l)
-        KVS_CUDA_CHECK(kvs::kernels::dense_decode_cuda(
-            q, hq, view(dk[size_t(l)], dv[size_t(l)]), scale, out, nullptr, dws, dws_bytes, stream));
+        KVS_CUDA_CHECK(kvs::kernels::dense_decode_cuda(q, hq, view(dk[size_t(l)], dv[size_t(l)]),
+                                                       scale, out, nullptr, dws, dws_bytes,
+                                                       stream));
     }) * 1000.0 / layers;
 
     // GPU-resident engine.
