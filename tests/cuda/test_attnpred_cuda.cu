@@ -329,13 +329,20 @@ struct Scene {
   }
 };
 
-void run_against_cpu(bool offload, int predict_interval = 1) {
-  Scene sc;
+// The engine tests' stored parts: random CNN weights, budget 256, calibration every 3rd step,
+// layer 0 dense.
+AttnPredParams engine_params(uint32_t seed) {
   AttnPredParams params;
-  params.cnn = random_params(3);
+  params.cnn = random_params(seed);
   params.budget_tokens = 256;
   params.calibration_period = 3;
   params.dense_layers = {0};
+  return params;
+}
+
+void run_against_cpu(bool offload, int predict_interval = 1) {
+  Scene sc;
+  const AttnPredParams params = engine_params(3);
   EngineConfig cc;
   cc.backend = Backend::Cpu;
   cc.attnpred.predict_interval = predict_interval;
@@ -606,11 +613,7 @@ TEST(AttnPredCuda, GraphOfStepsEqualsEagerSteps) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   Scene sc;
   sc.shape.num_layers = 4;
-  AttnPredParams params;
-  params.cnn = random_params(5);
-  params.budget_tokens = 256;
-  params.calibration_period = 3;
-  params.dense_layers = {0};
+  const AttnPredParams params = engine_params(5);
   EngineConfig cfg;
   cfg.backend = Backend::Cuda;
   cfg.attnpred.predict_interval = 2;
