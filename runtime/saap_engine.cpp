@@ -113,6 +113,8 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
     d_inv_freq_ = device_upload(inv_freq_.data(), inv_freq_.size());
     if (config_.collect_stats) device_counters_ = DeviceCounters(3);
     index_branch_ = std::make_unique<OwnedStreamFork>();
+    for (int l : parts_.layers)
+      if (!is_dense_layer(l)) last_sparse_ = std::max(last_sparse_, l);
   }
   const int C = parts_.num_clusters, d = parts_.head_dim;
   const bool fp8 = c.router_weights == SaapWeights::Fp8;
@@ -180,6 +182,7 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
     routers_.push_back(std::move(r));
   }
   index_.resize(size_t(shape_.num_layers));
+  index_pending_.assign(size_t(shape_.num_layers), false);
   last_tokens_.resize(size_t(shape_.num_layers));
   last_clusters_.resize(size_t(shape_.num_layers));
 }
@@ -299,11 +302,20 @@ size_t SaapEngine::lists_bytes() const {
   return align_up(subs * size_t(max_context_) * sizeof(int32_t)) + align_up(subs * sizeof(int32_t));
 }
 
+size_t SaapEngine::route_bytes() const {
+  return align_up(sk::route_workspace_bytes(config_.max_batch, shape_.num_q_heads,
+                                            parts_.hidden_dim, parts_.num_clusters));
+}
+
+size_t SaapEngine::index_step_bytes() const {
+  return align_up(sk::index_step_workspace_bytes(config_.max_batch, shape_.num_kv_heads,
+                                                 parts_.num_clusters, config_.saap.fold_every,
+                                                 max_context_));
+}
+
+// [selected | lists | route scratch | index step scratch], then the attention's states.
 size_t SaapEngine::select_bytes() const {
-  return selected_bytes() + lists_bytes() +
-         align_up(sk::decode_workspace_bytes(
-             config_.max_batch, shape_.num_q_heads, shape_.num_kv_heads, shape_.head_dim,
-             parts_.hidden_dim, parts_.num_clusters, config_.saap.fold_every));
+  return selected_bytes() + lists_bytes() + route_bytes() + index_step_bytes();
 }
 
 size_t SaapEngine::workspace_bytes() const {
@@ -333,6 +345,7 @@ kernels::tactic::Selection SaapEngine::lists() const {
 const sk::IndexState& SaapEngine::index_state(int layer) const {
   if (layer < 0 || layer >= shape_.num_layers || !index_[size_t(layer)].allocated)
     throw std::logic_error("saap engine: layer " + str(layer) + " has no index (prefill it first)");
+  if (config_.backend == Backend::Cuda) settle_index();
   return index_[size_t(layer)].view;
 }
 
@@ -379,6 +392,7 @@ void SaapEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
   check_prefill_args(who, layer, kv, shape_, config_.max_batch);
   if (is_dense_layer(layer)) return;
   const int slot = require_slot(layer, "prefill");
+  if (config_.backend == Backend::Cuda) join_index(stream);  // it may write this index
   const std::vector<int32_t> lens = host_seq_lens(kv, config_.backend, stream);
   int max_len = 0;
   for (int b = 0; b < kv.batch; ++b) {
@@ -435,20 +449,42 @@ void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Paged
                                                  device_counters_.get(), stream));
   } else {
     const int slot = parts_.layer_slot(layer);
+    if (index_pending_[size_t(layer)]) join_index(stream);  // the step before's, not joined
+    const sk::Router<bf16> router = cuda_router(slot);
+    const sk::IndexState& st = index_[size_t(layer)].view;
     const kernels::tactic::Selection sel = lists();
-    const size_t router_ws = selected_bytes() + lists_bytes();
-    KVS_CUDA_CHECK(sk::decode_select_cuda(
-        q_pre, kv, d_inv_freq_, window(), cuda_router(slot), config_.saap.probes,
-        index_[size_t(layer)].view, selected_ptr(), sel, ws + router_ws, select_bytes() - router_ws,
-        stream, &index_branch_->get()));
-    KVS_CUDA_CHECK(sk::attend_cuda(q, kv, scale, window(), index_[size_t(layer)].view,
-                                   selected_ptr(), config_.saap.probes, sel, device_counters_.get(),
+    char* route_ws = ws + selected_bytes() + lists_bytes();
+    KVS_CUDA_CHECK(sk::decode_select_cuda(q_pre, kv.batch, router, config_.saap.probes,
+                                          selected_ptr(), route_ws, route_bytes(), stream));
+    const kernels::StreamFork& branch = index_branch_->get();
+    KVS_CUDA_CHECK(sk::attend_cuda(q, kv, scale, window(), st, selected_ptr(),
+                                   config_.saap.probes, sel, device_counters_.get(),
                                    router_bytes_per_kv_head(), shape_.num_q_heads, out, lse,
-                                   ws + select_bytes(), workspace_.bytes - select_bytes(), stream));
+                                   ws + select_bytes(), workspace_.bytes - select_bytes(), stream,
+                                   &branch));
+    // The index step, once the attention has read the index (attend_cuda forked the branch
+    // after its attention kernel): beside the merge and the next layers' steps.
+    KVS_CUDA_CHECK(sk::index_step_cuda(kv, d_inv_freq_, window(), router, st,
+                                       route_ws + route_bytes(), index_step_bytes(),
+                                       branch.side));
+    index_pending_[size_t(layer)] = true;
+    if (layer == last_sparse_) join_index(stream);
   }
   if (device_counters_)
     KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, kv.num_kv_heads,
                                                device_counters_.get() + 2, stream));
+}
+
+void SaapEngine::join_index(cudaStream_t stream) {
+  if (std::find(index_pending_.begin(), index_pending_.end(), true) == index_pending_.end()) return;
+  KVS_CUDA_CHECK(kernels::join_into(index_branch_->get(), stream));
+  index_pending_.assign(index_pending_.size(), false);
+}
+
+void SaapEngine::settle_index() const {
+  if (std::find(index_pending_.begin(), index_pending_.end(), true) == index_pending_.end()) return;
+  KVS_CUDA_CHECK(cudaStreamSynchronize(index_branch_->get().side));
+  index_pending_.assign(index_pending_.size(), false);
 }
 
 void SaapEngine::decode_cpu(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv,
@@ -494,7 +530,6 @@ void SaapEngine::decode_cpu(int layer, const bf16* q, const bf16* q_pre, const P
                               str(kv.seq_lens[b]) + " tokens, above max_context " +
                               str(max_context_));
     for (int h = 0; h < hkv; ++h) {
-      sk::index_step_cpu(kv, b, h, inv_freq_.data(), window(), r, st);
       for (size_t i = 0; i < qg.size(); ++i)
         qg[i] = bf16_to_float(q_pre[(int64_t(b) * hq + h * g) * d + int64_t(i)]);
       sk::route_scores_cpu(r, h, qg.data(), scores.data());
@@ -509,6 +544,8 @@ void SaapEngine::decode_cpu(int layer, const bf16* q, const bf16* q_pre, const P
                                           4ull * uint64_t(st.indexed_len[s] - st.csr_len[s]);
       last_t[size_t(b) * hkv + h] = std::move(tokens);
       last_c[size_t(b) * hkv + h] = std::move(clusters);
+      // The index step after the attention, as on CUDA (kernels/saap/saap.h).
+      sk::index_step_cpu(kv, b, h, inv_freq_.data(), window(), r, st);
     }
   }
 }
@@ -521,6 +558,7 @@ std::vector<int32_t> SaapEngine::last_clusters(int layer, int b, int h) const {
     const size_t i = size_t(b) * hkv + h;
     return i < last.size() ? last[i] : std::vector<int32_t>{};
   }
+  settle_index();
   std::vector<int32_t> out(static_cast<size_t>(l));
   KVS_CUDA_CHECK(cudaMemcpy(out.data(), selected_ptr() + (size_t(b) * hkv + h) * l,
                             out.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
@@ -537,6 +575,7 @@ std::vector<std::vector<int32_t>> SaapEngine::last_read(int layer, int b) const 
     for (int h = 0; h < hkv; ++h) per_kv_head[size_t(h)] = last[size_t(b) * hkv + h];
   } else {
     // The lists in the workspace belong to the last decode call, whichever layer it was.
+    settle_index();
     per_kv_head = read_kv_head_lists(lists(), b, hkv);
   }
   return per_query_head_lists(std::move(per_kv_head), g, true);

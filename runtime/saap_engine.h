@@ -4,12 +4,20 @@
 // runtime/saap_parts.h): per indexed layer the centroids and the query MLPs with batch norm
 // folded in (fp32 on the CPU backend, bf16 weights on CUDA). prefill(layer) de-RoPEs the
 // cached keys, assigns those outside the dense part to their nearest centroid and builds the
-// per-(sequence, kv head) CSR. decode(layer): indexes the token that just left the recent
-// window, routes the group's pre-RoPE queries (q_pre, required) to the top-l clusters, and
-// attends exactly to their members plus the sink and the recent window (CUDA: one kernel
-// that resolves the members to KV rows and attends them, saap::attend_cuda). Layers in
-// SaapConfig::dense_layers are attended in full; any other layer must have an index in the
-// parts, or prefill/decode throw naming it.
+// per-(sequence, kv head) CSR. decode(layer): routes the group's pre-RoPE queries (q_pre,
+// required) to the top-l clusters, attends exactly to their members plus the sink and the
+// recent window (CUDA: one kernel that resolves the members to KV rows and attends them,
+// saap::attend_cuda), then indexes the tokens that have left the recent window (every
+// index_every steps). Layers in SaapConfig::dense_layers are attended in full; any other
+// layer must have an index in the parts, or prefill/decode throw naming it.
+//
+// CUDA: a layer's index step runs on a branch forked right after its attention kernel, beside
+// its merge and the next layers' steps, and decode(last sparse layer) joins the branch back
+// into the caller's stream: no kernel of a step waits for an index step until the step's last
+// sparse layer. So a step captured in a CUDA graph must include the decode of the highest
+// layer that is not dense (else the capture ends with unjoined work), as with
+// AttnPredEngine. A decode or prefill of a layer whose index step is still on the branch
+// joins it first, and index_state, last_read and last_clusters wait for it.
 //
 // Memory: the router weights of every indexed layer live on the backend from construction
 // (bf16: 2 bytes per MLP weight); a layer's index is allocated at its first prefill for
@@ -62,8 +70,9 @@ class SaapEngine : public Engine {
   // The clusters selected for (b, kv head h) by the last decode of `layer` (CPU) or by the
   // last decode call (CUDA: copies from the workspace and synchronizes), in rank order.
   std::vector<int32_t> last_clusters(int layer, int b, int h) const;
-  // The layer's index (host pointers on the CPU backend, device pointers on CUDA); throws
-  // std::logic_error before the layer's first prefill.
+  // The layer's index (host pointers on the CPU backend, device pointers on CUDA, after the
+  // branch's index steps have completed); throws std::logic_error before the layer's first
+  // prefill.
   const kernels::saap::IndexState& index_state(int layer) const;
 
  private:
@@ -103,7 +112,9 @@ class SaapEngine : public Engine {
   // dense decode.
   size_t selected_bytes() const;
   size_t lists_bytes() const;
-  size_t select_bytes() const;  // everything before the dense decode workspace
+  size_t route_bytes() const;       // decode_select_cuda's scratch
+  size_t index_step_bytes() const;  // index_step_cuda's scratch
+  size_t select_bytes() const;      // everything before the dense decode workspace
   int32_t* selected_ptr() const;
   kernels::tactic::Selection lists() const;
 
@@ -117,8 +128,16 @@ class SaapEngine : public Engine {
   // CPU backend: per layer, per (b * Hkv + h): the tokens attended and clusters selected.
   std::vector<std::vector<std::vector<int32_t>>> last_tokens_, last_clusters_;
   DeviceCounters device_counters_;  // CUDA: [rows read, selection bytes, context rows]
-  // CUDA: the branch on which decode's index step overlaps the router.
+  // CUDA: the branch of the index steps (forked after each sparse layer's attention, joined
+  // at the last sparse layer), the layers whose index steps are on it and not joined yet, and
+  // the highest layer that is not dense.
   std::unique_ptr<OwnedStreamFork> index_branch_;
+  mutable std::vector<bool> index_pending_;
+  int last_sparse_ = -1;
+  // Joins the branch into `stream` if any index step is pending; settle_index waits for it on
+  // the host instead (for the readers).
+  void join_index(cudaStream_t stream);
+  void settle_index() const;
 };
 
 }  // namespace kvs

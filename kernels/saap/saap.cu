@@ -7,11 +7,12 @@
 // stable CUB radix sort of (cluster, token) pairs gives the CSR with members ascending.
 //
 // Decode (fixed grids, lengths read on the device, no host sync: capturable):
-//   index   per (b, h): the token that just left the window is de-RoPE'd (rope_rotate_pair)
-//           and assigned by one kernel, a thread-block cluster of 8 CTAs that split the
-//           centroids and reduce through distributed shared memory; every fold_every
-//           assignments, the fold merges them into the CSR (copy, sort, move); on a side
-//           stream beside the router, joined back before the route
+//   index   per (b, h), after the attention: the tokens that left the window are de-RoPE'd
+//           (rope_rotate_pair) and assigned by one kernel, a thread-block cluster of 8 CTAs
+//           that split the centroids and reduce through distributed shared memory; every
+//           fold_every assignments, the fold merges them into the CSR (copy, sort, move). The
+//           engine runs it on a branch forked after the attention kernel and joined at the
+//           step's last layer, so that no kernel of the route waits for it
 //   mlp     two GEMV launches over all query heads of the batch, on the tensor cores, with
 //           e4m3 (default) or bf16 weights (a warp per 16 output rows, one 16-byte fragment
 //           load per lane and 256 or 512 weights, 8 batch rows of x from shared memory per
@@ -376,8 +377,9 @@ __global__ void __cluster_dims__(kStepRanks, 1, 1) __launch_bounds__(kStepThread
 // the CSR (saap.h). With the F tokens stably sorted by cluster, shift[c] = the number of them
 // in clusters below c: old members of cluster c move up by shift[c], and the sorted token j
 // (of cluster c) lands at old_offsets[c + 1] + j, right after cluster c's old members. The
-// moves overlap, so the old members go through a copy first: two kernels on the index
-// branch, after the assignment; on the steps where nothing is due both return at once.
+// moves overlap, so the old members go through a copy first (index_step_layout's copy, not
+// the token lists, which the next layer's attention writes while this branch may run): two
+// kernels after the assignment; on the steps where nothing is due both return at once.
 
 constexpr int kFoldThreads = 1024;
 constexpr int kFoldItems = kMaxFold / kFoldThreads;  // sorted assignments per thread
@@ -563,7 +565,7 @@ size_t attend_smem_bytes(int probes, int C) {
 // it resolves and attends them before griddepcontrol.wait, beside the route, and writes their
 // token-list entries (whose positions need M) after it. Before the wait every CTA reads only
 // what the route does not write: q, the lengths, the page table, the KV and the index (the
-// index step is joined before the route), with the CSR offsets staged in shared memory. A
+// index step of the call before is complete), with the CSR offsets staged in shared memory. A
 // part resolves its tokens to KV rows (members, then pages, loaded kKvIlp at a time) into
 // shared memory, attends them with the shared tile loop, and keeps a running state across
 // passes of kAttendRowsCap rows; its state goes to part_lse / part_o for attend_merge_kernel.
@@ -1476,13 +1478,12 @@ struct RouteSmem {
 };
 
 // The route is launched programmatically behind the second GEMV, which releases it at its
-// start. It reads nothing before this wait, which also covers the index branch joined before
-// it; only then does it let the attention launch: the attention reads the index before its own
-// wait, so its launch must follow the index step's completion. In a captured step the join
-// gives the route a second predecessor, and a kernel node with two predecessors got resident
-// only after both had completed, even with both edges programmatic: the route enters 2 us
-// after the GEMV's last CTA at 128K on an H200, and with the branch joined after the attention
-// instead (a diagnostic, wrong on steps that index) the step was 1 us shorter (docs/gpu.md).
+// start. It reads nothing before this wait; only then does it let the attention launch. The
+// index step used to be joined before the route, as a second predecessor: a kernel node with
+// two predecessors got resident only after both had completed, even with both edges
+// programmatic (the route entered 2 us after the GEMV's last CTA at 128K on an H200), and the
+// index branch beside the GEMVs cost the step 2.8 us in all (docs/gpu.md). It now runs after
+// the attention (index_step_cuda).
 __device__ __forceinline__ void route_wait_then_release() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -1598,19 +1599,31 @@ __global__ void __launch_bounds__(kRouteThreads)
 
 // ---- decode: workspace and launchers -------------------------------------------------------
 
-struct DecodeLayout {
-  size_t hidden, logits, fold, total;
+// The router's scratch: the hidden layer and the logits.
+struct RouteLayout {
+  size_t hidden, logits, total;
 };
 
-DecodeLayout decode_layout(int max_batch, int hq, int hkv, int d, int hidden, int C,
-                           int fold_every) {
-  DecodeLayout l;
+RouteLayout route_layout(int max_batch, int hq, int hidden, int C) {
+  RouteLayout l;
   l.hidden = align_up(size_t(max_batch) * hq * hidden * sizeof(float));
   l.logits = align_up(size_t(max_batch) * hq * C * sizeof(float));
-  // FoldScratch: start, old_offsets, shift, clusters, tokens (the copy is lists.tokens)
-  l.fold = align_up(size_t(max_batch) * hkv * (1 + 2 * (size_t(C) + 1) + 2 * size_t(fold_every)) *
-                    sizeof(int32_t));
-  l.total = l.hidden + l.logits + l.fold;
+  l.total = l.hidden + l.logits;
+  return l;
+}
+
+// The index step's scratch: the fold's (FoldScratch: start, old_offsets, shift, clusters,
+// tokens, then the copy of the old members, max_tokens per slot).
+struct IndexStepLayout {
+  size_t fold, copy, total;
+};
+
+IndexStepLayout index_step_layout(int max_batch, int hkv, int C, int fold_every, int max_tokens) {
+  IndexStepLayout l;
+  const size_t slots = size_t(max_batch) * hkv;
+  l.fold = align_up(slots * (1 + 2 * (size_t(C) + 1) + 2 * size_t(fold_every)) * sizeof(int32_t));
+  l.copy = fold_every > 0 ? align_up(slots * size_t(max_tokens) * sizeof(int32_t)) : 0;
+  l.total = l.fold + l.copy;
   return l;
 }
 
@@ -1701,79 +1714,39 @@ cudaError_t mlp_logits_cuda(const bf16* q_pre, const Router<bf16>& r, int batch,
                                                       logits, batch, stream);
 }
 
-size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
-                              int hidden, int num_clusters, int fold_every) {
-  return decode_layout(max_batch, num_q_heads, num_kv_heads, head_dim, hidden, num_clusters,
-                       fold_every)
-      .total;
+size_t route_workspace_bytes(int max_batch, int num_q_heads, int hidden, int num_clusters) {
+  return route_layout(max_batch, num_q_heads, hidden, num_clusters).total;
 }
 
-cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float* inv_freq,
-                               const Window& w, const Router<bf16>& r, int probes,
-                               const IndexState& st, int32_t* selected,
-                               const tactic::Selection& lists, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream,
-                               const StreamFork* side) {
-  const int B = kv.batch, hkv = kv.num_kv_heads, hq = r.num_q_heads, d = kv.head_dim;
+size_t index_step_workspace_bytes(int max_batch, int num_kv_heads, int num_clusters,
+                                  int fold_every, int max_tokens) {
+  return index_step_layout(max_batch, num_kv_heads, num_clusters, fold_every, max_tokens).total;
+}
+
+cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>& r, int probes,
+                               int32_t* selected, void* workspace, size_t workspace_bytes,
+                               cudaStream_t stream) {
+  const int B = batch, hkv = r.num_kv_heads, hq = r.num_q_heads, d = r.head_dim;
   const int C = r.num_clusters, H = r.hidden;
-  if (B > st.max_batch || hkv < 1 || hkv != r.num_kv_heads || hq < 1 || hq % hkv != 0 ||
-      d != r.head_dim || d % 8 != 0 || d > 128 || H % 8 != 0 || (r.use_mlp && H > kMaxHiddenCuda) ||
-      C > kMaxClustersCuda || probes < 1 || probes > C || !q_pre || !selected ||
-      st.fold_every < 0 || st.fold_every > kMaxFold || st.index_every < 1 ||
-      st.index_every > kMaxIndexStep || lists.max_tokens < st.max_tokens)
+  if (B < 1 || hkv < 1 || hq < 1 || hq % hkv != 0 || d % 8 != 0 || d > 128 || H % 8 != 0 ||
+      (r.use_mlp && H > kMaxHiddenCuda) || C > kMaxClustersCuda || probes < 1 || probes > C ||
+      !q_pre || !selected)
     return cudaErrorInvalidValue;
-  const DecodeLayout lay = decode_layout(st.max_batch, hq, hkv, d, H, C, st.fold_every);
+  const RouteLayout lay = route_layout(B, hq, H, C);
   if (!workspace || workspace_bytes < lay.total) return cudaErrorInvalidValue;
   char* p = static_cast<char*>(workspace);
   float* hidden = reinterpret_cast<float*>(p);
   float* logits = reinterpret_cast<float*>(p + lay.hidden);
-  char* step = p + lay.hidden + lay.logits;
-  const int64_t slots = int64_t(st.max_batch) * hkv;
-  FoldScratch fold;
-  fold.start = reinterpret_cast<int32_t*>(step);
-  fold.old_offsets = fold.start + slots;
-  fold.shift = fold.old_offsets + slots * (C + 1);
-  fold.clusters = fold.shift + slots * (C + 1);
-  fold.tokens = fold.clusters + slots * st.fold_every;
-  fold.copy = lists.tokens;
-  fold.copy_stride = lists.max_tokens;
-
-  // 1. The index step, on the side stream when there is one.
-  cudaStream_t index_stream = stream;
-  if (side) {
-    const cudaError_t e = fork_from(*side, stream);
-    if (e != cudaSuccess) return e;
-    index_stream = side->side;
-  }
-  step_index_kernel<<<dim3(unsigned(kStepRanks), unsigned(B * hkv)), kStepThreads,
-                      step_index_smem_bytes(), index_stream>>>(kv, w, inv_freq, r.centroids,
-                                                               r.centroid_norms, C, st);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  if (st.fold_every > 0) {
-    fold_copy_kernel<<<dim3(unsigned(B * hkv), unsigned(1 + kFoldCopyParts)), kFoldThreads, 0,
-                       index_stream>>>(st, fold);
-    fold_scatter_kernel<<<dim3(unsigned(B * hkv), unsigned(kFoldMoveParts)), kFoldThreads,
-                          2 * (size_t(C) + 1) * sizeof(int32_t), index_stream>>>(st, fold);
-  }
-
-  // 2. The router, on the caller's stream.
+  cudaError_t e = cudaSuccess;
   if (r.use_mlp) {
     e = mlp_logits_cuda(q_pre, r, B, hidden, logits, stream);
     if (e != cudaSuccess) return e;
   }
   const int pow2 = next_pow2(C);
   const size_t route_smem = route_smem_bytes(pow2);
-  // The route waits for the index step: the attention, launched programmatically behind the
-  // route, reads the index before its griddepcontrol.wait. The route, programmatic itself,
-  // passes its own wait (the GEMV and the joined index branch complete and flushed) before it
-  // releases the attention (route_wait_then_release). With the join it has two predecessors
-  // in a captured graph, and so gets resident only once both have completed (docs/gpu.md,
-  // device facts).
-  if (side) {
-    e = join_into(*side, stream);
-    if (e != cudaSuccess) return e;
-  }
+  // The route, programmatic behind the MLP's last grid, waits for it before it releases the
+  // attention (route_wait_then_release), whose code before its own wait reads the index: the
+  // index step of the call before has completed then (the engine joins it at the step's end).
   using RouteKernel = void (*)(const float*, Router<bf16>, int, int, int32_t*);
   if (!route_in_registers(r, pow2)) {
     e = launch_programmatic(route_kernel, dim3(unsigned(B * hkv)), dim3(kRouteThreads), route_smem,
@@ -1792,6 +1765,40 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
   return e;
 }
 
+cudaError_t index_step_cuda(const PagedKV& kv, const float* inv_freq, const Window& w,
+                            const Router<bf16>& r, const IndexState& st, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream) {
+  const int B = kv.batch, hkv = kv.num_kv_heads, d = kv.head_dim, C = r.num_clusters;
+  if (B > st.max_batch || hkv < 1 || hkv != st.num_kv_heads || hkv != r.num_kv_heads ||
+      d != r.head_dim || d % 8 != 0 || d > 128 || C != st.num_clusters || C > kMaxClustersCuda ||
+      st.fold_every < 0 || st.fold_every > kMaxFold || st.index_every < 1 ||
+      st.index_every > kMaxIndexStep || !inv_freq || !r.centroids || !r.centroid_norms)
+    return cudaErrorInvalidValue;
+  if (B == 0) return cudaSuccess;
+  const IndexStepLayout lay =
+      index_step_layout(st.max_batch, hkv, C, st.fold_every, st.max_tokens);
+  if (!workspace || workspace_bytes < lay.total) return cudaErrorInvalidValue;
+  const int64_t slots = int64_t(st.max_batch) * hkv;
+  FoldScratch fold;
+  fold.start = static_cast<int32_t*>(workspace);
+  fold.old_offsets = fold.start + slots;
+  fold.shift = fold.old_offsets + slots * (C + 1);
+  fold.clusters = fold.shift + slots * (C + 1);
+  fold.tokens = fold.clusters + slots * st.fold_every;
+  fold.copy = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + lay.fold);
+  fold.copy_stride = st.max_tokens;
+  step_index_kernel<<<dim3(unsigned(kStepRanks), unsigned(B * hkv)), kStepThreads,
+                      step_index_smem_bytes(), stream>>>(kv, w, inv_freq, r.centroids,
+                                                         r.centroid_norms, C, st);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || st.fold_every == 0) return e;
+  fold_copy_kernel<<<dim3(unsigned(B * hkv), unsigned(1 + kFoldCopyParts)), kFoldThreads, 0,
+                     stream>>>(st, fold);
+  fold_scatter_kernel<<<dim3(unsigned(B * hkv), unsigned(kFoldMoveParts)), kFoldThreads,
+                        2 * (size_t(C) + 1) * sizeof(int32_t), stream>>>(st, fold);
+  return cudaGetLastError();
+}
+
 size_t attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim) {
   const size_t states = size_t(max_batch) * num_kv_heads * kMaxAttendParts *
                         size_t(num_q_heads / std::max(1, num_kv_heads));
@@ -1802,7 +1809,7 @@ namespace {
 
 template <class Cfg>
 cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, float* lse,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, const StreamFork* after_attention) {
   // Per device (a process may drive several): the kernel's shared-memory limit as set, and
   // the SM count. Attribute and occupancy calls are not stream work, so a captured call may
   // make them.
@@ -1841,6 +1848,7 @@ cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, 
       std::min(kMaxAttendParts, std::max(kMinAttendParts, sms * std::max(1, per_sm) / subrequests));
   e = launch_programmatic(attend_kernel<Cfg>, dim3(unsigned(subrequests), unsigned(parts)),
                           dim3(Cfg::kThreads), smem, stream, p);
+  if (e == cudaSuccess && after_attention) e = fork_from(*after_attention, stream);
   if (e != cudaSuccess) return e;
   // Launched programmatically: the attention triggers at the end of each CTA's work, so the
   // merge's launch overlaps the last parts and its CTAs cannot take their room early.
@@ -1856,7 +1864,8 @@ cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Win
                         const IndexState& st, const int32_t* selected, int probes,
                         const tactic::Selection& lists, unsigned long long* counters,
                         unsigned long long router_bytes, int num_q_heads, bf16* o, float* lse,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                        const StreamFork* after_attention) {
   const int B = kv.batch, hkv = kv.num_kv_heads, d = kv.head_dim;
   if ((d != 64 && d != 128) || hkv < 1 || num_q_heads % hkv != 0 ||
       num_q_heads / hkv > tiles::kMaxGroup || B > st.max_batch || hkv != st.num_kv_heads ||
@@ -1892,9 +1901,11 @@ cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Win
   bf* out = reinterpret_cast<bf*>(o);
   return d == 128
              ? launch_attend<AttendCfg128>(
-                   p, B, attend_smem_bytes<AttendCfg128>(probes, st.num_clusters), out, lse, stream)
+                   p, B, attend_smem_bytes<AttendCfg128>(probes, st.num_clusters), out, lse, stream,
+                   after_attention)
              : launch_attend<AttendCfg64>(
-                   p, B, attend_smem_bytes<AttendCfg64>(probes, st.num_clusters), out, lse, stream);
+                   p, B, attend_smem_bytes<AttendCfg64>(probes, st.num_clusters), out, lse, stream,
+                   after_attention);
 }
 
 cudaError_t prepare_cuda(int hidden) {

@@ -28,11 +28,12 @@
 //
 // Selection for a sequence of n tokens and kv head h (both backends):
 //   [0, min(sink, n))  U  {t in [sink, indexed_len) : assign[t] in top-l}  U  [indexed_len, n)
-// where prefill sets indexed_len = max(sink, n - recent) and each decode call first indexes
-// index_step_count(...) tokens from indexed_len on: none until index_every tokens have left
-// the window unindexed, then all of them (at most kMaxIndexStep). So the index step's kernel
-// does its work on one step in index_every and returns at once on the others, and in between
-// the dense part holds up to index_every - 1 more tokens than the window.
+// where prefill sets indexed_len = max(sink, n - recent) and each decode call, after its
+// attention, indexes index_step_count(...) tokens from indexed_len on: none until index_every
+// tokens have left the window unindexed, then all of them (at most kMaxIndexStep). So the
+// index step's kernel does its work on one step in index_every and returns at once on the
+// others, and the dense part holds up to index_every more tokens than the window (the
+// attention of the step that indexes them still reads them there).
 //
 // Assignment score of centroid c for a vector x: 2 x.c - |c|^2; its argmax is the nearest
 // centroid in L2 and, for the unit-norm centroids of spherical k-means, the largest inner
@@ -189,8 +190,9 @@ void deroped_key_cpu(const PagedKV& kv, int b, int h, int t, const float* inv_fr
 void index_prefill_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, const Window& w,
                        const Router<float>& router, const IndexState& state);
 
-// Decode-time indexing of slot (b, h): assigns the index_step_count(...) tokens from
-// indexed_len on (as the GPU does), then folds when fold_due. Returns whether it indexed any.
+// Decode-time indexing of slot (b, h), after the step's attention: assigns the
+// index_step_count(...) tokens from indexed_len on (as the GPU does), then folds when
+// fold_due. Returns whether it indexed any.
 bool index_step_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, const Window& w,
                     const Router<float>& router, const IndexState& state);
 
@@ -227,18 +229,25 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
                                const IndexState& state, void* workspace, size_t workspace_bytes,
                                cudaStream_t stream);
 
-// Decode step, graph-capturable (fixed grids, device-side lengths, no host sync):
-// 1. index_step: for every (b < kv.batch, h) with index_step_count(...) > 0, de-RoPE those
-//    tokens' keys and assign them (the decode half of the index); then fold where fold_due
-//    (two kernels that return at once on the other steps). The fold borrows lists.tokens
-//    as scratch for the old members; attend_cuda (3.) writes the lists afterwards.
-// 2. route: selected [batch * Hkv, l] cluster ids from q_pre [batch, Hq, d].
-// side (optional): the index step (1.) runs on side->side, forked from `stream` and joined
-// back before the route, so that its small, latency-bound kernels overlap the router's
-// weight stream (2.). Null: everything on `stream`. Returns cudaErrorInvalidValue, before any
-// launch, on shapes it cannot serve (among them Hkv < 1 or Hq not a multiple of Hkv).
-size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
-                              int hidden, int num_clusters, int fold_every);
+// Decode step, graph-capturable (fixed grids, device-side lengths, no host sync), three calls
+// in this order:
+// 1. route (decode_select_cuda): selected [batch * Hkv, l] cluster ids from q_pre [batch, Hq,
+//    d], by the MLP (mlp_logits_cuda) or the nearest centroids, then the top l. Workspace:
+//    route_workspace_bytes(max_batch, ...).
+// 2. attend (attend_cuda, below).
+// 3. index (index_step_cuda), once the attention has read the index: for every (b < kv.batch,
+//    h) with index_step_count(...) > 0, de-RoPE those tokens' keys and assign them (the decode
+//    half of the index); then fold where fold_due (two kernels that return at once on the
+//    other steps). Workspace: index_step_workspace_bytes(max_batch, ...), apart from 1.'s and
+//    2.'s, so that the step's index work may run on a branch beside the next layers' steps
+//    (the engine joins it at the step's last layer). A step therefore attends the tokens it
+//    indexes through the window, as every step before it did, and the next step through
+//    their clusters.
+// Each returns cudaErrorInvalidValue, before any launch, on shapes it cannot serve (among them
+// Hkv < 1 or Hq not a multiple of Hkv).
+size_t route_workspace_bytes(int max_batch, int num_q_heads, int hidden, int num_clusters);
+size_t index_step_workspace_bytes(int max_batch, int num_kv_heads, int num_clusters,
+                                  int fold_every, int max_tokens);
 
 // The router MLP's logits [batch, Hq, C] (before the softmax) for q_pre [batch, Hq, d]: the
 // route's two GEMVs, hidden [batch, Hq, router.hidden] = relu(w1 q_pre + b1) and logits = w2
@@ -249,14 +258,14 @@ size_t decode_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, 
 // cudaErrorInvalidValue, before any launch, on shapes it cannot serve.
 cudaError_t mlp_logits_cuda(const bf16* q_pre, const Router<bf16>& router, int batch, float* hidden,
                             float* logits, cudaStream_t stream);
-cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float* inv_freq,
-                               const Window& w, const Router<bf16>& router, int probes,
-                               const IndexState& state, int32_t* selected,
-                               const tactic::Selection& lists, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream,
-                               const StreamFork* side = nullptr);
+cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>& router,
+                               int probes, int32_t* selected, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream);
+cudaError_t index_step_cuda(const PagedKV& kv, const float* inv_freq, const Window& w,
+                            const Router<bf16>& router, const IndexState& state, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream);
 
-// 3. attend (directly after decode_select_cuda on the same stream, nothing between): the
+// 2. attend (directly after decode_select_cuda on the same stream, nothing between): the
 //    token lists and the attention in one kernel, then a merge kernel. It is launched
 //    programmatically behind the route and reads q, the lengths, the page table, the KV and
 //    the index before it waits for the route's selection, so q must be written before
@@ -270,7 +279,10 @@ cudaError_t decode_select_cuda(const bf16* q_pre, const PagedKV& kv, const float
 //    counters[1] += router_bytes (the router's reads per (b, h), the caller's figure) plus the
 //    index reads (CSR offsets of the probed clusters and the scanned post-prefill
 //    assignments). q is post-RoPE; head_dim 64 or 128. Workspace:
-//    attend_workspace_bytes(max_batch, ...).
+//    attend_workspace_bytes(max_batch, ...). after_attention (optional) is forked from
+//    `stream` right after the attention kernel, before the merge: what the caller queues on
+//    its side stream (the index step) runs beside the merge, once every part has read the
+//    index.
 size_t attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim);
 
 // How attend_cuda splits a slot's shared_parts CTAs (all but the scan part) between the
@@ -294,7 +306,8 @@ cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Win
                         const IndexState& st, const int32_t* selected, int probes,
                         const tactic::Selection& lists, unsigned long long* counters,
                         unsigned long long router_bytes, int num_q_heads, bf16* o, float* lse,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                        const StreamFork* after_attention = nullptr);
 
 // Sets the router and index-step kernels' shared-memory limits for MLP width `hidden`, once per
 // process; engines call it at construction so that a captured decode step does nothing but

@@ -240,10 +240,11 @@ TEST(SaapEngineCpu, AttendsSinkWindowAndExactlyTheTopClustersThenIndexesLeavingT
       ASSERT_EQ(got.size(), size_t(l));
       std::set<int> top(order.begin(), order.begin() + l);
       for (int c : got) EXPECT_TRUE(top.count(c)) << "cluster " << c;
+      // The attention read the index before the step indexed t: t itself is still dense.
       std::vector<int32_t> expect;
       const int n = s.len[0];
       for (int t2 = 0; t2 < n; ++t2) {
-        const bool dense = t2 < sink || t2 >= st.indexed_len[h];
+        const bool dense = t2 < sink || t2 >= t;
         if (dense || top.count(st.assign_of(0, h)[t2])) expect.push_back(t2);
       }
       EXPECT_EQ(read[size_t(h) * g], expect) << "kv head " << h << " step " << step;
@@ -270,11 +271,11 @@ TEST(SaapEngineCpu, AttendsSinkWindowAndExactlyTheTopClustersThenIndexesLeavingT
 }
 
 // index_every E: the tokens that leave the window are assigned E at a time (the step on which
-// the E-th is pending assigns all E), each to the cluster a per-token index gives it, and
-// until then they are attended in full. Against an engine that indexes every token at once,
-// fed the same steps: the same clusters chosen, and the tokens read are that engine's plus
-// exactly the ones it has indexed and this one has not yet, where its clusters were not
-// chosen. With the fold (F 37) the CSR keeps up too.
+// the E-th is pending assigns all E, after its attention), each to the cluster a per-token
+// index gives it, and until the step after that they are attended in full. Against an engine
+// that indexes every token at once, fed the same steps: the same clusters chosen, and the
+// tokens read are that engine's plus exactly the ones it had indexed before the step and this
+// one had not, where its clusters were not chosen. With the fold (F 37) the CSR keeps up too.
 TEST(SaapEngineCpu, IndexesLeavingTokensInBatchesOfIndexEvery) {
   Scene s(700, 16, 60);
   const int sink = 2, recent = 100, E = 7, F = 37, hkv = 2, hq = 8, d = 128, g = 4;
@@ -312,7 +313,8 @@ TEST(SaapEngineCpu, IndexesLeavingTokensInBatchesOfIndexEvery) {
       const std::set<int32_t> chosen(clusters.begin(), clusters.end());
       std::vector<int32_t> got = e.last_read(1, 0)[size_t(h) * g];
       std::vector<int32_t> want = each.last_read(1, 0)[size_t(h) * g];
-      for (int t = indexed; t < 201 + step; ++t)
+      // What each engine's attention had indexed: the steps before this one's assignments.
+      for (int t = 200 + step / E * E; t < 200 + step; ++t)
         if (!chosen.count(ref.assign_of(0, h)[t])) want.push_back(t);
       std::sort(got.begin(), got.end());
       std::sort(want.begin(), want.end());

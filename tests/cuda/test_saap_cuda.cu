@@ -45,7 +45,7 @@ struct Pair {
   Pair(SaapRouter router, const std::vector<int>& lens, int C, int hidden, int probes,
        SaapWeights weights_, int max_context = 2048, int fold_every = SaapConfig().fold_every,
        int index_every = SaapConfig().index_every, const std::function<void(SaapParts&)>& edit = {},
-       const ModelShape& shape_ = saap_test::scene_shape())
+       const ModelShape& shape_ = saap_test::scene_shape(2))
       : shape(shape_), weights(weights_) {
     const int batch = int(lens.size());
     parts = saap_test::random_parts(shape, C, hidden, 11);
@@ -220,7 +220,8 @@ void expect_decode_matches(Pair& p, SaapRouter router, const std::vector<bf16>& 
 void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C = 64,
               int probes = 6, SaapWeights weights = SaapWeights::Bf16,
               const std::function<void(SaapParts&)>& edit = {},
-              const ModelShape& shape = saap_test::scene_shape(), RoutePaths* paths = nullptr) {
+              const ModelShape& shape = saap_test::scene_shape(2), RoutePaths* paths = nullptr,
+              bool graph_step = true) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const int batch = int(lens.size());
   Pair p(router, lens, C, hidden, probes, weights, 2048, SaapConfig().fold_every,
@@ -269,7 +270,7 @@ void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C
     p.cpu->decode(p.layer, q.data(), q_pre.data(), p.cpu_cache->view(p.layer), out_cpu.data(),
                   nullptr, nullptr);
     const PagedKV gview = p.gpu_cache->view(p.layer);
-    if (step < 3) {
+    if (step < 3 || !graph_step) {
       p.gpu->decode(p.layer, qd.get(), qpd.get(), gview, outd.get(), nullptr, stream);
     } else {  // the whole decode as a CUDA-graph replay
       cudaGraph_t graph;
@@ -303,7 +304,7 @@ void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C
 TEST(SaapCuda, DecodeSelectRefusesHeadCountsItCannotServe) {
   std::vector<char> ws(size_t(1) << 20);
   std::vector<bf16> q(32 * 128);
-  std::vector<int32_t> sel(64), tokens(64);
+  std::vector<int32_t> sel(64);
   auto call = [&](int hq, int hkv) {
     sk::Router<bf16> r;
     r.num_q_heads = hq;
@@ -311,20 +312,7 @@ TEST(SaapCuda, DecodeSelectRefusesHeadCountsItCannotServe) {
     r.head_dim = 128;
     r.hidden = 64;
     r.num_clusters = 64;
-    PagedKV kv;
-    kv.batch = 1;
-    kv.num_kv_heads = hkv;
-    kv.head_dim = 128;
-    sk::IndexState st;
-    st.max_batch = 1;
-    st.num_kv_heads = hkv;
-    st.num_clusters = 64;
-    st.max_tokens = 64;
-    kernels::tactic::Selection lists;
-    lists.tokens = tokens.data();
-    lists.max_tokens = 64;
-    return sk::decode_select_cuda(q.data(), kv, nullptr, sk::Window{}, r, 8, st, sel.data(), lists,
-                                  ws.data(), ws.size(), nullptr);
+    return sk::decode_select_cuda(q.data(), 1, r, 8, sel.data(), ws.data(), ws.size(), nullptr);
   };
   EXPECT_EQ(call(32, 0), cudaErrorInvalidValue) << "no kv heads";
   EXPECT_EQ(call(30, 8), cudaErrorInvalidValue) << "Hq not a multiple of Hkv";
@@ -332,6 +320,13 @@ TEST(SaapCuda, DecodeSelectRefusesHeadCountsItCannotServe) {
 }
 
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngine) { run_pair(SaapRouter::Mlp, {900, 1300}, 32); }
+// Layer 1 of 3 is not the last sparse layer: its index steps stay on the engine's branch after
+// each decode, and its next decode must join them (eager steps only: a captured step must
+// include the last sparse layer).
+TEST(SaapCuda, IndexStepOfALayerBeforeTheLastIsJoinedByItsNextDecode) {
+  run_pair(SaapRouter::Mlp, {900, 1300}, 32, 64, 6, SaapWeights::Bf16, {},
+           saap_test::scene_shape(3), nullptr, /*graph_step=*/false);
+}
 TEST(SaapCuda, NearestCentroidRouterMatchesTheCpuEngine) {
   run_pair(SaapRouter::NearestCentroid, {900, 1300}, 32);
 }
@@ -345,7 +340,7 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAtBatchOneWideHidden) {
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineThirtyTwoOfAThousandClusters) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   RoutePaths paths;
-  run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16, {}, saap_test::scene_shape(),
+  run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16, {}, saap_test::scene_shape(2),
            &paths);
   EXPECT_GT(paths.candidates, 0) << "no route took the candidates' path";
 }
@@ -362,7 +357,7 @@ RoutePaths run_pair_with_bias(float w2_scale, const std::function<float(int)>& b
           for (size_t i = 0; i < l.b2.size(); ++i) l.b2[i] = b2(int(i % size_t(C)));
         }
       },
-      saap_test::scene_shape(), &paths);
+      saap_test::scene_shape(2), &paths);
   return paths;
 }
 // Exact ties at the route's threshold: with w2 zero every head's logits are b2, so the 32
@@ -389,15 +384,15 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWhenOneWarpHoldsTheBestClusters) {
 // heads and for 4 with two of them empty, at the default route (32 of 1024) and at 40 probes.
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithGroupsOfEight) {
   run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16, {},
-           saap_test::scene_shape(3, 16, 2));
+           saap_test::scene_shape(2, 16, 2));
   run_pair(SaapRouter::Mlp, {900, 1300}, 32, 64, 40, SaapWeights::Bf16, {},
-           saap_test::scene_shape(3, 16, 2));
+           saap_test::scene_shape(2, 16, 2));
 }
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineWithGroupsOfTwo) {
   run_pair(SaapRouter::Mlp, {1300}, 32, 1024, 32, SaapWeights::Bf16, {},
-           saap_test::scene_shape(3, 4, 2));
+           saap_test::scene_shape(2, 4, 2));
   run_pair(SaapRouter::Mlp, {900, 1300}, 32, 64, 40, SaapWeights::Bf16, {},
-           saap_test::scene_shape(3, 4, 2));
+           saap_test::scene_shape(2, 4, 2));
 }
 // 2048 clusters: more than the route sorts in registers (kRouteThreads, 1024), so it takes
 // the shared-memory bitonic sort.
