@@ -4,8 +4,11 @@
 // then prefill() per layer after the prompt's K/V are in the cache, and decode() per layer
 // and step after the new token's K/V were appended. decode() on the CUDA backend does no
 // host sync, no allocation and no device-to-host copy, so a whole step can be captured in a
-// CUDA graph. The CPU backend (exact, simple) is the oracle for tests and runs where there
-// is no GPU: its pointers are host pointers and the stream is ignored.
+// CUDA graph. Capture whole steps: the SAAP and AttentionPredictor engines run work of a layer
+// on a branch beside the later layers and join it in the decode of the step's last layer that
+// is not dense, so a capture without that call ends with unjoined work. The CPU backend
+// (exact, simple) is the oracle for tests and runs where there is no GPU: its pointers are
+// host pointers and the stream is ignored.
 #pragma once
 
 #include <cuda_runtime_api.h>
