@@ -387,7 +387,7 @@ constexpr int kFoldIlp = 8;         // members per thread and round of the copy 
 constexpr int kFoldCopyParts = 8;   // CTAs per slot copying the old members (plus one sorting)
 constexpr int kFoldMoveParts = 16;  // CTAs per slot moving them
 
-// The fold's scratch in the decode workspace, per slot.
+// The fold's scratch in the index step's workspace (index_step_layout), per slot.
 struct FoldScratch {
   int32_t* start;        // [slots] csr_len when the slot folds this step, else -1
   int32_t* old_offsets;  // [slots, C + 1]
