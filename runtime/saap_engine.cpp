@@ -487,15 +487,19 @@ void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Paged
                                                device_counters_.get() + 2, stream));
 }
 
+bool SaapEngine::any_index_pending() const {
+  return std::find(index_pending_.begin(), index_pending_.end(), true) != index_pending_.end();
+}
+
 void SaapEngine::join_index(cudaStream_t stream) {
-  if (std::find(index_pending_.begin(), index_pending_.end(), true) == index_pending_.end()) return;
+  if (!any_index_pending()) return;
   KVS_CUDA_CHECK(kernels::join_into(index_branch_->get(), stream));
   index_pending_.assign(index_pending_.size(), false);
   index_pending_eager_ = false;
 }
 
 void SaapEngine::settle_index() const {
-  if (std::find(index_pending_.begin(), index_pending_.end(), true) == index_pending_.end()) return;
+  if (!any_index_pending()) return;
   KVS_CUDA_CHECK(cudaStreamSynchronize(index_branch_->get().side));
   index_pending_.assign(index_pending_.size(), false);
   index_pending_eager_ = false;

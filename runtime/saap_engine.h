@@ -140,6 +140,7 @@ class SaapEngine : public Engine {
   int last_sparse_ = -1;
   // Joins the branch into `stream` if any index step is pending; settle_index waits for it on
   // the host instead (for the readers).
+  bool any_index_pending() const;
   void join_index(cudaStream_t stream);
   void settle_index() const;
 };
