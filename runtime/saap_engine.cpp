@@ -449,6 +449,17 @@ void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Paged
                                                  device_counters_.get(), stream));
   } else {
     const int slot = parts_.layer_slot(layer);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    KVS_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    const bool capturing = capture == cudaStreamCaptureStatusActive;
+    if (capturing && index_pending_eager_) {
+      const auto it = std::find(index_pending_.begin(), index_pending_.end(), true);
+      throw std::logic_error(
+          "saap engine decode: the index step of layer " + str(it - index_pending_.begin()) +
+          " from a decode outside this capture is still pending, and a capture cannot wait for "
+          "it: finish that step (decode layer " + str(last_sparse_) +
+          ", the last sparse layer) or call index_state() before the capture begins");
+    }
     if (index_pending_[size_t(layer)]) join_index(stream);  // the step before's, not joined
     const sk::Router<bf16> router = cuda_router(slot);
     const sk::IndexState& st = index_[size_t(layer)].view;
@@ -468,6 +479,7 @@ void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Paged
                                        route_ws + route_bytes(), index_step_bytes(),
                                        branch.side));
     index_pending_[size_t(layer)] = true;
+    if (!capturing) index_pending_eager_ = true;
     if (layer == last_sparse_) join_index(stream);
   }
   if (device_counters_)
@@ -475,16 +487,22 @@ void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Paged
                                                device_counters_.get() + 2, stream));
 }
 
+bool SaapEngine::any_index_pending() const {
+  return std::find(index_pending_.begin(), index_pending_.end(), true) != index_pending_.end();
+}
+
 void SaapEngine::join_index(cudaStream_t stream) {
-  if (std::find(index_pending_.begin(), index_pending_.end(), true) == index_pending_.end()) return;
+  if (!any_index_pending()) return;
   KVS_CUDA_CHECK(kernels::join_into(index_branch_->get(), stream));
   index_pending_.assign(index_pending_.size(), false);
+  index_pending_eager_ = false;
 }
 
 void SaapEngine::settle_index() const {
-  if (std::find(index_pending_.begin(), index_pending_.end(), true) == index_pending_.end()) return;
+  if (!any_index_pending()) return;
   KVS_CUDA_CHECK(cudaStreamSynchronize(index_branch_->get().side));
   index_pending_.assign(index_pending_.size(), false);
+  index_pending_eager_ = false;
 }
 
 void SaapEngine::decode_cpu(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv,

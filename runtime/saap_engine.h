@@ -17,7 +17,9 @@
 // sparse layer. So a step captured in a CUDA graph must include the decode of the highest
 // layer that is not dense (else the capture ends with unjoined work), as with
 // AttnPredEngine. A decode or prefill of a layer whose index step is still on the branch
-// joins it first, and index_state, last_read and last_clusters wait for it.
+// joins it first, and index_state, last_read and last_clusters wait for it. A decode captured
+// while an index step queued outside the capture is still pending throws std::logic_error
+// (a capture cannot depend on work outside it).
 //
 // Memory: the router weights of every indexed layer live on the backend from construction
 // (bf16: 2 bytes per MLP weight); a layer's index is allocated at its first prefill for
@@ -133,9 +135,12 @@ class SaapEngine : public Engine {
   // the highest layer that is not dense.
   std::unique_ptr<OwnedStreamFork> index_branch_;
   mutable std::vector<bool> index_pending_;
+  // Whether a pending index step was queued outside a capture: a capture cannot wait for it.
+  mutable bool index_pending_eager_ = false;
   int last_sparse_ = -1;
   // Joins the branch into `stream` if any index step is pending; settle_index waits for it on
   // the host instead (for the readers).
+  bool any_index_pending() const;
   void join_index(cudaStream_t stream);
   void settle_index() const;
 };

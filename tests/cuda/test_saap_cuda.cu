@@ -299,6 +299,45 @@ void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C
   KVS_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+// A capture cannot wait for work queued outside it: with layer 1's index step of an eager
+// decode still on the branch (layer 2 of 3 is the last sparse layer), a captured decode of
+// layer 1 is refused before it queues anything, naming what to do; after index_state() (which
+// waits for the branch) the same capture succeeds.
+TEST(SaapCuda, CaptureRefusesAnIndexStepPendingFromOutsideIt) {
+  KVS_SKIP_WITHOUT_CUDA();
+  Pair p(SaapRouter::Mlp, {900}, 64, 32, 6, SaapWeights::Bf16, 2048, SaapConfig().fold_every,
+         SaapConfig().index_every, {}, saap_test::scene_shape(3));
+  const int hq = p.shape.num_q_heads, d = p.shape.head_dim;
+  p.gpu->prefill(p.layer, p.gpu_cache->view(p.layer), nullptr);
+  p.gpu->prefill(2, p.gpu_cache->view(2), nullptr);  // its keys are zero: captured, never run
+  cudaStream_t stream;
+  KVS_CUDA_CHECK(cudaStreamCreate(&stream));
+  test::DeviceBuffer<bf16> q(saap_test::random_bf16(size_t(hq) * d, 1)),
+      qp(saap_test::random_bf16(size_t(hq) * d, 2)), out(size_t(hq) * d);
+  const PagedKV view = p.gpu_cache->view(p.layer);
+  p.gpu->decode(p.layer, q.get(), qp.get(), view, out.get(), nullptr, stream);
+  cudaGraph_t graph = nullptr;
+  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  std::string message;
+  try {
+    p.gpu->decode(p.layer, q.get(), qp.get(), view, out.get(), nullptr, stream);
+  } catch (const std::logic_error& e) {
+    message = e.what();
+  }
+  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  if (graph) KVS_CUDA_CHECK(cudaGraphDestroy(graph));
+  EXPECT_NE(message.find("index step of layer 1"), std::string::npos) << message;
+  EXPECT_NE(message.find("decode layer 2"), std::string::npos) << message;
+  p.gpu->index_state(p.layer);  // waits for the branch
+  KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  p.gpu->decode(p.layer, q.get(), qp.get(), view, out.get(), nullptr, stream);
+  p.gpu->decode(2, q.get(), qp.get(), p.gpu_cache->view(2), out.get(), nullptr, stream);
+  KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_NE(graph, nullptr);
+  KVS_CUDA_CHECK(cudaGraphDestroy(graph));
+  KVS_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 // Head counts the decode step cannot serve are refused before any launch, so this needs no
 // device: every pointer is host memory that a launch would fault on.
 TEST(SaapCuda, DecodeSelectRefusesHeadCountsItCannotServe) {
