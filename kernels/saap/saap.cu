@@ -1748,8 +1748,7 @@ cudaError_t route_smem_for(int route_ctas, int pow2, int d, int probes, int C, s
         e = cudaDeviceGetAttribute(&q.reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
       if (e == cudaSuccess)
         e = cudaDeviceGetAttribute(&q.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-      if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(&q.sms, cudaDevAttrMultiProcessorCount, dev);
+      if (e == cudaSuccess) e = cudaDeviceGetAttribute(&q.sms, cudaDevAttrMultiProcessorCount, dev);
       if (e != cudaSuccess) return e;
       known = q;
     }
@@ -1986,7 +1985,8 @@ cudaError_t prepare_cuda(int hidden) {
     e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   for (auto fn : {route_mlp_kernel<true, 4>, route_mlp_kernel<true, kMaxRouteGroup>,
                   route_mlp_kernel<false, 4>, route_mlp_kernel<false, kMaxRouteGroup>})
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
   if (e != cudaSuccess) return e;
   return cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
 }
