@@ -1723,6 +1723,47 @@ size_t index_step_workspace_bytes(int max_batch, int num_kv_heads, int num_clust
   return index_step_layout(max_batch, num_kv_heads, num_clusters, fold_every, max_tokens).total;
 }
 
+namespace {
+
+// The shared memory of a route CTA of `route_ctas` for an attention of head_dim d, probes and
+// C clusters: its own, or route_alone_smem_bytes with this device's figures (cached per
+// device; attribute queries are not stream work, so a captured call may make them).
+cudaError_t route_smem_for(int route_ctas, int pow2, int d, int probes, int C, size_t* bytes) {
+  struct SmInfo {
+    int sms = 0, smem_per_sm = 0, reserved = 0, optin = 0;
+  };
+  static std::mutex mu;
+  static std::map<int, SmInfo> devices;
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  SmInfo info;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    SmInfo& known = devices[dev];
+    if (known.sms == 0) {
+      SmInfo q;
+      e = cudaDeviceGetAttribute(&q.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+      if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&q.reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+      if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&q.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+      if (e == cudaSuccess) e = cudaDeviceGetAttribute(&q.sms, cudaDevAttrMultiProcessorCount, dev);
+      if (e != cudaSuccess) return e;
+      known = q;
+    }
+    info = known;
+  }
+  const size_t attend = d == 128 ? attend_smem_bytes<AttendCfg128>(probes, C)
+                                 : attend_smem_bytes<AttendCfg64>(probes, C);
+  *bytes = std::max(route_smem_bytes(pow2),
+                    route_alone_smem_bytes(route_ctas, info.sms, size_t(info.smem_per_sm),
+                                           size_t(info.reserved), size_t(info.optin), attend));
+  return cudaSuccess;
+}
+
+}  // namespace
+
 cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>& r, int probes,
                                int32_t* selected, void* workspace, size_t workspace_bytes,
                                cudaStream_t stream) {
@@ -1743,7 +1784,9 @@ cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>&
     if (e != cudaSuccess) return e;
   }
   const int pow2 = next_pow2(C);
-  const size_t route_smem = route_smem_bytes(pow2);
+  size_t route_smem = 0;
+  e = route_smem_for(B * hkv, pow2, d, probes, C, &route_smem);
+  if (e != cudaSuccess) return e;
   // The route, programmatic behind the MLP's last grid, waits for it before it releases the
   // attention (route_wait_then_release), whose code before its own wait reads the index: the
   // index step of the call before has completed then (the engine joins it at the step's end).
@@ -1935,8 +1978,17 @@ cudaError_t prepare_cuda(int hidden) {
   e = cudaFuncSetAttribute(step_index_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            int(step_index_smem_bytes()));
   if (e != cudaSuccess) return e;
-  return cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              int(route_smem_bytes(kMaxClustersCuda)));
+  // The route's kernels may ask for up to the device's limit (route_alone_smem_bytes).
+  int dev = 0, optin = 0;
+  e = cudaGetDevice(&dev);
+  if (e == cudaSuccess)
+    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  for (auto fn : {route_mlp_kernel<true, 4>, route_mlp_kernel<true, kMaxRouteGroup>,
+                  route_mlp_kernel<false, 4>, route_mlp_kernel<false, kMaxRouteGroup>})
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+  if (e != cudaSuccess) return e;
+  return cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
 }
 
 }  // namespace kvs::kernels::saap

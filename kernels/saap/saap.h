@@ -261,6 +261,26 @@ cudaError_t mlp_logits_cuda(const bf16* q_pre, const Router<bf16>& router, int b
 cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>& router,
                                int probes, int32_t* selected, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream);
+
+// The dynamic shared memory that keeps every attention CTA off the SMs of the route's
+// route_ctas CTAs (an SM of smem_per_sm bytes, reserved_per_cta more per resident CTA, at most
+// max_per_cta a CTA; attend_smem an attention CTA's), or 0 where the route should not ask for
+// it. A route CTA that shares its SM with an attention part runs beside that part's tile loop
+// (the window parts attend while the route runs), and the member parts wait for the slowest
+// route CTA: alone on their SMs the 8 route CTAs of a batch-1 Llama-3 step end sooner
+// (docs/gpu.md). The price is the attention CTAs those SMs would have held, which get resident
+// only as the route ends: worth it only while the route's CTAs are few, at most one SM in 16
+// (at batch 8, 64 route CTAs on 132 SMs, the step lost 3 %).
+inline size_t route_alone_smem_bytes(int route_ctas, int sms, size_t smem_per_sm,
+                                     size_t reserved_per_cta, size_t max_per_cta,
+                                     size_t attend_smem) {
+  if (route_ctas < 1 || 16 * int64_t(route_ctas) > sms) return 0;
+  // No attention CTA fits beside the route's anyway.
+  if (attend_smem + 2 * reserved_per_cta >= smem_per_sm) return 0;
+  // The route's and an attention CTA's, with their reservations, just over the SM's.
+  const size_t alone = smem_per_sm - 2 * reserved_per_cta - attend_smem + 128;
+  return alone <= max_per_cta ? alone : 0;
+}
 cudaError_t index_step_cuda(const PagedKV& kv, const float* inv_freq, const Window& w,
                             const Router<bf16>& router, const IndexState& state, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream);

@@ -493,6 +493,29 @@ TEST(SaapAttendSplit, EverySideWithRowsGetsAPartAndTheSplitFollowsTheSizes) {
           }
 }
 
+// The route's shared memory that keeps attention CTAs off its SMs, with an H200's figures (228
+// KiB an SM, 1 KiB reserved per CTA, 227 KiB at most a CTA): asked for only while the route's
+// CTAs are at most one SM in 16, and then just too much for an attention CTA to fit beside it.
+TEST(SaapRouteAlone, AskedOnlyForFewRouteCtasAndJustKeepsTheAttentionOut) {
+  const size_t sm = 233472, reserved = 1024, optin = 232448;
+  for (size_t attend : {size_t(107000), size_t(60000), size_t(4096)}) {
+    const size_t alone = sk::route_alone_smem_bytes(8, 132, sm, reserved, optin, attend);
+    ASSERT_GT(alone, 0u) << attend;
+    EXPECT_GT(alone + reserved + attend + reserved, sm) << attend;
+    EXPECT_LE(alone + reserved + attend + reserved, sm + 256) << attend;
+    EXPECT_LE(alone, optin);
+  }
+  // Batch 1 of Llama-3 (8 kv heads) on 132 SMs pays; 9 route CTAs (and batch 8's 64) do not.
+  EXPECT_GT(sk::route_alone_smem_bytes(1, 16, sm, reserved, optin, 107000), 0u);
+  EXPECT_EQ(sk::route_alone_smem_bytes(9, 132, sm, reserved, optin, 107000), 0u);
+  EXPECT_EQ(sk::route_alone_smem_bytes(64, 132, sm, reserved, optin, 107000), 0u);
+  EXPECT_EQ(sk::route_alone_smem_bytes(0, 132, sm, reserved, optin, 107000), 0u);
+  // An attention CTA that fills an SM alone leaves nothing to keep out; a CTA limit below
+  // what it would take makes the route ask for nothing more.
+  EXPECT_EQ(sk::route_alone_smem_bytes(8, 132, sm, reserved, optin, sm - 2 * reserved), 0u);
+  EXPECT_EQ(sk::route_alone_smem_bytes(8, 132, sm, reserved, 100000, 50000), 0u);
+}
+
 TEST(SaapRouterWeights, E4m3RowsRoundWithinHalfAStepAndKeepEachRowsMaximum) {
   constexpr int kRows = 5, K = 48;
   std::vector<float> w(size_t(kRows) * K);
