@@ -1725,35 +1725,40 @@ size_t index_step_workspace_bytes(int max_batch, int num_kv_heads, int num_clust
 
 namespace {
 
-// The shared memory of a route CTA of `route_ctas` for an attention of head_dim d, probes and
-// C clusters: its own, or route_alone_smem_bytes with this device's figures (cached per
-// device; attribute queries are not stream work, so a captured call may make them).
-cudaError_t route_smem_for(int route_ctas, int pow2, int d, int probes, int C, size_t* bytes) {
-  struct SmInfo {
-    int sms = 0, smem_per_sm = 0, reserved = 0, optin = 0;
-  };
+// A device's SM figures, queried once per device (a process may drive several); attribute
+// queries are not stream work, so a captured call may make them.
+struct SmInfo {
+  int sms = 0, smem_per_sm = 0, reserved = 0, optin = 0;
+};
+cudaError_t sm_info(SmInfo* out) {
   static std::mutex mu;
   static std::map<int, SmInfo> devices;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
-  SmInfo info;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    SmInfo& known = devices[dev];
-    if (known.sms == 0) {
-      SmInfo q;
-      e = cudaDeviceGetAttribute(&q.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
-      if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(&q.reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
-      if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(&q.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-      if (e == cudaSuccess) e = cudaDeviceGetAttribute(&q.sms, cudaDevAttrMultiProcessorCount, dev);
-      if (e != cudaSuccess) return e;
-      known = q;
-    }
-    info = known;
+  std::lock_guard<std::mutex> lock(mu);
+  SmInfo& known = devices[dev];
+  if (known.sms == 0) {
+    SmInfo q;
+    e = cudaDeviceGetAttribute(&q.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&q.reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&q.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&q.sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) return e;
+    known = q;
   }
+  *out = known;
+  return cudaSuccess;
+}
+
+// The shared memory of a route CTA of `route_ctas` for an attention of head_dim d, probes and
+// C clusters: its own, or route_alone_smem_bytes with this device's figures.
+cudaError_t route_smem_for(int route_ctas, int pow2, int d, int probes, int C, size_t* bytes) {
+  SmInfo info;
+  const cudaError_t e = sm_info(&info);
+  if (e != cudaSuccess) return e;
   const size_t attend = d == 128 ? attend_smem_bytes<AttendCfg128>(probes, C)
                                  : attend_smem_bytes<AttendCfg64>(probes, C);
   *bytes = std::max(route_smem_bytes(pow2),
@@ -1853,34 +1858,27 @@ namespace {
 template <class Cfg>
 cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, float* lse,
                           cudaStream_t stream, const StreamFork* after_attention) {
-  // Per device (a process may drive several): the kernel's shared-memory limit as set, and
-  // the SM count. Attribute and occupancy calls are not stream work, so a captured call may
-  // make them.
-  struct DeviceInfo {
-    size_t smem_set = 0;
-    int sms = 0;
-  };
+  // Per device (a process may drive several): the kernel's shared-memory limit as set.
+  // Attribute and occupancy calls are not stream work, so a captured call may make them.
   static std::mutex mu;
-  static std::map<int, DeviceInfo> devices;
+  static std::map<int, size_t> smem_set;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
-  int sms = 0;
   {
     std::lock_guard<std::mutex> lock(mu);
-    DeviceInfo& info = devices[dev];
-    if (smem > info.smem_set) {
+    size_t& set = smem_set[dev];
+    if (smem > set) {
       e = cudaFuncSetAttribute(attend_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                int(smem));
       if (e != cudaSuccess) return e;
-      info.smem_set = smem;
+      set = smem;
     }
-    if (info.sms == 0) {
-      e = cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, dev);
-      if (e != cudaSuccess) return e;
-    }
-    sms = info.sms;
   }
+  SmInfo info;
+  e = sm_info(&info);
+  if (e != cudaSuccess) return e;
+  const int sms = info.sms;
   int per_sm = 0;
   e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attend_kernel<Cfg>, Cfg::kThreads,
                                                     smem);
@@ -1979,10 +1977,9 @@ cudaError_t prepare_cuda(int hidden) {
                            int(step_index_smem_bytes()));
   if (e != cudaSuccess) return e;
   // The route's kernels may ask for up to the device's limit (route_alone_smem_bytes).
-  int dev = 0, optin = 0;
-  e = cudaGetDevice(&dev);
-  if (e == cudaSuccess)
-    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  SmInfo info;
+  e = sm_info(&info);
+  const int optin = info.optin;
   for (auto fn : {route_mlp_kernel<true, 4>, route_mlp_kernel<true, kMaxRouteGroup>,
                   route_mlp_kernel<false, 4>, route_mlp_kernel<false, kMaxRouteGroup>})
     if (e == cudaSuccess)

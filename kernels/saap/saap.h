@@ -281,6 +281,7 @@ inline size_t route_alone_smem_bytes(int route_ctas, int sms, size_t smem_per_sm
   const size_t alone = smem_per_sm - 2 * reserved_per_cta - attend_smem + 128;
   return alone <= max_per_cta ? alone : 0;
 }
+
 cudaError_t index_step_cuda(const PagedKV& kv, const float* inv_freq, const Window& w,
                             const Router<bf16>& router, const IndexState& state, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream);
