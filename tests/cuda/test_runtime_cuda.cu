@@ -165,9 +165,10 @@ TEST(RuntimeCuda, CacheHostCopiesWaitForWorkQueuedOnAnyStream) {
   cc.num_kv_heads = 1;
   cc.head_dim = 64;
   cc.page_size = 16;
-  cc.max_batch = 1;
+  cc.max_batch = 2;
   cc.max_seq_len = 64;
   KVCache cache(cc);
+  cache.reserve(1, 64);  // pages 0-3: slot 0's first page is then not 0, which release writes
   cache.reserve(0, 64);
   cache.set_lengths({10});
   std::vector<int32_t> table(1);
