@@ -172,8 +172,8 @@ TEST(RuntimeCuda, CacheHostCopiesWaitForWorkQueuedOnAnyStream) {
   cache.reserve(0, 64);
   cache.set_lengths({10});
   std::vector<int32_t> table(1);
-  KVS_CUDA_CHECK(cudaMemcpy(table.data(), cache.view(0).page_table, sizeof(int32_t),
-                            cudaMemcpyDeviceToHost));
+  KVS_CUDA_CHECK(
+      cudaMemcpy(table.data(), cache.view(0).page_table, sizeof(int32_t), cudaMemcpyDeviceToHost));
   ASSERT_NE(table[0], 0) << "the test needs slot 0's first page to be a nonzero page id";
   cudaStream_t s = nullptr;
   KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -189,7 +189,8 @@ TEST(RuntimeCuda, CacheHostCopiesWaitForWorkQueuedOnAnyStream) {
   std::vector<int32_t> seen(2);
   KVS_CUDA_CHECK(cudaMemcpy(seen.data(), out, 2 * sizeof(int32_t), cudaMemcpyDeviceToHost));
   EXPECT_EQ(seen[0], 10) << "set_lengths overwrote the lengths under a kernel queued before it";
-  EXPECT_EQ(seen[1], table[0]) << "release overwrote the page table under a kernel queued before it";
+  EXPECT_EQ(seen[1], table[0])
+      << "release overwrote the page table under a kernel queued before it";
   KVS_CUDA_CHECK(cudaFree(out));
   KVS_CUDA_CHECK(cudaStreamDestroy(s));
 }
