@@ -43,6 +43,15 @@ void copy(Device device, void* dst, const void* src, size_t bytes) {
   }
 }
 
+// The host calls that copy into the device's lengths, page tables or pages first wait for
+// every stream's queued work: a decode step queued before the call may still read them, and
+// a copy on the legacy default stream is not ordered after work on a non-blocking stream (the
+// step index kernel of a SAAP step queued on one read a length of the next step and failed,
+// docs/gpu.md).
+void wait_for_device(Device device) {
+  if (device == Device::Cuda) KVS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 }  // namespace
 
 KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
@@ -110,6 +119,7 @@ void KVCache::reserve(int b, int capacity) {
     free_pages_.pop_back();
   }
   host_capacity_[b] = std::max(host_capacity_[b], want * config_.page_size);
+  wait_for_device(config_.device);
   upload_table_row(b);
 }
 
@@ -122,6 +132,7 @@ void KVCache::release(int b) {
     slot = 0;
   }
   host_capacity_[b] = 0;
+  wait_for_device(config_.device);
   upload_table_row(b);
   if (b < batch_) {
     host_lens_[b] = 0;
@@ -142,6 +153,7 @@ void KVCache::set_lengths(const std::vector<int>& lens) {
   host_lens_ = lens;
   batch_ = int(lens.size());
   const std::vector<int32_t> l(lens.begin(), lens.end());
+  wait_for_device(config_.device);
   copy(config_.device, seq_lens_, l.data(), l.size() * sizeof(int32_t));
 }
 
@@ -157,6 +169,7 @@ void KVCache::write(int layer, int b, int start, int n, const bf16* k, const bf1
   const int64_t row = int64_t(config_.num_kv_heads) * config_.head_dim;
   bf16* kl = k_ + layer * layer_elems_;
   bf16* vl = v_ + layer * layer_elems_;
+  wait_for_device(config_.device);
   // Contiguous runs within a page go in one copy each.
   for (int t = start; t < start + n;) {
     const int in_page = std::min(start + n - t, config_.page_size - t % config_.page_size);

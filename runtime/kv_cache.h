@@ -39,9 +39,14 @@ class KVCache {
 
   const KVCacheConfig& config() const { return config_; }
 
+  // The calls below that copy to the device (reserve, release, set_lengths, write) are host
+  // calls, outside a captured step: each first waits for the work queued on every stream of
+  // the device (cudaDeviceSynchronize), since a decode step queued before it may still read
+  // the lengths, page tables and pages, even on a stream that the copy would not wait for.
+
   // Makes room for `capacity` tokens in slot b, taking pages from the pool (throws, naming
   // the numbers, when the pool or max_seq_len is exceeded). Copies the slot's page-table row
-  // to the device synchronously: call it outside a captured step.
+  // to the device synchronously.
   void reserve(int b, int capacity);
   // Returns slot b's pages to the pool and sets its length to 0.
   void release(int b);

@@ -145,5 +145,55 @@ TEST(RuntimeCuda, GraphCapturedDecodeStepsMatchCpu) {
   for (void* p : {(void*)dq, (void*)dk, (void*)dv, (void*)dout, ws}) cudaFree(p);
 }
 
+// Spins for `cycles` clocks, then copies x[0] to *out: a decode kernel that reads the cache's
+// lengths or page table late.
+__global__ void read_late(const int32_t* x, int32_t* out, long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+  *out = x[0];
+}
+
+// set_lengths and release, called while a kernel queued on a non-blocking stream has yet to
+// read what they overwrite, wait for it: the kernel reads the values from before the call.
+// (A bare cudaMemcpy on the legacy stream does not wait for a non-blocking stream, so without
+// the wait the kernel, spinning for about 50 ms, would read the new values.)
+TEST(RuntimeCuda, CacheHostCopiesWaitForWorkQueuedOnAnyStream) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  KVCacheConfig cc;
+  cc.num_layers = 1;
+  cc.num_kv_heads = 1;
+  cc.head_dim = 64;
+  cc.page_size = 16;
+  cc.max_batch = 2;
+  cc.max_seq_len = 64;
+  KVCache cache(cc);
+  cache.reserve(1, 64);  // pages 0-3: slot 0's first page is then not 0, which release writes
+  cache.reserve(0, 64);
+  cache.set_lengths({10});
+  std::vector<int32_t> table(1);
+  KVS_CUDA_CHECK(
+      cudaMemcpy(table.data(), cache.view(0).page_table, sizeof(int32_t), cudaMemcpyDeviceToHost));
+  ASSERT_NE(table[0], 0) << "the test needs slot 0's first page to be a nonzero page id";
+  cudaStream_t s = nullptr;
+  KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  int32_t* out = to_device(std::vector<int32_t>{-1, -1});
+  const long long cycles = 100'000'000;  // about 50 ms
+  read_late<<<1, 1, 0, s>>>(cache.view(0).seq_lens, out, cycles);
+  KVS_CUDA_CHECK(cudaGetLastError());
+  cache.set_lengths({20});
+  read_late<<<1, 1, 0, s>>>(cache.view(0).page_table, out + 1, cycles);
+  KVS_CUDA_CHECK(cudaGetLastError());
+  cache.release(0);
+  KVS_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<int32_t> seen(2);
+  KVS_CUDA_CHECK(cudaMemcpy(seen.data(), out, 2 * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(seen[0], 10) << "set_lengths overwrote the lengths under a kernel queued before it";
+  EXPECT_EQ(seen[1], table[0])
+      << "release overwrote the page table under a kernel queued before it";
+  KVS_CUDA_CHECK(cudaFree(out));
+  KVS_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
 }  // namespace
 }  // namespace kvs
