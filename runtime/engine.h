@@ -102,7 +102,9 @@ class Engine {
 
   // For evaluation: the tokens each query head of sequence b attended in the last decode()
   // of `layer`, ascending ([Hq][...]). Empty means every token (a dense read). On the CUDA
-  // backend this copies from the device and synchronizes: never call it inside a step.
+  // backend this copies from the device with cudaMemcpy, which waits for the legacy default
+  // stream and the blocking streams only: synchronize a non-blocking decode stream before
+  // calling it (as before stats()), and never call it inside a step.
   virtual std::vector<std::vector<int32_t>> last_read(int layer, int b) const { return {}; }
 
  protected:
