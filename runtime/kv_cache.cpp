@@ -114,17 +114,18 @@ void KVCache::reserve(int b, int capacity) {
                              " more pages of " + str(config_.page_size) + " tokens but only " +
                              str(free_pages_.size()) + " of " + str(config_.num_pages) +
                              " are free");
+  wait_for_device(config_.device);  // before the host's books change, should it throw
   for (int p = have; p < want; ++p) {
     host_table_[size_t(b) * pages_per_seq_ + p] = free_pages_.back();
     free_pages_.pop_back();
   }
   host_capacity_[b] = std::max(host_capacity_[b], want * config_.page_size);
-  wait_for_device(config_.device);
   upload_table_row(b);
 }
 
 void KVCache::release(int b) {
   check_slot(b, "release");
+  wait_for_device(config_.device);
   const int have = (host_capacity_[b] + config_.page_size - 1) / config_.page_size;
   for (int p = have - 1; p >= 0; --p) {
     int32_t& slot = host_table_[size_t(b) * pages_per_seq_ + p];
@@ -132,7 +133,6 @@ void KVCache::release(int b) {
     slot = 0;
   }
   host_capacity_[b] = 0;
-  wait_for_device(config_.device);
   upload_table_row(b);
   if (b < batch_) {
     host_lens_[b] = 0;
@@ -150,10 +150,10 @@ void KVCache::set_lengths(const std::vector<int>& lens) {
       throw std::out_of_range("KVCache::set_lengths: length " + str(lens[b]) + " of slot " +
                               str(b) + " exceeds its reservation of " + str(host_capacity_[b]) +
                               " tokens (call reserve first)");
+  wait_for_device(config_.device);
   host_lens_ = lens;
   batch_ = int(lens.size());
   const std::vector<int32_t> l(lens.begin(), lens.end());
-  wait_for_device(config_.device);
   copy(config_.device, seq_lens_, l.data(), l.size() * sizeof(int32_t));
 }
 
