@@ -102,9 +102,9 @@ class Engine {
 
   // For evaluation: the tokens each query head of sequence b attended in the last decode()
   // of `layer`, ascending ([Hq][...]). Empty means every token (a dense read). On the CUDA
-  // backend this copies from the device with cudaMemcpy, which waits for the legacy default
-  // stream and the blocking streams only: synchronize a non-blocking decode stream before
-  // calling it (as before stats()), and never call it inside a step.
+  // backend this and stats() (and reset_stats() before it zeroes) wait for the whole device
+  // first, so they see what decodes queued on any stream wrote, a non-blocking one included;
+  // never call them inside a step or while a stream is being captured.
   virtual std::vector<std::vector<int32_t>> last_read(int layer, int b) const { return {}; }
 
  protected:

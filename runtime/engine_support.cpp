@@ -39,11 +39,14 @@ DeviceCounters& DeviceCounters::operator=(DeviceCounters&& o) noexcept {
   return *this;
 }
 
+void copy_to_host(void* dst, const void* src, size_t bytes) {
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  if (bytes > 0) KVS_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+
 std::vector<uint64_t> DeviceCounters::read() const {
   std::vector<unsigned long long> c(size_t(count_), 0);
-  if (ptr_)
-    KVS_CUDA_CHECK(
-        cudaMemcpy(c.data(), ptr_, c.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  if (ptr_) copy_to_host(c.data(), ptr_, c.size() * sizeof(unsigned long long));
   return std::vector<uint64_t>(c.begin(), c.end());
 }
 
@@ -56,7 +59,9 @@ void DeviceCounters::read_into(EngineStats* s, int rows_read, int selection_byte
 }
 
 void DeviceCounters::reset() {
-  if (ptr_) KVS_CUDA_CHECK(cudaMemset(ptr_, 0, size_t(count_) * sizeof(unsigned long long)));
+  if (!ptr_) return;
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());  // no kernel of any stream still adding
+  KVS_CUDA_CHECK(cudaMemset(ptr_, 0, size_t(count_) * sizeof(unsigned long long)));
 }
 
 void check_prefill_args(const std::string& who, int layer, const PagedKV& kv,
@@ -90,14 +95,13 @@ std::vector<std::vector<int32_t>> read_kv_head_lists(const kernels::tactic::Sele
                                                      int num_kv_heads) {
   const int hkv = num_kv_heads;
   std::vector<int32_t> counts(static_cast<size_t>(hkv));
-  KVS_CUDA_CHECK(cudaMemcpy(counts.data(), sel.counts + size_t(b) * hkv,
-                            counts.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  copy_to_host(counts.data(), sel.counts + size_t(b) * hkv, counts.size() * sizeof(int32_t));
   std::vector<std::vector<int32_t>> lists(static_cast<size_t>(hkv));
   for (int h = 0; h < hkv; ++h) {
     auto& t = lists[size_t(h)];
     t.resize(size_t(counts[size_t(h)]));
-    KVS_CUDA_CHECK(cudaMemcpy(t.data(), sel.tokens + (size_t(b) * hkv + h) * sel.max_tokens,
-                              t.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    copy_to_host(t.data(), sel.tokens + (size_t(b) * hkv + h) * sel.max_tokens,
+                 t.size() * sizeof(int32_t));
   }
   return lists;
 }

@@ -65,6 +65,14 @@ void with_temporary_workspace(size_t bytes, cudaStream_t stream, Launch launch) 
   KVS_CUDA_CHECK(sync);
 }
 
+// The engines' inspection copies (stats, last_read and the other read-backs) from the device:
+// waits for the whole device first, so that what a decode queued on any stream has written
+// is there. A plain cudaMemcpy waits for the legacy default stream and the blocking streams
+// only, and a caller's decode stream may be non-blocking (PyTorch's are), which made stats()
+// and last_read() return the values from before that decode. Not for use while a stream is
+// being captured.
+void copy_to_host(void* dst, const void* src, size_t bytes);
+
 // A zeroed array of 64-bit counters on the device that decode kernels atomically add to, so
 // collecting stats costs no host sync inside a step. Empty (get() null) when stats are off
 // or on the CPU backend; kernels take a null pointer as "do not count".
@@ -82,12 +90,11 @@ class DeviceCounters {
   unsigned long long* get() const { return ptr_; }
   int size() const { return count_; }
 
-  // The counters' values; a plain cudaMemcpy, so it waits for the legacy default stream
-  // only: callers with work on other streams synchronize first.
+  // The counters' values, once every stream's work has landed (copy_to_host).
   std::vector<uint64_t> read() const;
   // Copies counters [rows_read], [selection_bytes], [context_rows] into s.
   void read_into(EngineStats* s, int rows_read, int selection_bytes, int context_rows) const;
-  void reset();  // zeroes every counter (cudaMemset)
+  void reset();  // zeroes every counter, once no kernel of any stream may still add to them
 
  private:
   unsigned long long* ptr_ = nullptr;
@@ -95,7 +102,7 @@ class DeviceCounters {
 };
 
 // The token lists a Selection holds for sequence b, one per kv head ([Hkv][count]), copied
-// from the device (cudaMemcpy: synchronizes with the default stream).
+// from the device by copy_to_host.
 std::vector<std::vector<int32_t>> read_kv_head_lists(const kernels::tactic::Selection& sel, int b,
                                                      int num_kv_heads);
 

@@ -326,9 +326,8 @@ std::vector<std::vector<int32_t>> MacEngine::last_read(int layer, int b) const {
   std::vector<int32_t> start(static_cast<size_t>(hq));
   int32_t len = 0;
   if (config_.backend == Backend::Cuda) {
-    KVS_CUDA_CHECK(cudaMemcpy(start.data(), st.last_start + st.head(b, 0), hq * sizeof(int32_t),
-                              cudaMemcpyDeviceToHost));
-    KVS_CUDA_CHECK(cudaMemcpy(&len, st.last_len + b, sizeof len, cudaMemcpyDeviceToHost));
+    copy_to_host(start.data(), st.last_start + st.head(b, 0), hq * sizeof(int32_t));
+    copy_to_host(&len, st.last_len + b, sizeof len);
   } else {
     std::copy(st.last_start + st.head(b, 0), st.last_start + st.head(b, hq), start.begin());
     len = st.last_len[b];

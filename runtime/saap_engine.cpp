@@ -578,8 +578,7 @@ std::vector<int32_t> SaapEngine::last_clusters(int layer, int b, int h) const {
   }
   settle_index();
   std::vector<int32_t> out(static_cast<size_t>(l));
-  KVS_CUDA_CHECK(cudaMemcpy(out.data(), selected_ptr() + (size_t(b) * hkv + h) * l,
-                            out.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  copy_to_host(out.data(), selected_ptr() + (size_t(b) * hkv + h) * l, out.size() * sizeof(int32_t));
   return out;
 }
 

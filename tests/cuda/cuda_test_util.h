@@ -64,6 +64,17 @@ inline uint64_t fresh_seed() {
   return (uint64_t(rd()) << 32) ^ rd();
 }
 
+// Spins for `cycles` clocks (100M: about 50 ms at 2 GHz), then copies x[0] to *out where both
+// are given: work queued on a stream ahead of what a test checks waits for it (a kernel that
+// reads a buffer late, or one that holds back the calls queued behind it). One copy per test
+// file (internal linkage).
+static __global__ void spin_then_copy(const int32_t* x, int32_t* out, long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+  if (x && out) *out = x[0];
+}
+
 }  // namespace kvs::test
 
 #define KVS_SKIP_WITHOUT_CUDA()                                            \

@@ -11,6 +11,7 @@
 #include "runtime/engine.h"
 #include "runtime/kv_cache.h"
 #include "tests/common/test_util.h"
+#include "tests/cuda/cuda_test_util.h"
 
 namespace kvs {
 namespace {
@@ -145,15 +146,6 @@ TEST(RuntimeCuda, GraphCapturedDecodeStepsMatchCpu) {
   for (void* p : {(void*)dq, (void*)dk, (void*)dv, (void*)dout, ws}) cudaFree(p);
 }
 
-// Spins for `cycles` clocks, then copies x[0] to *out: a decode kernel that reads the cache's
-// lengths or page table late.
-__global__ void read_late(const int32_t* x, int32_t* out, long long cycles) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {
-  }
-  *out = x[0];
-}
-
 // set_lengths and release, called while a kernel queued on a non-blocking stream has yet to
 // read what they overwrite, wait for it: the kernel reads the values from before the call.
 // (A bare cudaMemcpy on the legacy stream does not wait for a non-blocking stream, so without
@@ -179,10 +171,10 @@ TEST(RuntimeCuda, CacheHostCopiesWaitForWorkQueuedOnAnyStream) {
   KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   int32_t* out = to_device(std::vector<int32_t>{-1, -1});
   const long long cycles = 100'000'000;  // about 50 ms
-  read_late<<<1, 1, 0, s>>>(cache.view(0).seq_lens, out, cycles);
+  test::spin_then_copy<<<1, 1, 0, s>>>(cache.view(0).seq_lens, out, cycles);
   KVS_CUDA_CHECK(cudaGetLastError());
   cache.set_lengths({20});
-  read_late<<<1, 1, 0, s>>>(cache.view(0).page_table, out + 1, cycles);
+  test::spin_then_copy<<<1, 1, 0, s>>>(cache.view(0).page_table, out + 1, cycles);
   KVS_CUDA_CHECK(cudaGetLastError());
   cache.release(0);
   KVS_CUDA_CHECK(cudaStreamSynchronize(s));

@@ -185,6 +185,51 @@ std::unique_ptr<Engine> make(const ModelShape& s, Backend backend, int batch, do
   return make_engine(Method::Tactic, s, c);
 }
 
+// last_read() and stats() right after a decode queued on a non-blocking stream behind other
+// work (a kernel that spins about 50 ms) see that decode: they wait for the whole device. A
+// plain cudaMemcpy on the legacy stream would copy the lists of the decode before and the
+// counts from before the reset.
+TEST(TacticCuda, InspectionWaitsForADecodeOnANonBlockingStream) {
+  KVS_SKIP_WITHOUT_CUDA();
+  const ModelShape s = shape(8, 2, 128);
+  Pair p(s, {3000}, 4096, 23);
+  auto ge = make(s, Backend::Cuda, 1, 0.9);
+  DeviceBuffer<char> ws(ge->workspace_bytes());
+  ge->bind_workspace({ws.get(), ws.size()});
+  ge->prefill(1, p.gpu.view(1), nullptr);
+  std::vector<bf16> other(p.q.rbegin(), p.q.rend());  // other queries, another selection
+  DeviceBuffer<bf16> qa(p.q), qb(other), out(p.q.size());
+  const auto decode = [&](const DeviceBuffer<bf16>& q, cudaStream_t stream) {
+    ge->decode(1, q.get(), nullptr, p.gpu.view(1), out.get(), nullptr, stream);
+  };
+  // What the decode of qb reads and counts, on the legacy stream.
+  ge->reset_stats();
+  decode(qb, nullptr);
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  const uint64_t rows_b = ge->stats().kv_rows_read;
+  const std::vector<std::vector<int32_t>> lists_b = ge->last_read(1, 0);
+  ASSERT_GT(rows_b, 0u);
+  cudaStream_t late = nullptr;
+  KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&late, cudaStreamNonBlocking));
+  const long long cycles = 100'000'000;  // about 50 ms
+  for (const bool lists : {true, false}) {
+    decode(qa, nullptr);
+    KVS_CUDA_CHECK(cudaDeviceSynchronize());
+    ASSERT_NE(ge->last_read(1, 0), lists_b) << "the test needs decodes that read differently";
+    ge->reset_stats();
+    test::spin_then_copy<<<1, 1, 0, late>>>(nullptr, nullptr, cycles);
+    KVS_CUDA_CHECK(cudaGetLastError());
+    decode(qb, late);
+    // One inspection call a round: the first one waits for the decode either way.
+    if (lists)
+      EXPECT_EQ(ge->last_read(1, 0), lists_b) << "last_read copied before the decode ran";
+    else
+      EXPECT_EQ(ge->stats().kv_rows_read, rows_b) << "stats copied before the decode ran";
+    KVS_CUDA_CHECK(cudaStreamSynchronize(late));
+  }
+  KVS_CUDA_CHECK(cudaStreamDestroy(late));
+}
+
 TEST(TacticCuda, PrefillKMeansMatchesCpu) {
   KVS_SKIP_WITHOUT_CUDA();
   for (int d : {64, 128}) {
