@@ -52,6 +52,14 @@ void wait_for_device(Device device) {
   if (device == Device::Cuda) KVS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+// ... and they return only once their own copies have landed. A cudaMemcpy between device
+// buffers returns before it runs, and one from pageable host memory once its bytes are staged,
+// before the DMA lands; both run on the legacy stream, which a kernel queued next on a
+// non-blocking stream is not ordered after.
+void wait_for_copies(Device device) {
+  if (device == Device::Cuda) KVS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+}
+
 }  // namespace
 
 KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
@@ -81,6 +89,7 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
   copy(c.device, page_table_, host_table_.data(), host_table_.size() * sizeof(int32_t));
   const std::vector<int32_t> zeros(c.max_batch, 0);
   copy(c.device, seq_lens_, zeros.data(), zeros.size() * sizeof(int32_t));
+  wait_for_copies(c.device);
 }
 
 KVCache::~KVCache() {
@@ -121,6 +130,7 @@ void KVCache::reserve(int b, int capacity) {
   }
   host_capacity_[b] = std::max(host_capacity_[b], want * config_.page_size);
   upload_table_row(b);
+  wait_for_copies(config_.device);
 }
 
 void KVCache::release(int b) {
@@ -139,6 +149,7 @@ void KVCache::release(int b) {
     const int32_t zero = 0;
     copy(config_.device, seq_lens_ + b, &zero, sizeof zero);
   }
+  wait_for_copies(config_.device);
 }
 
 void KVCache::set_lengths(const std::vector<int>& lens) {
@@ -155,6 +166,7 @@ void KVCache::set_lengths(const std::vector<int>& lens) {
   batch_ = int(lens.size());
   const std::vector<int32_t> l(lens.begin(), lens.end());
   copy(config_.device, seq_lens_, l.data(), l.size() * sizeof(int32_t));
+  wait_for_copies(config_.device);
 }
 
 void KVCache::write(int layer, int b, int start, int n, const bf16* k, const bf16* v) {
@@ -180,6 +192,7 @@ void KVCache::write(int layer, int b, int start, int n, const bf16* k, const bf1
     copy(config_.device, vl + dst, v + (t - start) * row, bytes);
     t += in_page;
   }
+  wait_for_copies(config_.device);
 }
 
 void KVCache::begin_step(cudaStream_t stream) {

@@ -42,7 +42,10 @@ class KVCache {
   // The calls below that copy to the device (reserve, release, set_lengths, write) are host
   // calls, outside a captured step: each first waits for the work queued on every stream of
   // the device (cudaDeviceSynchronize), since a decode step queued before it may still read
-  // the lengths, page tables and pages, even on a stream that the copy would not wait for.
+  // the lengths, page tables and pages, even on a stream that the copy would not wait for;
+  // and each returns only once its copies have landed, so that work queued next on any
+  // stream reads them (a cudaMemcpy from device memory, or from pageable host memory, may
+  // return before its bytes are in place).
 
   // Makes room for `capacity` tokens in slot b, taking pages from the pool (throws, naming
   // the numbers, when the pool or max_seq_len is exceeded). Copies the slot's page-table row
