@@ -173,8 +173,7 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
          "attnpred engine (cuda): budget " + str(budget_) + " needs " + str(slots_per_head_) +
              " cache slots per kv head, above 12288");
     device_params_ = device_alloc<float>(ap::kParamCount);
-    KVS_CUDA_CHECK(cudaMemcpy(device_params_, host_params_.data(),
-                              host_params_.size() * sizeof(float), cudaMemcpyHostToDevice));
+    copy_to_device(device_params_, host_params_.data(), host_params_.size() * sizeof(float));
     counters_ = DeviceCounters(kNumCounters);
     if (c.offload) KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     if (!c.offload) {

@@ -44,6 +44,12 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
   if (bytes > 0) KVS_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
 
+void copy_to_device(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  KVS_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+  KVS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+}
+
 std::vector<uint64_t> DeviceCounters::read() const {
   std::vector<unsigned long long> c(size_t(count_), 0);
   if (ptr_) copy_to_host(c.data(), ptr_, c.size() * sizeof(unsigned long long));

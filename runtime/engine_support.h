@@ -73,6 +73,12 @@ void with_temporary_workspace(size_t bytes, cudaStream_t stream, Launch launch) 
 // being captured.
 void copy_to_host(void* dst, const void* src, size_t bytes);
 
+// The engines' uploads outside a step (weights, knobs, a prefill's host-built tables): returns
+// once the bytes are in place. A cudaMemcpy from pageable host memory returns once they are
+// staged, before the DMA lands, on the legacy stream, which work queued next on a
+// non-blocking stream is not ordered after.
+void copy_to_device(void* dst, const void* src, size_t bytes);
+
 // A zeroed array of 64-bit counters on the device that decode kernels atomically add to, so
 // collecting stats costs no host sync inside a step. Empty (get() null) when stats are off
 // or on the CPU backend; kernels take a null pointer as "do not count".

@@ -64,8 +64,7 @@ MacEngine::MacEngine(const ModelShape& shape, const EngineConfig& config)
     if (config_.mac.threshold == MacThreshold::PerHead) {
       const auto& t = config_.mac.per_head_threshold;
       head_thresholds_ = device_alloc<float>(int64_t(t.size()));
-      KVS_CUDA_CHECK(
-          cudaMemcpy(head_thresholds_, t.data(), t.size() * sizeof(float), cudaMemcpyHostToDevice));
+      copy_to_device(head_thresholds_, t.data(), t.size() * sizeof(float));
     }
     if (config_.collect_stats) device_counters_ = DeviceCounters(mk::kNumCounters);
   }

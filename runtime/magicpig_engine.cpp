@@ -304,8 +304,7 @@ MagicPigEngine::MagicPigEngine(const ModelShape& shape, const EngineConfig& conf
     KVS_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, dev));
     KVS_CUDA_CHECK(
         cudaMalloc(reinterpret_cast<void**>(&device_w_), projection_.w.size() * sizeof(float)));
-    KVS_CUDA_CHECK(cudaMemcpy(device_w_, projection_.w.data(), projection_.w.size() * sizeof(float),
-                              cudaMemcpyHostToDevice));
+    copy_to_device(device_w_, projection_.w.data(), projection_.w.size() * sizeof(float));
     if (config_.collect_stats) device_counters_ = DeviceCounters(4);
     if (c.mode == MagicPigMode::CpuOffload) {
       staging_ = std::make_unique<Staging>();
@@ -449,10 +448,8 @@ void MagicPigEngine::prefill_cuda(int layer, const PagedKV& kv, cudaStream_t str
   }
   l.starts_d.allocate(size_t(kv.batch));
   l.lens_d.allocate(size_t(kv.batch));
-  KVS_CUDA_CHECK(
-      cudaMemcpy(l.starts_d.data(), l.starts.data(), l.starts.size() * 4, cudaMemcpyHostToDevice));
-  KVS_CUDA_CHECK(
-      cudaMemcpy(l.lens_d.data(), l.lens.data(), l.lens.size() * 4, cudaMemcpyHostToDevice));
+  copy_to_device(l.starts_d.data(), l.starts.data(), l.starts.size() * 4);
+  copy_to_device(l.lens_d.data(), l.lens.data(), l.lens.size() * 4);
 
   l.centre_d.allocate(size_t(bh * d));
   l.norms_d.allocate(size_t(bh * cap));
@@ -508,10 +505,8 @@ void MagicPigEngine::prefill_cuda(int layer, const PagedKV& kv, cudaStream_t str
                           ids + i * cap);
     });
     if (!offload) {
-      KVS_CUDA_CHECK(cudaMemcpy(l.offsets_d.data() + first * L * per_table, off_h.data(),
-                                off_h.size() * 4, cudaMemcpyHostToDevice));
-      KVS_CUDA_CHECK(cudaMemcpy(l.ids_d.data() + first * L * cap, ids_h.data(), ids_h.size() * 4,
-                                cudaMemcpyHostToDevice));
+      copy_to_device(l.offsets_d.data() + first * L * per_table, off_h.data(), off_h.size() * 4);
+      copy_to_device(l.ids_d.data() + first * L * cap, ids_h.data(), ids_h.size() * 4);
     }
   }
   if (offload) {

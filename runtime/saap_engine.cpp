@@ -21,7 +21,7 @@ template <typename T>
 T* device_upload(const T* src, size_t count) {
   void* p = nullptr;
   KVS_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
-  if (count) KVS_CUDA_CHECK(cudaMemcpy(p, src, count * sizeof(T), cudaMemcpyHostToDevice));
+  copy_to_device(p, src, count * sizeof(T));
   return static_cast<T*>(p);
 }
 
