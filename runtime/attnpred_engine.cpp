@@ -281,7 +281,7 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
       c.copy_count = device_alloc<int32_t>(int64_t(B) * hkv);
       ls.len_snapshot = device_alloc<int32_t>(B);
       ls.done = device_alloc<unsigned int>(1);
-      KVS_CUDA_CHECK(cudaMemset(ls.done, 0, sizeof(unsigned int)));
+      zero_on_device(ls.done, sizeof(unsigned int));
       KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.selected, cudaEventDisableTiming));
       KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.prefetched, cudaEventDisableTiming));
     }

@@ -50,6 +50,12 @@ void copy_to_device(void* dst, const void* src, size_t bytes) {
   KVS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 }
 
+void zero_on_device(void* dst, size_t bytes) {
+  if (bytes == 0) return;
+  KVS_CUDA_CHECK(cudaMemset(dst, 0, bytes));
+  KVS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+}
+
 std::vector<uint64_t> DeviceCounters::read() const {
   std::vector<unsigned long long> c(size_t(count_), 0);
   if (ptr_) copy_to_host(c.data(), ptr_, c.size() * sizeof(unsigned long long));
@@ -67,7 +73,7 @@ void DeviceCounters::read_into(EngineStats* s, int rows_read, int selection_byte
 void DeviceCounters::reset() {
   if (!ptr_) return;
   KVS_CUDA_CHECK(cudaDeviceSynchronize());  // no kernel of any stream still adding
-  KVS_CUDA_CHECK(cudaMemset(ptr_, 0, size_t(count_) * sizeof(unsigned long long)));
+  zero_on_device(ptr_, size_t(count_) * sizeof(unsigned long long));
 }
 
 void check_prefill_args(const std::string& who, int layer, const PagedKV& kv,

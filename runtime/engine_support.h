@@ -78,6 +78,10 @@ void copy_to_host(void* dst, const void* src, size_t bytes);
 // staged, before the DMA lands, on the legacy stream, which work queued next on a
 // non-blocking stream is not ordered after.
 void copy_to_device(void* dst, const void* src, size_t bytes);
+// Zeroes device memory outside a step (fresh state, counters) and returns once it is zero: a
+// cudaMemset of device memory returns before it runs, on the legacy stream, so a prefill or
+// decode queued next on a non-blocking stream could run first and be zeroed after.
+void zero_on_device(void* dst, size_t bytes);
 
 // A zeroed array of 64-bit counters on the device that decode kernels atomically add to, so
 // collecting stats costs no host sync inside a step. Empty (get() null) when stats are off

@@ -379,9 +379,9 @@ SaapEngine::LayerIndex& SaapEngine::allocate_index(int layer) {
     v.assign = device_alloc<int32_t>(n_tok);
     v.indexed_len = device_alloc<int32_t>(slots);
     v.csr_len = device_alloc<int32_t>(slots);
-    KVS_CUDA_CHECK(cudaMemset(v.offsets, 0, size_t(n_off) * sizeof(int32_t)));
-    KVS_CUDA_CHECK(cudaMemset(v.indexed_len, 0, size_t(slots) * sizeof(int32_t)));
-    KVS_CUDA_CHECK(cudaMemset(v.csr_len, 0, size_t(slots) * sizeof(int32_t)));
+    zero_on_device(v.offsets, size_t(n_off) * sizeof(int32_t));
+    zero_on_device(v.indexed_len, size_t(slots) * sizeof(int32_t));
+    zero_on_device(v.csr_len, size_t(slots) * sizeof(int32_t));
   }
   li.allocated = true;
   return li;

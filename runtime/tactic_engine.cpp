@@ -191,8 +191,8 @@ TacticEngine::LayerState& TacticEngine::allocate_layer(int layer) {
     v.members = device_alloc<int32_t>(n_mem);
     v.num_clusters = device_alloc<int32_t>(slots);
     v.clustered_len = device_alloc<int32_t>(slots);
-    KVS_CUDA_CHECK(cudaMemset(v.num_clusters, 0, size_t(slots) * sizeof(int32_t)));
-    KVS_CUDA_CHECK(cudaMemset(v.clustered_len, 0, size_t(slots) * sizeof(int32_t)));
+    zero_on_device(v.num_clusters, size_t(slots) * sizeof(int32_t));
+    zero_on_device(v.clustered_len, size_t(slots) * sizeof(int32_t));
   }
   allocated_[size_t(layer)] = true;
   return ls;
