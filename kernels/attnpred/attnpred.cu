@@ -132,16 +132,21 @@ __device__ __forceinline__ void make_frags(const float* __restrict__ params, int
   }
 }
 
-// CnnCache::frags: every (conv2 N tile, lane)'s PackedFrags, contiguous per lane, so a thread
-// loads its own with 8-byte loads instead of gathering 78 scattered parameters.
+// CnnCache::frags: every (conv2 N tile, lane)'s PackedFrags as 8-byte words, word i of an N
+// tile's 32 lanes contiguous ([N tile][word][lane]), so a thread loads its own with 8-byte
+// loads instead of gathering 78 scattered parameters, and a warp's load of word i is one
+// 256-byte run. (Contiguous per lane, 88 bytes apart, the loads were 73 % of the rows kernel's
+// L1 sectors at 128K on an H200: ncu, docs/gpu.md.)
 constexpr int kFragWords = sizeof(PackedFrags) / 4;
 static_assert(kFragWords % 2 == 0 && 4 * 32 * kFragWords == kCnnFragWords, "frags layout");
 
 __global__ void pack_frags_kernel(const float* __restrict__ params, uint32_t* frags) {
   PackedFrags f;
-  make_frags(params, threadIdx.x % 32, threadIdx.x / 32, f);
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(&f);
-  for (int i = 0; i < kFragWords; ++i) frags[threadIdx.x * kFragWords + i] = w[i];
+  const int lane = threadIdx.x % 32, nt2 = threadIdx.x / 32;
+  make_frags(params, lane, nt2, f);
+  const uint2* w = reinterpret_cast<const uint2*>(&f);
+  uint2* dst = reinterpret_cast<uint2*>(frags);
+  for (int i = 0; i < kFragWords / 2; ++i) dst[(nt2 * (kFragWords / 2) + i) * 32 + lane] = w[i];
 }
 
 // Every thread calls this: the shared parameters, and the thread's B fragments (from the
@@ -161,10 +166,10 @@ __device__ __forceinline__ void load_weights(const float* __restrict__ params,
     const int nt2 = ng * kWarpNTiles + j;
     PackedFrags p;
     if (frags) {
-      const uint2* src = reinterpret_cast<const uint2*>(frags + (nt2 * 32 + lane) * kFragWords);
+      const uint2* src = reinterpret_cast<const uint2*>(frags) + nt2 * (kFragWords / 2) * 32 + lane;
       uint2* dst = reinterpret_cast<uint2*>(&p);
 #pragma unroll
-      for (int i = j ? 2 : 0; i < kFragWords / 2; ++i) dst[i] = src[i];  // w1: from j = 0
+      for (int i = j ? 2 : 0; i < kFragWords / 2; ++i) dst[i] = src[i * 32];  // w1: from j = 0
     } else {
       make_frags(params, lane, nt2, p);
     }
