@@ -286,29 +286,45 @@ struct FixSmem {
 // The fp32 inputs of conv_rows' two bands of conv2 rows [ra0, rb0) and [ra1, rb1) over the
 // columns [x0, x0 + kTile) of one CNN input of H rows and W columns (row(r): the row's column
 // 0, or nullptr for a row of zeros): rows ra - 2 .. rb + 1 of each band, columns x0 - 2 ..,
-// zero outside the input. Thread tid holds elements tid, tid + kCnnThreads, ... of the bands'
-// xin, all requested before any is used: the CTA waits for one round trip, and a caller can
-// issue its own loads (the weights) while these are in flight.
-constexpr int kBandLoads = (2 * (kMaxRows + 4) * kXinW + kCnnThreads - 1) / kCnnThreads;
+// zero outside the input. Warp w holds the bands' rows w, w + 8, ... (band 0's first), its
+// lanes the row's kXinW columns, so a row's pointer is worked out once per warp, not per
+// element: the per-element form (a division by kXinW and the row's ring slot for each of a
+// thread's values) was 15 % of the rows kernel's instructions (ncu, docs/gpu.md). All are
+// requested before any is used: the CTA waits for one round trip, and a caller can issue its
+// own loads (the weights) while these are in flight.
+constexpr int kBandRowsPerWarp = (2 * (kMaxRows + 4) + kCnnThreads / 32 - 1) / (kCnnThreads / 32);
+constexpr int kBandColsPerLane = (kXinW + 31) / 32;
 struct BandInputs {
-  float v[kBandLoads];
+  float v[kBandRowsPerWarp][kBandColsPerLane];
 };
 
-__device__ __forceinline__ int band_inputs(int ra, int rb) {
-  return rb > ra ? (rb - ra + 4) * kXinW : 0;
+__device__ __forceinline__ int band_rows(int ra, int rb) { return rb > ra ? rb - ra + 4 : 0; }
+
+// Band row k of this warp as (band q, local row lr), or false past the bands' rows.
+__device__ __forceinline__ bool band_row(int k, int ra0, int rb0, int ra1, int rb1, int& q,
+                                         int& lr) {
+  const int R = threadIdx.x / 32 + k * (kCnnThreads / 32), n0 = band_rows(ra0, rb0);
+  q = R >= n0;
+  lr = q ? R - n0 : R;
+  return R < n0 + band_rows(ra1, rb1);
 }
 
 template <class Row>
 __device__ __forceinline__ BandInputs load_band_inputs(Row row, int H, int W, int x0, int ra0,
                                                        int rb0, int ra1, int rb1) {
-  const int n0 = band_inputs(ra0, rb0), n = n0 + band_inputs(ra1, rb1);
+  const int lane = threadIdx.x & 31;
   BandInputs in;
 #pragma unroll
-  for (int j = 0; j < kBandLoads; ++j) {
-    const int i = threadIdx.x + j * kCnnThreads, q = i >= n0, e = q ? i - n0 : i;
-    const int r = (q ? ra1 : ra0) - 2 + e / kXinW, c = x0 - 2 + e % kXinW;
-    const float* src = (i < n && r >= 0 && r < H && c >= 0 && c < W) ? row(r) : nullptr;
-    in.v[j] = src ? __ldg(src + c) : 0.f;
+  for (int k = 0; k < kBandRowsPerWarp; ++k) {
+    int q, lr;
+    const bool any = band_row(k, ra0, rb0, ra1, rb1, q, lr);
+    const int r = (q ? ra1 : ra0) - 2 + lr;
+    const float* src = any && r >= 0 && r < H ? row(r) : nullptr;
+#pragma unroll
+    for (int u = 0; u < kBandColsPerLane; ++u) {
+      const int e = lane + 32 * u, c = x0 - 2 + e;
+      in.v[k][u] = src && e < kXinW && c >= 0 && c < W ? __ldg(src + c) : 0.f;
+    }
   }
   return in;
 }
@@ -324,13 +340,13 @@ __device__ __forceinline__ void conv_rows(const CnnWeights& cw, const CnnFrags& 
                                           int rb0, int ra1, int rb1, Sink sink) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
   const int t = lane & 3;
-  {
-    const int n0 = band_inputs(ra0, rb0), n = n0 + band_inputs(ra1, rb1);
 #pragma unroll
-    for (int j = 0; j < kBandLoads; ++j) {
-      const int i = tid + j * kCnnThreads, q = i >= n0;
-      if (i < n) (&sm.xin[q][0][0])[q ? i - n0 : i] = __float2half_rn(in.v[j]);
-    }
+  for (int k = 0; k < kBandRowsPerWarp; ++k) {
+    int q, lr;
+    if (!band_row(k, ra0, rb0, ra1, rb1, q, lr)) continue;
+#pragma unroll
+    for (int u = 0; u < kBandColsPerLane; ++u)
+      if (lane + 32 * u < kXinW) sm.xin[q][lr][lane + 32 * u] = __float2half_rn(in.v[k][u]);
   }
   __syncthreads();
   // relu(conv1) rows ra-1 .. rb (local lr), positions j = column x0 - 1 + j: task = (lr, M
