@@ -224,13 +224,14 @@ __device__ __forceinline__ void conv1_tile(const CnnWeights& cw, const CnnFrags&
 // row at tap (dy, dx), the 8 fp16 relu(conv1) channels (lane / 16) * 8 .. + 7 of position
 // lane % 16 (16-byte aligned), so that one ldmatrix.x4 gives the A fragment (positions g,
 // g + 8 x channel pairs 2t, 2t + 8) for all the warp's N tiles. Then each position's share of
-// s per N tile nt: the sum over its 8 channels of w3[c] relu(conv2[c]), written to
-// part[nt][m0 + position].
+// s from the warp's channels, sum_c w3[c] relu(conv2[c]) over its N tiles (added in a lane
+// before the quad's shuffles, which then run once for all of them), written to
+// part[ng][m0 + position], ng = the warp's group of N tiles.
 template <class A>
 __device__ __forceinline__ void conv2_tile(const CnnWeights& cw, const CnnFrags& f, A a,
                                            float* part, int part_stride, int m0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int nt0 = threadIdx.x / 32 % kNGroups * kWarpNTiles;
+  const int ng = threadIdx.x / 32 % kNGroups, nt0 = ng * kWarpNTiles;
   float acc[kWarpNTiles][4];
 #pragma unroll
   for (int j = 0; j < kWarpNTiles; ++j) {
@@ -245,25 +246,29 @@ __device__ __forceinline__ void conv2_tile(const CnnWeights& cw, const CnnFrags&
 #pragma unroll
     for (int j = 0; j < kWarpNTiles; ++j) ptx::mma_f16_16816(acc[j], frag, f.w2[j][tap], acc[j]);
   }
+  float v0 = 0.f, v1 = 0.f;
 #pragma unroll
   for (int j = 0; j < kWarpNTiles; ++j) {
     const int n0 = (nt0 + j) * 8 + 2 * t;
-    float v0 = relu(acc[j][0]) * cw.w3[n0] + relu(acc[j][1]) * cw.w3[n0 + 1];
-    float v1 = relu(acc[j][2]) * cw.w3[n0] + relu(acc[j][3]) * cw.w3[n0 + 1];
-    v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
-    v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
-    v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
-    v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
-    if (t == 0) {
-      part[(nt0 + j) * part_stride + m0 + g] = v0;
-      part[(nt0 + j) * part_stride + m0 + g + 8] = v1;
-    }
+    v0 += relu(acc[j][0]) * cw.w3[n0] + relu(acc[j][1]) * cw.w3[n0 + 1];
+    v1 += relu(acc[j][2]) * cw.w3[n0] + relu(acc[j][3]) * cw.w3[n0 + 1];
+  }
+  v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
+  v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
+  v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
+  v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+  if (t == 0) {
+    part[ng * part_stride + m0 + g] = v0;
+    part[ng * part_stride + m0 + g + 8] = v1;
   }
 }
 
-// s of one position from its 4 N tiles' shares, in a fixed order.
+// s of one position from the N-tile groups' shares, in a fixed order.
 __device__ __forceinline__ float sum_parts(const float* part, int stride, int p) {
-  return ((part[p] + part[stride + p]) + part[2 * stride + p]) + part[3 * stride + p];
+  float s = part[p];
+#pragma unroll
+  for (int i = 1; i < kNGroups; ++i) s += part[i * stride + p];
+  return s;
 }
 
 constexpr int kC1Tiles = (kTile + 2 + 15) / 16;  // conv1 M tiles of a band row (66 positions)
@@ -273,14 +278,14 @@ constexpr int kXinW = kC1Tiles * 16 + 2;         // input columns the conv1 tile
 struct BandSmem {
   __half xin[2][kMaxRows + 4][kXinW];  // fp16 input rows ra-2 .. rb+1; columns from x0 - 2
   __align__(16) __half c1[2][kMaxRows + 2][kTile + 2][kC1Stride];  // relu(conv1) ra-1 .. rb
-  float part[2][kMaxRows][4][kTile];                               // s shares of the N tiles
+  float part[2][kMaxRows][kNGroups][kTile];  // s shares of the N-tile groups
 };
 
 constexpr int kFixC1 = (kFixRows + 2) * (kFixCols + 2);  // conv1 positions of a fix-up
 struct FixSmem {
   __half xin[kFixRows + 4][kFixCols + 4];
   __align__(16) __half c1[kFixRows + 2][kFixCols + 2][kC1Stride];
-  float part[4][kFixRows * kFixCols];
+  float part[kNGroups][kFixRows * kFixCols];
 };
 
 // The fp32 inputs of conv_rows' two bands of conv2 rows [ra0, rb0) and [ra1, rb1) over the
