@@ -6,7 +6,7 @@
 //              tensor cores (one k16 step over the 9 taps, both N tiles per A fragment) into
 //              relu(conv1) rows in shared memory, then by conv2 (one k16 step per tap, A
 //              fragments by ldmatrix, 2 of the 4 N tiles per warp), and each position's conv3
-//              projection s is summed from the N tiles' shares in a fixed order.
+//              projection s is summed from the two warp groups' shares in a fixed order.
 //   predict    the same bands over the history, but incremental (CnnCache): the 4 edge rows
 //              and the rows that became interior since the last prediction (one per step
 //              when it predicts every step), plus fix-up CTAs that recompute the
@@ -278,7 +278,7 @@ constexpr int kXinW = kC1Tiles * 16 + 2;         // input columns the conv1 tile
 struct BandSmem {
   __half xin[2][kMaxRows + 4][kXinW];  // fp16 input rows ra-2 .. rb+1; columns from x0 - 2
   __align__(16) __half c1[2][kMaxRows + 2][kTile + 2][kC1Stride];  // relu(conv1) ra-1 .. rb
-  float part[2][kMaxRows][kNGroups][kTile];  // s shares of the N-tile groups
+  float part[2][kMaxRows][kNGroups][kTile];                        // s shares of the N-tile groups
 };
 
 constexpr int kFixC1 = (kFixRows + 2) * (kFixCols + 2);  // conv1 positions of a fix-up
