@@ -146,26 +146,17 @@ TEST(RuntimeCuda, GraphCapturedDecodeStepsMatchCpu) {
   for (void* p : {(void*)dq, (void*)dk, (void*)dv, (void*)dout, ws}) cudaFree(p);
 }
 
-// A one-layer cache on the GPU.
-KVCacheConfig one_layer_cache(int num_kv_heads, int head_dim, int page_size, int max_batch,
-                              int max_seq_len) {
-  KVCacheConfig cc;
-  cc.num_layers = 1;
-  cc.num_kv_heads = num_kv_heads;
-  cc.head_dim = head_dim;
-  cc.page_size = page_size;
-  cc.max_batch = max_batch;
-  cc.max_seq_len = max_seq_len;
-  return cc;
-}
-
 // set_lengths and release, called while a kernel queued on a non-blocking stream has yet to
 // read what they overwrite, wait for it: the kernel reads the values from before the call.
 // (A bare cudaMemcpy on the legacy stream does not wait for a non-blocking stream, so without
 // the wait the kernel, spinning for about 50 ms, would read the new values.)
 TEST(RuntimeCuda, CacheHostCopiesWaitForWorkQueuedOnAnyStream) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-  KVCache cache(one_layer_cache(1, 64, 16, 2, 64));
+  ModelShape one_layer;
+  one_layer.num_layers = 1;
+  one_layer.num_kv_heads = 1;
+  one_layer.head_dim = 64;
+  KVCache cache(test::cache_config(one_layer, 16, 2, 64, Device::Cuda));
   cache.reserve(1, 64);  // pages 0-3: slot 0's first page is then not 0, which release writes
   cache.reserve(0, 64);
   cache.set_lengths({10});
