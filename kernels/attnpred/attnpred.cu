@@ -493,21 +493,24 @@ __device__ __forceinline__ bool edge_row(int r, int H) { return r < 2 || r > H -
 
 // The CNN input of history (b, h) = sample s: the candidate slice of its H logical rows, and
 // where each row's s lives (edge rows: cache.edge; interior rows: cache.s at the row's slot).
+// Built from the grid's (h, b) = (blockIdx.y, blockIdx.z), so that no CTA divides by the head
+// count; the ring's start is one modulo (count - H and count are the same slot). Runtime
+// divisions were most of the rows kernel's 184-instruction prologue a warp (docs/gpu.md).
 struct PredictSample {
   HistoryState hist;
   CnnCache cache;
   int s, b, h, H, c0, W, count, slot0;  // slot0: the ring slot of logical row 0
-  __device__ PredictSample(const HistoryState& hs, const CnnCache& cc, const Geometry& g, int s_)
+  __device__ PredictSample(const HistoryState& hs, const CnnCache& cc, const Geometry& g)
       : hist(hs),
         cache(cc),
-        s(s_),
-        b(s_ / hs.num_q_heads),
-        h(s_ % hs.num_q_heads),
+        s(int(blockIdx.z) * hs.num_q_heads + int(blockIdx.y)),
+        b(int(blockIdx.z)),
+        h(int(blockIdx.y)),
         H(hs.history),
         c0(g.candidate_begin()),
         W(g.candidate_end(hs.tokens[b]) - c0),
         count(hs.count[b]),
-        slot0(((count - H) % H + H) % H) {}
+        slot0(count % H < 0 ? count % H + H : count % H) {}
   // Logical row r (0 <= r < H) as HistoryState::logical_row, without its division.
   __device__ const float* row(int r) const {
     return count - H + r < 0 ? nullptr : hist.slot(b, h, slot(r)) + c0;
@@ -533,7 +536,7 @@ struct PredictSample {
   }
 };
 
-// Grid (n_tiles + fix-up CTAs, batch * Hq): tiles compute rows, fix-up CTA f recomputes the
+// Grid (n_tiles + fix-up CTAs, Hq, batch): tiles compute rows, fix-up CTA f recomputes the
 // stored rows [2 + f * kFixRows, ...) in the columns next to a moved slice end. The interior
 // rows' fixed-point sum (cache.sum) is rewritten by a full recompute and otherwise adjusted by
 // integer atomics (exact, so the order of the CTAs' updates does not matter).
@@ -550,7 +553,7 @@ __global__ void __launch_bounds__(kCnnThreads, 3)
     FixSmem fix;
   } sm;
   CnnFrags f;
-  const PredictSample ps(hist, cache, g, blockIdx.y);
+  const PredictSample ps(hist, cache, g);
   const int H = ps.H, W = ps.W;
   if (W <= 0) return;
   const int seen = cache.count[ps.b], end = cache.end[ps.b], c1 = ps.c0 + W;
@@ -642,7 +645,7 @@ __global__ void __launch_bounds__(kCnnThreads, 3)
 __global__ void __launch_bounds__(kThreads)
     predict_sum_kernel(const float* __restrict__ params, HistoryState hist, CnnCache cache,
                        Geometry g, float* __restrict__ scores) {
-  const PredictSample ps(hist, cache, g, blockIdx.y);
+  const PredictSample ps(hist, cache, g);
   if (blockIdx.x == 0 && ps.h == 0 && threadIdx.x == 0) {
     cache.count[ps.b] = ps.count;
     cache.end[ps.b] = ps.c0 + ps.W;
@@ -1340,13 +1343,12 @@ cudaError_t predict_cuda(const float* params, const HistoryState& hist, const Cn
     return cudaErrorInvalidValue;
   const int n_tiles = (hist.max_blocks + kTile - 1) / kTile;
   const int n_fix = (std::max(0, hist.history - 5) + kFixRows - 1) / kFixRows;
-  const int samples = batch * hist.num_q_heads;
-  const dim3 grid(n_tiles + n_fix, samples);
+  const dim3 grid(n_tiles + n_fix, hist.num_q_heads, batch);
   if (rows_between > 1)
     predict_rows_kernel<true><<<grid, kCnnThreads, 0, stream>>>(params, hist, cache, g, n_tiles);
   else
     predict_rows_kernel<false><<<grid, kCnnThreads, 0, stream>>>(params, hist, cache, g, n_tiles);
-  const dim3 sum_grid((hist.max_blocks + kThreads - 1) / kThreads, samples);
+  const dim3 sum_grid((hist.max_blocks + kThreads - 1) / kThreads, hist.num_q_heads, batch);
   predict_sum_kernel<<<sum_grid, kThreads, 0, stream>>>(params, hist, cache, g, scores);
   return cudaGetLastError();
 }
