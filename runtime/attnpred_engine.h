@@ -135,8 +135,10 @@ class AttnPredEngine : public Engine {
   // Makes `stream` wait for the layer's prediction when it is still on the predictor's branch.
   void wait_for_prediction(LayerState& ls, cudaStream_t stream);
   void decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf16* out, float* lse);
-  void history_row_cpu(LayerState& ls, const float* q, const PagedKV& kv, int b, int qh,
-                       const int32_t* tokens, int count, double scale);
+  // Query head qh's history row: the softmax of q.k over `tokens` (all n when null),
+  // max-pooled into blocks.
+  std::vector<float> pooled_row_cpu(const float* q, const PagedKV& kv, int b, int qh,
+                                    const int32_t* tokens, int count, double scale) const;
   void predict_cpu(LayerState& ls, int batch);
   kernels::tactic::Selection selection() const;  // CUDA: the workspace's selection arrays
   size_t selection_bytes() const;
@@ -150,6 +152,7 @@ class AttnPredEngine : public Engine {
   }
 
   int budget_ = 0, k_blocks_ = 0, period_ = 0, warmup_ = 1, interval_ = 1;
+  int hist_group_ = 1;  // query heads per history (AttnPredConfig::group_history)
   int max_context_ = 0, max_blocks_ = 0, max_tokens_ = 0, slots_per_head_ = 0;
   std::vector<int> dense_layers_;
   std::vector<float> host_params_;
