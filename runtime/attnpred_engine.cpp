@@ -70,6 +70,11 @@ AttnPredParams load_attnpred_params(const h5::Group& g, const ModelShape& shape)
   for (int l : p.dense_layers)
     need(l >= 0 && l < shape.num_layers,
          who + "dense_layers entry " + str(l) + " outside [0, " + str(shape.num_layers) + ")");
+  if (g.has_attr("group_history")) {
+    const int64_t gh = g.attr_int("group_history");
+    need(gh == 0 || gh == 1, who + "group_history " + str(gh) + " is not 0 or 1");
+    p.group_history = gh == 1;
+  }
   if (g.has_attr("param_layout"))
     need(g.attr_string("param_layout") == "conv1.w,conv1.b,conv2.w,conv2.b,conv3.w,conv3.b",
          who + "param_layout '" + g.attr_string("param_layout") + "' is not the packed order");
@@ -90,6 +95,7 @@ void write_attnpred_params(const h5::Group& g, const AttnPredParams& p) {
   g.set_attr_int("calibration_period", p.calibration_period);
   std::vector<int64_t> dl(p.dense_layers.begin(), p.dense_layers.end());
   g.set_attr_ints("dense_layers", dl);
+  g.set_attr_int("group_history", p.group_history ? 1 : 0);
 }
 
 // ---- engine -------------------------------------------------------------------------------
@@ -160,7 +166,10 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
   const int g = shape_.group_size();
   // A kv head attends the union of its histories' top-K: group_size of them per query head,
   // one when grouped.
-  hist_group_ = c.group_history ? g : 1;
+  need(c.group_history >= -1 && c.group_history <= 1,
+       "AttnPredConfig: group_history must be -1 (the bundle's), 0 or 1, got " +
+           str(c.group_history));
+  hist_group_ = (c.group_history < 0 ? params.group_history : c.group_history == 1) ? g : 1;
   const int tops = g / hist_group_;
   max_tokens_ = int(std::min<int64_t>(max_context_, int64_t(geo_.sink) + geo_.recent + geo_.block +
                                                         int64_t(tops) * k_blocks_ * geo_.block));

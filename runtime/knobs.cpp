@@ -83,7 +83,7 @@ const Table& knob_table(Method m) {
       {"calibration_period", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.calibration_period = to_int(k, v); }},
       {"warmup_steps", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.warmup_steps = to_int(k, v); }},
       {"predict_interval", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.predict_interval = to_int(k, v); }},
-      {"group_history", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.group_history = to_bool(k, v); }},
+      {"group_history", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.group_history = to_bool(k, v) ? 1 : 0; }},
       {"dense_layers", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.dense_layers = to_ints(k, v); }},
   };
   static const Table saap = {

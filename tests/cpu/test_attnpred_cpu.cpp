@@ -260,7 +260,7 @@ TEST(AttnPredCpu, GroupedHistoryIsTheGroupsLargestRowAndPredictsPerKvHead) {
   Scene sc(900, 5);
   EngineConfig cfg;
   cfg.backend = Backend::Cpu;
-  cfg.attnpred.group_history = true;
+  cfg.attnpred.group_history = 1;
   cfg.attnpred.calibration_period = 3;
   const AttnPredParams params = test_params(256);
   AttnPredEngine e(sc.shape, cfg, params);
@@ -352,6 +352,49 @@ TEST(AttnPredCpu, StoredPartsRoundTripAndValidate) {
   EXPECT_THROW(make_engine(Method::AttnPred, sc.shape, cfg, nullptr), std::invalid_argument);
   cfg.attnpred.budget_tokens = 200;  // not sink + recent + a multiple of 16
   EXPECT_THROW(make_engine(Method::AttnPred, sc.shape, cfg, &b), std::invalid_argument);
+  std::remove(path.c_str());
+}
+
+// A bundle whose CNN was trained on grouped rows says so, and the engine keeps a history per kv
+// head unless the config overrides; a bundle without the attribute (written before it) means
+// per query head; any other value is an error that names it.
+TEST(AttnPredCpu, StoredGroupHistoryPicksTheEnginesForm) {
+  Scene sc(300, 6);
+  const std::string path = "attnpred_grouped_" + std::to_string(::getpid()) + ".h5";
+  AttnPredParams p = test_params(256);
+  p.group_history = true;
+  {
+    BundleWriter w(path, sc.shape);
+    write_attnpred_params(w.method_group("attnpred"), p);
+    w.commit();
+  }
+  const AttnPredParams r = load_attnpred_params(Bundle::open(path).method_group("attnpred"), sc.shape);
+  EXPECT_TRUE(r.group_history);
+  std::remove(path.c_str());
+  auto histories = [&](int knob) {
+    EngineConfig cfg;
+    cfg.backend = Backend::Cpu;
+    cfg.attnpred.group_history = knob;
+    AttnPredEngine e(sc.shape, cfg, r);
+    e.prefill(1, sc.kv, nullptr);
+    return e.history_rows(1).size() / (size_t(e.geometry().history) * e.max_blocks());
+  };
+  EXPECT_EQ(histories(-1), 2u);  // the bundle's: one per kv head
+  EXPECT_EQ(histories(0), 4u);   // overridden: one per query head
+  EXPECT_EQ(histories(1), 2u);
+  EXPECT_THROW(histories(2), std::invalid_argument);
+  {
+    BundleWriter w(path, sc.shape);
+    write_attnpred_params(w.method_group("attnpred"), p);
+    w.method_group("attnpred").set_attr_int("group_history", 2);
+    w.commit();
+  }
+  try {
+    load_attnpred_params(Bundle::open(path).method_group("attnpred"), sc.shape);
+    ADD_FAILURE() << "group_history 2 was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("group_history 2"), std::string::npos) << e.what();
+  }
   std::remove(path.c_str());
 }
 

@@ -347,7 +347,7 @@ void run_against_cpu(bool offload, int predict_interval = 1, bool grouped = fals
   EngineConfig cc;
   cc.backend = Backend::Cpu;
   cc.attnpred.predict_interval = predict_interval;
-  cc.attnpred.group_history = grouped;
+  cc.attnpred.group_history = grouped ? 1 : 0;
   EngineConfig gc = cc;
   gc.backend = Backend::Cuda;
   gc.attnpred.offload = offload;

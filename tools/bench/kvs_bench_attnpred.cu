@@ -220,7 +220,7 @@ int main(int argc, char** argv) try {
     ec.backend = kvs::Backend::Cuda;
     ec.attnpred.max_context = cap;
     ec.attnpred.predict_interval = interval;
-    ec.attnpred.group_history = grouped;
+    ec.attnpred.group_history = grouped ? 1 : 0;
     auto run_engine = [&](kvs::AttnPredEngine& e, const std::vector<kvs::bf16*>& K,
                           const std::vector<kvs::bf16*>& V, bool graph_too) {
       void* ws = dalloc<char>(e.workspace_bytes());
