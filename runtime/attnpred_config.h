@@ -22,6 +22,14 @@ struct AttnPredConfig {
   /// append their history rows. 1 (the paper's code): every step. The paper predicts "every
   /// several steps for efficiency" without giving P; its cost is measured in docs/gpu.md.
   int predict_interval = 1;
+  /// GQA. false (the paper's code): a history and a top-K per query head; a kv head attends
+  /// the union of its query heads' blocks, up to group size x the budget. true: one history
+  /// per kv head, whose row is the largest of its query heads' pooled probabilities, one CNN
+  /// input and one top-K per kv head, so every query head attends exactly the budget (a
+  /// group-size times cheaper predictor and a smaller read; its fidelity is in docs/results.md).
+  /// 1 / 0 as above; -1: the bundle's (true when its CNN was trained on grouped rows,
+  /// kvs-train attnpred --group-history).
+  int group_history = -1;
   /// Layers attended densely with no history (paper: {0, 1}); unset: the bundle's.
   std::optional<std::vector<int>> dense_layers;
   /// Decode steps after a prefill attended densely (full rows) before the first prediction:

@@ -70,6 +70,11 @@ AttnPredParams load_attnpred_params(const h5::Group& g, const ModelShape& shape)
   for (int l : p.dense_layers)
     need(l >= 0 && l < shape.num_layers,
          who + "dense_layers entry " + str(l) + " outside [0, " + str(shape.num_layers) + ")");
+  if (g.has_attr("group_history")) {
+    const int64_t gh = g.attr_int("group_history");
+    need(gh == 0 || gh == 1, who + "group_history " + str(gh) + " is not 0 or 1");
+    p.group_history = gh == 1;
+  }
   if (g.has_attr("param_layout"))
     need(g.attr_string("param_layout") == "conv1.w,conv1.b,conv2.w,conv2.b,conv3.w,conv3.b",
          who + "param_layout '" + g.attr_string("param_layout") + "' is not the packed order");
@@ -90,6 +95,7 @@ void write_attnpred_params(const h5::Group& g, const AttnPredParams& p) {
   g.set_attr_int("calibration_period", p.calibration_period);
   std::vector<int64_t> dl(p.dense_layers.begin(), p.dense_layers.end());
   g.set_attr_ints("dense_layers", dl);
+  g.set_attr_int("group_history", p.group_history ? 1 : 0);
 }
 
 // ---- engine -------------------------------------------------------------------------------
@@ -158,9 +164,16 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
   // reach the block of the next step's token (Geometry::candidate_end).
   max_blocks_ = geo_.num_blocks(max_context_ + 1);
   const int g = shape_.group_size();
+  // A kv head attends the union of its histories' top-K: group_size of them per query head,
+  // one when grouped.
+  need(c.group_history >= -1 && c.group_history <= 1,
+       "AttnPredConfig: group_history must be -1 (the bundle's), 0 or 1, got " +
+           str(c.group_history));
+  hist_group_ = (c.group_history < 0 ? params.group_history : c.group_history == 1) ? g : 1;
+  const int tops = g / hist_group_;
   max_tokens_ = int(std::min<int64_t>(max_context_, int64_t(geo_.sink) + geo_.recent + geo_.block +
-                                                        int64_t(g) * k_blocks_ * geo_.block));
-  slots_per_head_ = geo_.sink / geo_.block + g * k_blocks_ + geo_.recent / geo_.block + 2;
+                                                        int64_t(tops) * k_blocks_ * geo_.block));
+  slots_per_head_ = geo_.sink / geo_.block + tops * k_blocks_ + geo_.recent / geo_.block + 2;
   host_params_ = params.cnn;
   need(!c.offload || config_.backend == Backend::Cuda,
        "AttnPredConfig: offload needs the CUDA backend");
@@ -238,10 +251,11 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
   const int B = config_.max_batch, hq = shape_.num_q_heads, hkv = shape_.num_kv_heads;
   ap::HistoryState& h = ls.hist;
   h.max_batch = B;
-  h.num_q_heads = hq;
+  h.num_heads = hq / hist_group_;
+  h.group = hist_group_;
   h.history = geo_.history;
   h.max_blocks = max_blocks_;
-  const int64_t n_rows = int64_t(B) * hq * geo_.history * max_blocks_;
+  const int64_t n_rows = int64_t(B) * h.num_heads * geo_.history * max_blocks_;
   const int64_t n_flags = int64_t(B) * hkv * max_blocks_;
   if (config_.backend == Backend::Cpu) {
     ls.host_rows.assign(size_t(n_rows), 0.f);
@@ -336,7 +350,7 @@ void AttnPredEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) 
   LayerState& ls = allocate_layer(layer);
   ls.calls = 0;
   const ap::HistoryState& h = ls.hist;
-  const size_t row_elems = size_t(h.num_q_heads) * h.history * h.max_blocks;
+  const size_t row_elems = size_t(h.num_heads) * h.history * h.max_blocks;
   if (config_.backend == Backend::Cpu) {
     for (int b = 0; b < kv.batch; ++b) {
       std::fill_n(h.rows + size_t(b) * row_elems, row_elems, 0.f);
@@ -498,8 +512,9 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   }
 }
 
-void AttnPredEngine::history_row_cpu(LayerState& ls, const float* q, const PagedKV& kv, int b,
-                                     int qh, const int32_t* tokens, int count, double scale) {
+std::vector<float> AttnPredEngine::pooled_row_cpu(const float* q, const PagedKV& kv, int b, int qh,
+                                                  const int32_t* tokens, int count,
+                                                  double scale) const {
   const int d = shape_.head_dim, h = qh / shape_.group_size(), n = kv.seq_lens[b];
   std::vector<double> s(static_cast<size_t>(count));
   double m = -std::numeric_limits<double>::infinity();
@@ -523,26 +538,26 @@ void AttnPredEngine::history_row_cpu(LayerState& ls, const float* q, const Paged
                            " differs from the capture pooling block " + str(kAttnBlockSize));
   std::vector<float> pooled(static_cast<size_t>(nb));
   pool_attention_row(probs.data(), n, n, pooled.data());
-  ap::append_row_cpu(ls.hist, b, qh, pooled.data(), nb);
+  return pooled;
 }
 
 void AttnPredEngine::predict_cpu(LayerState& ls, int batch) {
-  const int hq = shape_.num_q_heads, hkv = shape_.num_kv_heads, g = shape_.group_size();
+  const int hkv = shape_.num_kv_heads, g = shape_.group_size();
   std::fill(ls.host_flags.begin(), ls.host_flags.end(), uint8_t(0));
   std::vector<float> x, y;
   for (int b = 0; b < batch; ++b) {
     const int c0 = geo_.candidate_begin(), c1 = geo_.candidate_end(ls.hist.tokens[b]);
     const int w = c1 - c0;
     if (w <= 0) continue;
-    for (int qh = 0; qh < hq; ++qh) {
-      uint8_t* flags = ls.flags + (size_t(b) * hkv + qh / g) * max_blocks_;
+    for (int hh = 0; hh < ls.hist.num_heads; ++hh) {  // query heads, or kv heads when grouped
+      uint8_t* flags = ls.flags + (size_t(b) * hkv + hh * ls.hist.group / g) * max_blocks_;
       if (k_blocks_ >= w) {  // every candidate fits the budget: no prediction needed
         std::fill(flags + c0, flags + c1, uint8_t(1));
         continue;
       }
       x.resize(size_t(geo_.history) * w);
       y.resize(size_t(w));
-      ap::gather_input_cpu(ls.hist, b, qh, c0, c1, x.data());
+      ap::gather_input_cpu(ls.hist, b, hh, c0, c1, x.data());
       ap::cnn_forward_cpu(host_params_.data(), x.data(), 1, geo_.history, w, y.data());
       ap::select_top_blocks_cpu(y.data(), w, k_blocks_, c0, flags);
       host_stats_.selection_bytes_read += uint64_t(geo_.history) * w * sizeof(float);
@@ -599,16 +614,23 @@ void AttnPredEngine::decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf1
       } else {
         tokens = ap::selected_tokens_cpu(geo_, n, ls.flags + (size_t(b) * hkv + h) * max_blocks_);
       }
+      std::vector<float> grouped;  // the group's largest pooled probabilities (hist.group > 1)
       for (int j = 0; j < g; ++j) {
         const int qh = h * g + j;
         load_q(b, qh);
         attend(b, qh, tokens.data(), int(tokens.size()));
-        if (full_row) {
-          history_row_cpu(ls, qf.data(), kv, b, qh, nullptr, n, scale);
+        std::vector<float> pooled =
+            full_row ? pooled_row_cpu(qf.data(), kv, b, qh, nullptr, n, scale)
+                     : pooled_row_cpu(qf.data(), kv, b, qh, tokens.data(), int(tokens.size()), scale);
+        if (ls.hist.group == 1) {
+          ap::append_row_cpu(ls.hist, b, qh, pooled.data(), int(pooled.size()));
+        } else if (grouped.empty()) {
+          grouped = std::move(pooled);
         } else {
-          history_row_cpu(ls, qf.data(), kv, b, qh, tokens.data(), int(tokens.size()), scale);
+          for (size_t i = 0; i < grouped.size(); ++i) grouped[i] = std::max(grouped[i], pooled[i]);
         }
       }
+      if (ls.hist.group > 1) ap::append_row_cpu(ls.hist, b, h, grouped.data(), int(grouped.size()));
       if (full_row) host_stats_.selection_bytes_read += uint64_t(n) * d * sizeof(bf16);
       host_stats_.kv_rows_read += tokens.size();
       ls.last_tokens[size_t(b) * hkv + h] = std::move(tokens);
@@ -654,7 +676,7 @@ std::vector<float> AttnPredEngine::history_rows(int layer) const {
   if (!ls.allocated)
     throw std::logic_error("attnpred engine: layer " + str(layer) + " has no state");
   if (config_.backend == Backend::Cpu) return ls.host_rows;
-  std::vector<float> r(size_t(config_.max_batch) * shape_.num_q_heads * geo_.history * max_blocks_);
+  std::vector<float> r(size_t(config_.max_batch) * ls.hist.num_heads * geo_.history * max_blocks_);
   KVS_CUDA_CHECK(cudaDeviceSynchronize());
   KVS_CUDA_CHECK(
       cudaMemcpy(r.data(), ls.hist.rows, r.size() * sizeof(float), cudaMemcpyDeviceToHost));

@@ -26,10 +26,17 @@
 // history (the last 64 prompt queries' rows); the warm-up steps build it instead, and until
 // `history` rows exist the older rows are zeros.
 //
-// GQA (the paper is silent; its code selects per query head): each query head predicts and
-// selects its own top-K, and the kv head attends the union of its group's blocks once, so
-// each KV block is read once per kv head; the read can reach group_size x the budget when the
-// heads disagree (the fidelity choice of spec 8.6a; stats report the rows actually read).
+// GQA (the paper is silent; its code selects per query head), two forms:
+//  - per query head (group_history 0): each query head keeps its history, predicts and
+//    selects its own top-K, and the kv head attends the union of its group's blocks once, so
+//    each KV block is read once per kv head; the read can reach group_size x the budget when
+//    the heads disagree (the fidelity choice of spec 8.6a; stats report the rows read);
+//  - per kv head (group_history 1): one history per kv head, whose row is the largest of its
+//    query heads' pooled probabilities (a block matters when it matters to any head of the
+//    group), one CNN input and one top-K per kv head: every query head attends exactly the
+//    budget, and the predictor, the top-K and the history rows cost group_size times less.
+//    A bundle trained that way (kvs-train attnpred --group-history) says so, and the engine
+//    follows it unless the config overrides.
 //
 // Offload mode (AttnPredConfig::offload, CUDA): the caller's KV is in pinned mapped host
 // memory. Each layer has a device block cache (slots of `block` tokens per kv head). At the
@@ -61,7 +68,8 @@ namespace kvs {
 // The stored parts of the method (the bundle's attnpred group; a trained file's group).
 //   dataset cnn_params float32 [4833] (packed as kernels/attnpred/attnpred.h kParam*)
 //   attrs   history, block, sink, recent, budget_tokens, calibration_period (int),
-//           dense_layers (int list), param_layout (string)
+//           dense_layers (int list), param_layout (string), group_history (int 0/1;
+//           absent in bundles written before it: 0)
 struct AttnPredParams {
   std::vector<float> cnn;
   int history = 64;
@@ -71,6 +79,9 @@ struct AttnPredParams {
   int budget_tokens = 1024;
   int calibration_period = 5;
   std::vector<int> dense_layers = {0, 1};
+  /// The CNN was trained on rows of the group's largest probabilities (a history per kv
+  /// head, AttnPredConfig::group_history), not on each query head's.
+  bool group_history = false;
 };
 
 // Reads and checks (shape, knob ranges, finite weights) a group; throws naming the group.
@@ -135,8 +146,10 @@ class AttnPredEngine : public Engine {
   // Makes `stream` wait for the layer's prediction when it is still on the predictor's branch.
   void wait_for_prediction(LayerState& ls, cudaStream_t stream);
   void decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf16* out, float* lse);
-  void history_row_cpu(LayerState& ls, const float* q, const PagedKV& kv, int b, int qh,
-                       const int32_t* tokens, int count, double scale);
+  // Query head qh's history row: the softmax of q.k over `tokens` (all n when null),
+  // max-pooled into blocks.
+  std::vector<float> pooled_row_cpu(const float* q, const PagedKV& kv, int b, int qh,
+                                    const int32_t* tokens, int count, double scale) const;
   void predict_cpu(LayerState& ls, int batch);
   kernels::tactic::Selection selection() const;  // CUDA: the workspace's selection arrays
   size_t selection_bytes() const;
@@ -150,6 +163,7 @@ class AttnPredEngine : public Engine {
   }
 
   int budget_ = 0, k_blocks_ = 0, period_ = 0, warmup_ = 1, interval_ = 1;
+  int hist_group_ = 1;  // query heads per history (AttnPredConfig::group_history)
   int max_context_ = 0, max_blocks_ = 0, max_tokens_ = 0, slots_per_head_ = 0;
   std::vector<int> dense_layers_;
   std::vector<float> host_params_;

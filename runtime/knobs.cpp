@@ -33,6 +33,12 @@ int to_int(const std::string& key, const std::string& v) {
   return int(x);
 }
 
+bool to_bool(const std::string& key, const std::string& v) {
+  if (v == "1" || v == "true") return true;
+  if (v == "0" || v == "false") return false;
+  throw std::invalid_argument("knob " + key + ": '" + v + "' is not 0, 1, true or false");
+}
+
 std::vector<int> to_ints(const std::string& key, const std::string& v) {
   // Lists use '/' inside a knob string, since ',' separates knobs: dense_layers=0/2.
   std::vector<int> out;
@@ -77,6 +83,7 @@ const Table& knob_table(Method m) {
       {"calibration_period", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.calibration_period = to_int(k, v); }},
       {"warmup_steps", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.warmup_steps = to_int(k, v); }},
       {"predict_interval", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.predict_interval = to_int(k, v); }},
+      {"group_history", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.group_history = to_bool(k, v) ? 1 : 0; }},
       {"dense_layers", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.dense_layers = to_ints(k, v); }},
   };
   static const Table saap = {

@@ -115,7 +115,9 @@ if [ "${KVS_GPU_METHODS:-1}" = 1 ]; then
   for b in "kvs_bench_tactic kvs-bench --method tactic --contexts 128K --batches 1,8" \
            "kvs_bench_mac kvs-bench-mac" "kvs_bench_magicpig kvs-bench-magicpig ${KVS_MAGICPIG_ARGS:-}" \
            "kvs_bench_saap kvs-bench-saap" "kvs_bench_attnpred kvs-bench-attnpred" \
-           "kvs_bench_attnpred_p4 kvs-bench-attnpred --predict-interval 4 --steps 20"; do
+           "kvs_bench_attnpred_p4 kvs-bench-attnpred --predict-interval 4 --steps 20" \
+           "kvs_bench_attnpred_grouped kvs-bench-attnpred --group-history --steps 20" \
+           "kvs_bench_attnpred_grouped_p4 kvs-bench-attnpred --group-history --predict-interval 4 --steps 20"; do
     read -r name exe args <<< "$b"
     # shellcheck disable=SC2086
     [ -x "$BUILD/tools/$exe" ] && run_step "$exe $args" 120 methods.log "$BUILD/tools/$exe" $args \

@@ -60,6 +60,20 @@ struct Rows {
   }
 };
 
+// The rows of a history per kv head: each the largest of its `group` query heads' rows.
+Rows group_rows(const Rows& r, int group) {
+  Rows g = r;
+  g.heads = r.heads / group;
+  g.data.assign(size_t(r.steps) * g.heads * r.width, 0.f);
+  for (int s = 0; s < r.steps; ++s)
+    for (int h = 0; h < r.heads; ++h) {
+      const float* src = r.row(s, h);
+      float* dst = g.data.data() + (size_t(s) * g.heads + h / group) * size_t(r.width);
+      for (int c = 0; c < r.width; ++c) dst[c] = std::max(dst[c], src[c]);
+    }
+  return g;
+}
+
 struct Sample {
   int rows;  // index into the Rows store
   int head, step, c0, c1;
@@ -149,10 +163,11 @@ AttnPredTrainResult train_attnpred(const AttnPredTrainConfig& cfg, const TrainPr
         r.steps = seq.num_steps();
         r.heads = res.shape.num_q_heads;
         r.width = geo.num_blocks(seq.num_tokens);
+        if (kn.group_history) r = group_rows(r, res.shape.group_size());
         r.decode_start = seq.decode_start;
         const int ri = int(store.size());
         store.push_back(std::move(r));
-        for (int h = 0; h < res.shape.num_q_heads; ++h, ++units)
+        for (int h = 0; h < store.back().heads; ++h, ++units)
           for (int s = H - 1; s + 1 < store.back().steps; ++s) {
             const int n = seq.decode_start + s + 1;  // tokens row s covers
             Sample smp{ri, h, s, geo.candidate_begin(), geo.candidate_end(n)};

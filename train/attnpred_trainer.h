@@ -1,14 +1,16 @@
 // AttentionPredictor trainer (spec shared/specs/attnpred.md section 2.2): the paper's CNN in
 // libtorch, trained on the block-pooled decode attention rows of capture files.
 //
-// Samples: for a captured layer (not a dense one), query head and decode step s with at least
+// Samples: for a captured layer (not a dense one), query head (kv head when
+// knobs.group_history: the row is the largest of the group's query heads' rows, as the
+// runtime's grouped history keeps it) and decode step s with at least
 // `history` rows up to s, the input is rows s - history + 1 .. s and the target is row s + 1,
 // both sliced to the candidate columns the runtime predicts: [sink / block,
 // Geometry::candidate_end(n)) with n the context of row s (the target's newest keys, in the
 // recent window, are not predicted, as the paper trains). Inputs narrower than 3 columns are
 // skipped (the runtime selects every candidate there). Batches hold samples of one width, so no
 // padding changes the CNN's edges. One model for every layer and head. Loss: MSE. Optimiser: Adam.
-// Split: units (capture, sequence, layer, query head) are shuffled with the seed and
+// Split: units (capture, sequence, layer, query or kv head) are shuffled with the seed and
 // val_fraction of them held out; the epoch with the best validation recovery (the pooled
 // form of the paper's Eq. 1 at the budget: the target's block mass in the predicted top
 // blocks over its total) is kept (ties: the lower validation loss).

@@ -503,7 +503,7 @@ struct PredictSample {
   __device__ PredictSample(const HistoryState& hs, const CnnCache& cc, const Geometry& g)
       : hist(hs),
         cache(cc),
-        s(int(blockIdx.z) * hs.num_q_heads + int(blockIdx.y)),
+        s(int(blockIdx.z) * hs.num_heads + int(blockIdx.y)),
         b(int(blockIdx.z)),
         h(int(blockIdx.y)),
         H(hs.history),
@@ -684,8 +684,8 @@ __global__ void __launch_bounds__(kSelThreads)
   __shared__ unsigned s_prefix;
   __shared__ int s_remaining;
   const int s = blockIdx.x, tid = threadIdx.x;
-  const int b = s / hist.num_q_heads, h = s % hist.num_q_heads;
-  const int group = hist.num_q_heads / num_kv_heads;
+  const int b = s / hist.num_heads, h = s % hist.num_heads;
+  const int group = hist.num_heads / num_kv_heads;
   const int c0 = g.candidate_begin(), c1 = g.candidate_end(hist.tokens[b]);
   const int count = c1 - c0;
   if (count <= 0) return;
@@ -839,8 +839,9 @@ __device__ __forceinline__ void zero_history_share(const HistoryState& hist, int
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *pool_done = 0;
   const int per = (hist.max_blocks + gridDim.y - 1) / gridDim.y;
   const int j0 = blockIdx.y * per, j1 = min(hist.max_blocks, j0 + per);
-  for (int j = 0; j < g; ++j) {
-    float* row = hist.slot(b, h * g + j, hist.count[b] % hist.history);
+  const int per_kv = g / hist.group;  // history heads of the kv head
+  for (int j = 0; j < per_kv; ++j) {
+    float* row = hist.slot(b, h * per_kv + j, hist.count[b] % hist.history);
     for (int c = j0 + threadIdx.x; c < j1; c += kThreads) row[c] = 0.f;
   }
 }
@@ -1114,8 +1115,13 @@ __global__ void __launch_bounds__(kThreads)
   if (j0 < j1) {
     const float lse = row_lse(partials + int64_t(s) * num_chunks, n, red, s_val);
     const float* mx = block_max + int64_t(s) * hist.max_blocks;
-    float* row = hist.slot(b, qh, hist.count[b] % hist.history);
-    for (int j = j0 + threadIdx.x; j < j1; j += kThreads) row[j] = expf(mx[j] - lse);
+    float* row = hist.slot(b, qh / hist.group, hist.count[b] % hist.history);
+    if (hist.group == 1) {
+      for (int j = j0 + threadIdx.x; j < j1; j += kThreads) row[j] = expf(mx[j] - lse);
+    } else {  // the group's largest: probabilities are >= 0, so their float bits order as ints
+      for (int j = j0 + threadIdx.x; j < j1; j += kThreads)
+        atomicMax(reinterpret_cast<int*>(row + j), __float_as_int(expf(mx[j] - lse)));
+    }
   }
   finish_row(hist, kv_lens, batch, done);
 }
@@ -1144,7 +1150,7 @@ __global__ void __launch_bounds__(kThreads)
   const float lse = row_lse(partials + int64_t(s) * num_chunks, n, red, s_val);
   const float* sc = scores + int64_t(s) * max_tokens;
   const int32_t* id = ids ? ids + int64_t(seq) * ids_stride : nullptr;
-  float* row = hist.slot(b, qh, hist.count[b] % hist.history);
+  float* row = hist.slot(b, qh / hist.group, hist.count[b] % hist.history);
   const int lane = tid & 31, i1 = min(n, i0 + kRowChunk);
   for (int base = i0 + (tid & ~31); base < i1; base += kThreads) {
     const int i = base + lane;
@@ -1343,12 +1349,12 @@ cudaError_t predict_cuda(const float* params, const HistoryState& hist, const Cn
     return cudaErrorInvalidValue;
   const int n_tiles = (hist.max_blocks + kTile - 1) / kTile;
   const int n_fix = (std::max(0, hist.history - 5) + kFixRows - 1) / kFixRows;
-  const dim3 grid(n_tiles + n_fix, hist.num_q_heads, batch);
+  const dim3 grid(n_tiles + n_fix, hist.num_heads, batch);
   if (rows_between > 1)
     predict_rows_kernel<true><<<grid, kCnnThreads, 0, stream>>>(params, hist, cache, g, n_tiles);
   else
     predict_rows_kernel<false><<<grid, kCnnThreads, 0, stream>>>(params, hist, cache, g, n_tiles);
-  const dim3 sum_grid((hist.max_blocks + kThreads - 1) / kThreads, hist.num_q_heads, batch);
+  const dim3 sum_grid((hist.max_blocks + kThreads - 1) / kThreads, hist.num_heads, batch);
   predict_sum_kernel<<<sum_grid, kThreads, 0, stream>>>(params, hist, cache, g, scores);
   return cudaGetLastError();
 }
@@ -1359,7 +1365,7 @@ cudaError_t select_blocks_cuda(const float* scores, const HistoryState& hist, in
   cudaError_t e = cudaMemsetAsync(block_flags, 0,
                                   size_t(hist.max_batch) * num_kv_heads * hist.max_blocks, stream);
   if (e != cudaSuccess || batch <= 0) return e;
-  select_kernel<<<batch * hist.num_q_heads, kSelThreads, 0, stream>>>(scores, hist, num_kv_heads, g,
+  select_kernel<<<batch * hist.num_heads, kSelThreads, 0, stream>>>(scores, hist, num_kv_heads, g,
                                                                       k_blocks, block_flags);
   return cudaGetLastError();
 }
@@ -1393,7 +1399,8 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
                             bool keys_on_host, cudaStream_t stream) {
   if (batch <= 0) return cudaSuccess;
   const int group = num_q_heads / num_kv_heads;
-  if (group > kMaxGroup || (view.head_dim != 64 && view.head_dim != 128))
+  if (group > kMaxGroup || (view.head_dim != 64 && view.head_dim != 128) ||
+      (hist.group != 1 && hist.group != group) || hist.num_heads * hist.group != num_q_heads)
     return cudaErrorInvalidValue;
   const bool sub = token_ids != nullptr;
   // List length bound: the sub-request stride, or the longest context the history holds.

@@ -24,8 +24,9 @@
 // 2^-32 is far below fp32's resolution at the scores' size.) The CUDA results are
 // deterministic, and the incremental predictor equals its own full recompute bit for bit.
 //
-// History (per layer): fp32 rows [max_batch, Hq, history, max_blocks], a ring over time per
-// (sequence, head); count[b] rows appended since the sequence's prefill. Logical row i
+// History (per layer): fp32 rows [max_batch, heads, history, max_blocks], a ring over time per
+// (sequence, head), where the heads are the query heads or, grouped (HistoryState::group), the
+// kv heads; count[b] rows appended since the sequence's prefill. Logical row i
 // (0 = oldest, history - 1 = newest) is ring slot (count - history + i) mod history, or a row of
 // zeros while count - history + i < 0 (a short history is zero-padded in time, as the paper
 // zero-pads short rows in width). Columns past a row's own context are 0.
@@ -88,16 +89,19 @@ struct Geometry {
 void validate(const Geometry& g);
 
 struct HistoryState {
-  float* rows = nullptr;      ///< [max_batch, num_q_heads, history, max_blocks]
+  float* rows = nullptr;      ///< [max_batch, num_heads, history, max_blocks]
   int32_t* count = nullptr;   ///< [max_batch] rows appended since prefill
   int32_t* tokens = nullptr;  ///< [max_batch] context length the newest row covered
   int max_batch = 0;
-  int num_q_heads = 0;
+  int num_heads = 0;  ///< histories per sequence: query heads / group
   int history = 0;
   int max_blocks = 0;
+  /// Query heads per history: 1, a history (and a prediction) per query head; the kv group
+  /// size, one per kv head, whose row is the largest of its query heads' pooled probabilities.
+  int group = 1;
 
   KVS_HOST_DEVICE float* slot(int b, int h, int s) const {
-    return rows + ((int64_t(b) * num_q_heads + h) * history + s) * int64_t(max_blocks);
+    return rows + ((int64_t(b) * num_heads + h) * history + s) * int64_t(max_blocks);
   }
   // Logical row i of (b, h) for a ring that has seen `appended` rows; nullptr: a zero row.
   KVS_HOST_DEVICE const float* logical_row(int b, int h, int i, int appended) const {
@@ -154,21 +158,21 @@ cudaError_t cnn_forward_cuda(const float* params, const float* x, int n, int H, 
 constexpr int kCnnFragWords = 4 * 32 * 22;  // 4 conv2 N tiles x 32 lanes x 22 words
 
 struct CnnCache {
-  float* s = nullptr;         ///< [max_batch, Hq, history, max_blocks]: s of each ring slot
-  float* edge = nullptr;      ///< [max_batch, Hq, 4, max_blocks]: s of the edge rows
+  float* s = nullptr;         ///< [max_batch, heads, history, max_blocks]: s of each ring slot
+  float* edge = nullptr;      ///< [max_batch, heads, 4, max_blocks]: s of the edge rows
   int32_t* count = nullptr;   ///< [max_batch] history count s was last brought up to (-1: none)
   int32_t* end = nullptr;     ///< [max_batch] candidate_end s's right columns were computed for
-  long long* sum = nullptr;   ///< [max_batch, Hq, max_blocks]: interior rows' fixed-point sum
+  long long* sum = nullptr;   ///< [max_batch, heads, max_blocks]: interior rows' fixed-point sum
   uint32_t* frags = nullptr;  ///< [kCnnFragWords]: the CNN's weights as MMA fragments
 
   static size_t s_floats(const HistoryState& h) {
-    return size_t(h.max_batch) * h.num_q_heads * h.history * h.max_blocks;
+    return size_t(h.max_batch) * h.num_heads * h.history * h.max_blocks;
   }
   static size_t edge_floats(const HistoryState& h) {
-    return size_t(h.max_batch) * h.num_q_heads * 4 * h.max_blocks;
+    return size_t(h.max_batch) * h.num_heads * 4 * h.max_blocks;
   }
   static size_t sum_values(const HistoryState& h) {
-    return size_t(h.max_batch) * h.num_q_heads * h.max_blocks;
+    return size_t(h.max_batch) * h.num_heads * h.max_blocks;
   }
 };
 
@@ -177,7 +181,7 @@ struct CnnCache {
 cudaError_t reset_cnn_cache_cuda(const float* params, const CnnCache& cache, int batch,
                                  cudaStream_t stream);
 
-// CNN over every (b < batch, h) history's candidate slice: scores [max_batch, Hq, max_blocks]
+// CNN over every (b < batch, h) history's candidate slice: scores [max_batch, heads, max_blocks]
 // get the predictions at their absolute column indices (columns outside the slice untouched).
 // Updates `cache` (see CnnCache). rows_between: the history rows the caller appends between
 // two predictions (1: a prediction every step), which picks the kernel's form; any count is
@@ -186,7 +190,7 @@ cudaError_t predict_cuda(const float* params, const HistoryState& hist, const Cn
                          int batch, const Geometry& g, float* scores, int rows_between,
                          cudaStream_t stream);
 
-// Per (b, query head): top-k of the candidate scores, OR-ed into block_flags [max_batch, Hkv,
+// Per (b, history head): top-k of the candidate scores, OR-ed into block_flags [max_batch, Hkv,
 // max_blocks] (zeroed here first). Same order as select_top_blocks_cpu.
 cudaError_t select_blocks_cuda(const float* scores, const HistoryState& hist, int batch,
                                int num_kv_heads, const Geometry& g, int k_blocks,
@@ -203,8 +207,9 @@ cudaError_t build_selection_cuda(const PagedKV& kv, const uint8_t* block_flags, 
                                  const tactic::Selection& sel, unsigned long long* counters,
                                  cudaStream_t stream);
 
-// Appends one history row per (b, query head): the softmax of q.k * scale over the tokens of
-// `view`, max-pooled into blocks. Two forms:
+// Appends one history row per (b, history head): the softmax of q.k * scale of each query head
+// over the tokens of `view`, max-pooled into blocks (and over the group's query heads when
+// hist.group > 1). Two forms:
 //  - full row: view = the layer's cache, token_ids null: every token [0, seq_lens[b]);
 //  - sparse row: view = a sub-request view (one sequence per (b, kv head), group-size query
 //    heads each), token_ids = Selection::tokens (max_tokens per sequence).

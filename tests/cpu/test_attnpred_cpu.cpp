@@ -252,6 +252,85 @@ TEST(AttnPredCpu, EnginePredictsEveryIntervalAndKeepsItsBlocksBetween) {
   EXPECT_GT(changed, 0) << "no prediction after the warm-up changed the selection";
 }
 
+// group_history: one history per kv head, whose newest row is the largest of the group's
+// pooled softmax rows over the tokens the step read (all of them on warm-up and calibration
+// steps), and one CNN prediction and top-K per kv head from it: each kv head flags exactly
+// k_blocks candidates and every query head reads at most the budget.
+TEST(AttnPredCpu, GroupedHistoryIsTheGroupsLargestRowAndPredictsPerKvHead) {
+  Scene sc(900, 5);
+  EngineConfig cfg;
+  cfg.backend = Backend::Cpu;
+  cfg.attnpred.group_history = 1;
+  cfg.attnpred.calibration_period = 3;
+  const AttnPredParams params = test_params(256);
+  AttnPredEngine e(sc.shape, cfg, params);
+  e.prefill(1, sc.kv, nullptr);
+  const int mb = e.max_blocks(), H = e.geometry().history, k_blocks = e.k_blocks();
+  ASSERT_EQ(k_blocks, 8);
+  std::vector<bf16> out(sc.q.size());
+  for (int step = 0; step < 9; ++step) {
+    sc.len = sc.n + step;
+    sc.new_query(500 + step);
+    e.decode(1, sc.q.data(), nullptr, sc.kv, out.data(), nullptr, nullptr);
+    const std::vector<float> rows = e.history_rows(1);
+    ASSERT_EQ(rows.size(), size_t(2) * H * mb);  // two kv heads' histories
+    const auto read = e.last_read(1, 0);
+    const bool full = step == 0 || (step + 1) % 3 == 0;
+    for (int h = 0; h < 2; ++h) {
+      std::vector<int32_t> tokens;
+      if (full) {
+        tokens.resize(size_t(sc.len));
+        std::iota(tokens.begin(), tokens.end(), 0);
+      } else {
+        ASSERT_EQ(read.size(), 4u);
+        tokens = read[size_t(h) * 2];
+        EXPECT_LE(int(tokens.size()), 256 + 16) << "step " << step;  // the budget, no union
+      }
+      std::vector<double> want(size_t(mb), 0.0);
+      for (int qh = 2 * h; qh < 2 * h + 2; ++qh) {
+        std::vector<double> s(tokens.size());
+        double m = -1e300, z = 0;
+        for (size_t i = 0; i < tokens.size(); ++i) {
+          double dot = 0;
+          for (int d = 0; d < 64; ++d)
+            dot += double(bf16_to_float(sc.q[size_t(qh) * 64 + d])) *
+                   double(bf16_to_float(sc.k[(size_t(tokens[i]) * 2 + h) * 64 + d]));
+          s[i] = dot * sc.shape.scale();
+          m = std::max(m, s[i]);
+        }
+        for (double x : s) z += std::exp(x - m);
+        for (size_t i = 0; i < tokens.size(); ++i)
+          want[size_t(tokens[i] / 16)] =
+              std::max(want[size_t(tokens[i] / 16)], std::exp(s[i] - m) / z);
+      }
+      const float* newest = rows.data() + (size_t(h) * H + size_t(step % H)) * mb;
+      for (int j = 0; j < mb; ++j)
+        ASSERT_NEAR(newest[j], want[size_t(j)], 1e-6 * std::max(1.0, want[size_t(j)]))
+            << "step " << step << " kv head " << h << " block " << j;
+    }
+    // The prediction this step made: the CNN over each kv head's own history.
+    const std::vector<uint8_t> flags = e.block_flags(1);
+    const ap::Geometry& g = e.geometry();
+    const int c0 = g.candidate_begin(), c1 = g.candidate_end(sc.len), w = c1 - c0;
+    ASSERT_GT(w, k_blocks);
+    for (int h = 0; h < 2; ++h) {
+      std::vector<float> x(size_t(H) * w, 0.f), y(static_cast<size_t>(w));
+      for (int i = 0; i < H; ++i) {  // logical row i: ring slot (count - H + i), zeros before
+        const int r = step + 1 - H + i;
+        if (r < 0) continue;
+        for (int c = 0; c < w; ++c)
+          x[size_t(i) * w + c] = rows[(size_t(h) * H + size_t(r % H)) * mb + c0 + c];
+      }
+      ap::cnn_forward_cpu(params.cnn.data(), x.data(), 1, H, w, y.data());
+      std::vector<uint8_t> want(size_t(mb), 0);
+      ap::select_top_blocks_cpu(y.data(), w, k_blocks, c0, want.data());
+      const std::vector<uint8_t> got(flags.begin() + h * mb, flags.begin() + (h + 1) * mb);
+      EXPECT_EQ(got, want) << "step " << step << " kv head " << h;
+      EXPECT_EQ(std::accumulate(got.begin(), got.end(), 0), k_blocks);
+    }
+  }
+}
+
 TEST(AttnPredCpu, StoredPartsRoundTripAndValidate) {
   Scene sc(100, 3);
   const std::string path = "attnpred_parts_" + std::to_string(::getpid()) + ".h5";
@@ -273,6 +352,49 @@ TEST(AttnPredCpu, StoredPartsRoundTripAndValidate) {
   EXPECT_THROW(make_engine(Method::AttnPred, sc.shape, cfg, nullptr), std::invalid_argument);
   cfg.attnpred.budget_tokens = 200;  // not sink + recent + a multiple of 16
   EXPECT_THROW(make_engine(Method::AttnPred, sc.shape, cfg, &b), std::invalid_argument);
+  std::remove(path.c_str());
+}
+
+// A bundle whose CNN was trained on grouped rows says so, and the engine keeps a history per kv
+// head unless the config overrides; a bundle without the attribute (written before it) means
+// per query head; any other value is an error that names it.
+TEST(AttnPredCpu, StoredGroupHistoryPicksTheEnginesForm) {
+  Scene sc(300, 6);
+  const std::string path = "attnpred_grouped_" + std::to_string(::getpid()) + ".h5";
+  AttnPredParams p = test_params(256);
+  p.group_history = true;
+  {
+    BundleWriter w(path, sc.shape);
+    write_attnpred_params(w.method_group("attnpred"), p);
+    w.commit();
+  }
+  const AttnPredParams r = load_attnpred_params(Bundle::open(path).method_group("attnpred"), sc.shape);
+  EXPECT_TRUE(r.group_history);
+  std::remove(path.c_str());
+  auto histories = [&](int knob) {
+    EngineConfig cfg;
+    cfg.backend = Backend::Cpu;
+    cfg.attnpred.group_history = knob;
+    AttnPredEngine e(sc.shape, cfg, r);
+    e.prefill(1, sc.kv, nullptr);
+    return e.history_rows(1).size() / (size_t(e.geometry().history) * e.max_blocks());
+  };
+  EXPECT_EQ(histories(-1), 2u);  // the bundle's: one per kv head
+  EXPECT_EQ(histories(0), 4u);   // overridden: one per query head
+  EXPECT_EQ(histories(1), 2u);
+  EXPECT_THROW(histories(2), std::invalid_argument);
+  {
+    BundleWriter w(path, sc.shape);
+    write_attnpred_params(w.method_group("attnpred"), p);
+    w.method_group("attnpred").set_attr_int("group_history", 2);
+    w.commit();
+  }
+  try {
+    load_attnpred_params(Bundle::open(path).method_group("attnpred"), sc.shape);
+    ADD_FAILURE() << "group_history 2 was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("group_history 2"), std::string::npos) << e.what();
+  }
   std::remove(path.c_str());
 }
 

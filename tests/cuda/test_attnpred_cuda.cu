@@ -340,12 +340,14 @@ AttnPredParams engine_params(uint32_t seed) {
   return params;
 }
 
-void run_against_cpu(bool offload, int predict_interval = 1) {
+// grouped: AttnPredConfig::group_history (a history per kv head, the group's largest row).
+void run_against_cpu(bool offload, int predict_interval = 1, bool grouped = false) {
   Scene sc;
   const AttnPredParams params = engine_params(3);
   EngineConfig cc;
   cc.backend = Backend::Cpu;
   cc.attnpred.predict_interval = predict_interval;
+  cc.attnpred.group_history = grouped ? 1 : 0;
   EngineConfig gc = cc;
   gc.backend = Backend::Cuda;
   gc.attnpred.offload = offload;
@@ -411,7 +413,9 @@ void run_against_cpu(bool offload, int predict_interval = 1) {
       const int count = gpu.history_count(1)[0];
       ASSERT_EQ(count, step + 1);
       const bool full_row = step == 0 || (step + 1) % params.calibration_period == 0;
-      const int mb = gpu.max_blocks(), n = host_len;
+      const int mb = gpu.max_blocks(), n = host_len, hist_group = grouped ? 4 : 1;
+      ASSERT_EQ(hg.size(), size_t(8 / hist_group) * 64 * mb);
+      std::vector<float> want(size_t(8 / hist_group) * mb, 0.f);  // the newest row per history
       for (int qh = 0; qh < 8; ++qh) {
         std::vector<float> qf(128);
         for (int e = 0; e < 128; ++e) qf[size_t(e)] = bf16_to_float(q[size_t(qh) * 128 + e]);
@@ -445,10 +449,14 @@ void run_against_cpu(bool offload, int predict_interval = 1) {
         for (size_t i = 0; i < row_tokens.size(); ++i)
           probs[size_t(row_tokens[i])] = float(std::exp(logit[i] - m) / z);
         pool_attention_row(probs.data(), n, n, pooled.data());
-        const float* newest = hg.data() + ((size_t(qh) * 64) + size_t((count - 1) % 64)) * mb;
+        float* w = want.data() + size_t(qh / hist_group) * mb;
+        for (int j = 0; j < mb; ++j) w[j] = std::max(w[j], pooled[size_t(j)]);
+      }
+      for (int hh = 0; hh < 8 / hist_group; ++hh) {
+        const float* newest = hg.data() + ((size_t(hh) * 64) + size_t((count - 1) % 64)) * mb;
         for (int j = 0; j < mb; ++j)
-          ASSERT_NEAR(newest[j], pooled[size_t(j)], 1e-5 + 1e-4 * pooled[size_t(j)])
-              << "step " << step << " q head " << qh << " block " << j;
+          ASSERT_NEAR(newest[j], want[size_t(hh) * mb + j], 1e-5 + 1e-4 * want[size_t(hh) * mb + j])
+              << "step " << step << " history " << hh << " block " << j;
       }
     }
     if (offload) {
@@ -510,7 +518,8 @@ void run_against_cpu(bool offload, int predict_interval = 1) {
 // Blocks of 8, 16 and 32 take the block maxima pooled inside the score kernel (device keys);
 // blocks of 4 take the per-token scores and the pool kernel, as host keys always do.
 // The slot the row goes to starts as garbage, so unwritten columns show; columns past a
-// sequence's blocks must be 0; count and tokens advance.
+// sequence's blocks must be 0; count and tokens advance. Grouped (a history per kv head), the
+// row is the largest over the group's query heads.
 TEST(AttnPredCuda, FullRowEqualsFp64AcrossShapes) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const int B = 2, hq = 8, page = 16, H = 4;
@@ -519,14 +528,17 @@ TEST(AttnPredCuda, FullRowEqualsFp64AcrossShapes) {
   for (int blk : {16, 8, 32, 4})
     for (int d : {64, 128})
       for (int hkv : {8, 2, 1})
-        for (bool on_host : {false, true}) {
+        for (int form = 0; form < 4; ++form) {
+          const bool on_host = form & 1, grouped = form & 2;
           if (blk != 16 && on_host) continue;  // the lane form has one pooling path
+          if (grouped && hkv == hq) continue;  // groups of one: the same as not grouped
           SCOPED_TRACE("block " + std::to_string(blk) + " d " + std::to_string(d) + " hkv " +
-                       std::to_string(hkv) + (on_host ? " host keys" : " device keys"));
+                       std::to_string(hkv) + (on_host ? " host keys" : " device keys") +
+                       (grouped ? " grouped" : ""));
           const ap::Geometry geo{H, blk, 64, 64};
           const int mb = (1301 + blk - 1) / blk + 8;  // columns past the longer row stay 0
-          const int group = hq / hkv;
-          std::mt19937 rng(uint32_t(d * 100 + hkv * 10 + on_host));
+          const int group = hq / hkv, hist_group = grouped ? group : 1, heads = hq / hist_group;
+          std::mt19937 rng(uint32_t(d * 100 + hkv * 10 + form));
           std::normal_distribution<float> nd(0.f, 1.f);
           std::vector<bf16> q(size_t(B) * hq * d), k(size_t(num_pages) * page * hkv * d);
           for (auto& x : q) x = float_to_bf16(nd(rng));
@@ -535,7 +547,7 @@ TEST(AttnPredCuda, FullRowEqualsFp64AcrossShapes) {
           for (int i = 0; i < num_pages; ++i) table[size_t(i)] = i;
           std::shuffle(table.begin(), table.end(), rng);
           const std::vector<int32_t> len_h(lens, lens + B), count_h = {1, 6};
-          std::vector<float> rows_h(size_t(B) * hq * H * mb, 7.f);
+          std::vector<float> rows_h(size_t(B) * heads * H * mb, 7.f);
           Dev<bf16> dq(q), dk(k);
           bf16* hk = nullptr;
           if (on_host) {
@@ -547,7 +559,7 @@ TEST(AttnPredCuda, FullRowEqualsFp64AcrossShapes) {
           const bf16* keys = on_host ? hk : dk.p;  // also as V: the row reads only K
           const PagedKV view{keys,      keys, dtable.p, dlen.p, B,
                              num_pages, page, hkv,      d,      pages_per_seq};
-          const ap::HistoryState hist{drows.p, dcount.p, dtokens.p, B, hq, H, mb};
+          const ap::HistoryState hist{drows.p, dcount.p, dtokens.p, B, heads, H, mb, hist_group};
           const size_t scratch_bytes = ap::row_scratch_bytes(B, hq, mb * geo.block);
           Dev<char> scratch(scratch_bytes);
           const float scale = 1.f / std::sqrt(float(d));
@@ -560,6 +572,7 @@ TEST(AttnPredCuda, FullRowEqualsFp64AcrossShapes) {
             EXPECT_EQ(count[size_t(b)], count_h[size_t(b)] + 1);
             EXPECT_EQ(tokens[size_t(b)], lens[b]);
             const int n = lens[b], nb = (n + blk - 1) / blk;
+            std::vector<double> want(size_t(heads) * mb, 0.0);  // per history head
             for (int h = 0; h < hq; ++h) {
               std::vector<double> sc(static_cast<size_t>(n));
               double m = -INFINITY;
@@ -575,17 +588,21 @@ TEST(AttnPredCuda, FullRowEqualsFp64AcrossShapes) {
               }
               double z = 0;
               for (double v : sc) z += std::exp(v - m);
-              const float* row =
-                  got.data() + ((size_t(b) * hq + h) * H + count_h[size_t(b)] % H) * mb;
-              for (int j = 0; j < mb; ++j) {
-                double want = 0;
+              double* w = want.data() + size_t(h / hist_group) * mb;
+              for (int j = 0; j < nb; ++j)
                 for (int t = j * blk; t < std::min(n, j * blk + blk); ++t)
-                  want = std::max(want, std::exp(sc[size_t(t)] - m) / z);
+                  w[j] = std::max(w[j], std::exp(sc[size_t(t)] - m) / z);
+            }
+            for (int hh = 0; hh < heads; ++hh) {
+              const float* row =
+                  got.data() + ((size_t(b) * heads + hh) * H + count_h[size_t(b)] % H) * mb;
+              for (int j = 0; j < mb; ++j) {
+                const double w = want[size_t(hh) * mb + j];
                 if (j >= nb) {
-                  ASSERT_EQ(row[j], 0.f) << "b " << b << " head " << h << " block " << j;
+                  ASSERT_EQ(row[j], 0.f) << "b " << b << " history " << hh << " block " << j;
                 } else {
-                  ASSERT_NEAR(row[j], want, 1e-6 + 1e-4 * want)
-                      << "b " << b << " head " << h << " block " << j;
+                  ASSERT_NEAR(row[j], w, 1e-6 + 1e-4 * w)
+                      << "b " << b << " history " << hh << " block " << j;
                 }
               }
             }
@@ -683,6 +700,18 @@ TEST(AttnPredCuda, GpuResidentEngineMatchesCpuPredictingEveryThirdStep) {
 TEST(AttnPredCuda, OffloadPrefetchesTheSelectedBlocksPredictingEverySecondStep) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   run_against_cpu(true, 2);
+}
+
+// A history per kv head (AttnPredConfig::group_history): its rows the largest of the group's
+// pooled rows, one prediction and top-K per kv head.
+TEST(AttnPredCuda, GroupedHistoryEngineMatchesCpu) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  run_against_cpu(false, 1, true);
+}
+
+TEST(AttnPredCuda, GroupedHistoryOffloadPrefetchesTheSelectedBlocksPredictingEverySecondStep) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  run_against_cpu(true, 2, true);
 }
 
 }  // namespace

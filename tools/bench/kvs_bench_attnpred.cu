@@ -22,7 +22,9 @@
 // Weights are random (selection quality does not change the cost); queries and keys are
 // random bf16. Targets (issue): ap_offload 5.6x faster than offl_copy at 32K; ap_gpu 5x faster
 // than dense at 128K with budget 2048. --predict-interval P (AttnPredConfig::predict_interval)
-// makes the engines predict every P-th step. --json writes every row (docs/formats.md).
+// makes the engines predict every P-th step; --group-history (AttnPredConfig::group_history)
+// gives them one history, prediction and top-K per kv head. --json writes every row
+// (docs/formats.md).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -83,6 +85,7 @@ T* dalloc(size_t n) {
 int main(int argc, char** argv) try {
   std::string contexts_s, json_path;
   int hq, hkv, d, budget, layers, steps, reps, period, interval;
+  bool grouped = false;
   po::options_description opts(
       "kvs-bench-attnpred: AttentionPredictor decode vs dense, GPU and offload");
   opts.add_options()("help,h", "show this help")(
@@ -95,6 +98,8 @@ int main(int argc, char** argv) try {
                                                   "calibration period M")(
       "predict-interval", po::value(&interval)->default_value(1),
       "predict every P-th step (AttnPredConfig::predict_interval)")(
+      "group-history", po::bool_switch(&grouped),
+      "one history and top-K per kv head (AttnPredConfig::group_history)")(
       "layers", po::value(&layers)->default_value(4), "layers per step (prefetch overlaps them)")(
       "steps", po::value(&steps)->default_value(10), "decode steps per repetition (whole periods)")(
       "reps", po::value(&reps)->default_value(5), "repetitions (median)")(
@@ -126,12 +131,15 @@ int main(int argc, char** argv) try {
                      {"budget", budget},
                      {"period", period},
                      {"predict_interval", interval},
+                     {"group_history", grouped ? 1 : 0},
                      {"layers", layers},
                      {"steps", steps},
                      {"reps", reps}});
   report.save();
-  std::printf("# %s, Hq %d, Hkv %d, d %d, budget %d, M %d, predict every %d, %d layers, batch 1\n",
-              prop.name, hq, hkv, d, budget, period, interval, layers);
+  std::printf(
+      "# %s, Hq %d, Hkv %d, d %d, budget %d, M %d, predict every %d, %s, %d layers, batch 1\n",
+      prop.name, hq, hkv, d, budget, period, interval,
+      grouped ? "a history per kv head" : "a history per query head", layers);
   std::printf("%8s %9s %9s %9s %11s %9s %9s %10s %9s %11s %6s %9s %8s %8s\n", "context",
               "dense", "ap_gpu", "ap_eager", "sparse_attn", "predictor", "full_row", "offl_copy",
               "offl_zc", "ap_offload", "late", "blk/step", "x_gpu", "x_offl");
@@ -212,6 +220,7 @@ int main(int argc, char** argv) try {
     ec.backend = kvs::Backend::Cuda;
     ec.attnpred.max_context = cap;
     ec.attnpred.predict_interval = interval;
+    ec.attnpred.group_history = grouped ? 1 : 0;
     auto run_engine = [&](kvs::AttnPredEngine& e, const std::vector<kvs::bf16*>& K,
                           const std::vector<kvs::bf16*>& V, bool graph_too) {
       void* ws = dalloc<char>(e.workspace_bytes());
@@ -243,14 +252,15 @@ int main(int argc, char** argv) try {
     const ap::Geometry geo = gpu.geometry();
     ap::HistoryState hist;
     hist.max_batch = 1;
-    hist.num_q_heads = hq;
+    hist.group = grouped ? hq / hkv : 1;
+    hist.num_heads = hq / hist.group;
     hist.history = geo.history;
     hist.max_blocks = mb;
-    hist.rows = dalloc<float>(size_t(hq) * geo.history * mb);
+    hist.rows = dalloc<float>(size_t(hist.num_heads) * geo.history * mb);
     hist.count = dalloc<int32_t>(1);
     hist.tokens = dalloc<int32_t>(1);
     {
-      std::vector<float> rows(size_t(hq) * geo.history * mb);
+      std::vector<float> rows(size_t(hist.num_heads) * geo.history * mb);
       std::uniform_real_distribution<float> u(0.f, 0.01f);
       for (float& x : rows) x = u(rng);
       KVS_CUDA_CHECK(

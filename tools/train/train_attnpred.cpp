@@ -32,7 +32,10 @@ int train_attnpred_main(int argc, char** argv) try {
       "budget", po::value(&cfg.knobs.budget_tokens)->default_value(1024),
       "tokens per head (bundle default; validation recovery is measured at it)")(
       "calibration-period", po::value(&cfg.knobs.calibration_period)->default_value(5),
-      "full-row period M (bundle knob)")("dense-layers",
+      "full-row period M (bundle knob)")(
+      "group-history", po::bool_switch(&cfg.knobs.group_history),
+      "train on a history per kv head, the group's largest rows (bundle knob; the runtime's "
+      "AttnPredConfig::group_history)")("dense-layers",
                                          po::value(&dense_layers)->default_value("0,1"),
                                          "layers attended densely, not trained on (bundle knob)");
   po::variables_map vm;
