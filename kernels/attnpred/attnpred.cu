@@ -887,9 +887,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (int(blockIdx.y) * kScoreChunk >= n) return;
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   // The chunks blockIdx.y, + gridDim.y, ... (a full row's grid is one wave of CTAs that walk
-  // its chunks). Each chunk's key rows are requested at once (page-table entries, then the
-  // rows); the next chunk's page-table entries are requested before this chunk's rows are
-  // used, so a chunk after the first waits for one round trip, not two.
+  // its chunks). The key rows stream through the warp's registers: as soon as a tile's
+  // products are taken, the next chunk's rows of that tile are requested into its registers,
+  // so a warp always has about a chunk of rows in flight instead of none while it computes
+  // and waits at the chunk's barrier. The page-table entries of the chunk after that are
+  // requested once those rows are, a chunk ahead of their use.
   int64_t off[kTiles];
   auto key_offsets = [&](int i0) {
 #pragma unroll
@@ -904,17 +906,20 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int p = 0; p < kPieces; ++p)
       qp[p] = g < group ? reinterpret_cast<const uint4*>(q)[t + 4 * p] : make_uint4(0, 0, 0, 0);
   }
+  uint4 kp[kTiles][kPieces];
+  auto load_tile = [&](int nt) {
+#pragma unroll
+    for (int p = 0; p < kPieces; ++p)
+      kp[nt][p] = reinterpret_cast<const uint4*>(view.k + off[nt])[t + 4 * p];
+  };
+#pragma unroll
+  for (int nt = 0; nt < kTiles; ++nt) load_tile(nt);
+  const int stride = int(gridDim.y);
+  if ((int(blockIdx.y) + stride) * kScoreChunk < n) key_offsets((int(blockIdx.y) + stride) * kScoreChunk);
   int parity = 0;
-  for (int chunk = blockIdx.y; chunk * kScoreChunk < n; chunk += gridDim.y, parity ^= 1) {
+  for (int chunk = blockIdx.y; chunk * kScoreChunk < n; chunk += stride, parity ^= 1) {
     const int key0 = chunk * kScoreChunk + warp * 32;  // the warp's first position
-    uint4 kp[kTiles][kPieces];
-#pragma unroll
-    for (int nt = 0; nt < kTiles; ++nt)
-#pragma unroll
-      for (int p = 0; p < kPieces; ++p)
-        kp[nt][p] = reinterpret_cast<const uint4*>(view.k + off[nt])[t + 4 * p];
-    const int next = chunk + int(gridDim.y);
-    if (next * kScoreChunk < n) key_offsets(next * kScoreChunk);
+    const bool more = (chunk + stride) * kScoreChunk < n;
     float2 part = make_float2(-INFINITY, 0.f);  // head g's partial over this lane's keys
     float tile_max[kTiles];                     // head g's largest score in each tile
 #pragma unroll
@@ -927,6 +932,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         ptx::mma_bf16_16816(acc, a0, b0, acc);
         ptx::mma_bf16_16816(acc, a1, b1, acc);
       }
+      if (more) load_tile(nt);  // the next chunk's rows of this tile
       tile_max[nt] = -INFINITY;
       if (g < group) {  // acc[0], acc[1]: head g x keys 2t, 2t + 1 of the tile
         float* row = scores + (int64_t(b) * num_q_heads + h * group + g) * max_tokens;
@@ -942,6 +948,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
       }
     }
+    if ((chunk + 2 * stride) * kScoreChunk < n) key_offsets((chunk + 2 * stride) * kScoreChunk);
     if (kPooled) {
       // Pooled output (full rows, keys = tokens, pool_block 8, 16 or 32): the warp's 32
       // tokens are whole blocks, so each block's largest score is reduced here, over the

@@ -523,8 +523,10 @@ void run_against_cpu(bool offload, int predict_interval = 1, bool grouped = fals
 TEST(AttnPredCuda, FullRowEqualsFp64AcrossShapes) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const int B = 2, hq = 8, page = 16, H = 4;
-  const int lens[B] = {700, 1301};
-  const int pages_per_seq = (1301 + page - 1) / page, num_pages = B * pages_per_seq;
+  // 9001 tokens: 36 chunks of 256 keys, more than the one wave of score CTAs a kv head gets at
+  // 8 kv heads (2 CTAs per SM over batch x kv heads), so its CTAs walk several chunks.
+  const int lens[B] = {700, 9001};
+  const int pages_per_seq = (9001 + page - 1) / page, num_pages = B * pages_per_seq;
   for (int blk : {16, 8, 32, 4})
     for (int d : {64, 128})
       for (int hkv : {8, 2, 1})
@@ -536,7 +538,7 @@ TEST(AttnPredCuda, FullRowEqualsFp64AcrossShapes) {
                        std::to_string(hkv) + (on_host ? " host keys" : " device keys") +
                        (grouped ? " grouped" : ""));
           const ap::Geometry geo{H, blk, 64, 64};
-          const int mb = (1301 + blk - 1) / blk + 8;  // columns past the longer row stay 0
+          const int mb = (9001 + blk - 1) / blk + 8;  // columns past the longer row stay 0
           const int group = hq / hkv, hist_group = grouped ? group : 1, heads = hq / hist_group;
           std::mt19937 rng(uint32_t(d * 100 + hkv * 10 + form));
           std::normal_distribution<float> nd(0.f, 1.f);
