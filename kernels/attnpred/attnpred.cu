@@ -1077,7 +1077,11 @@ __global__ void __launch_bounds__(kThreads)
 // warp and read K at 3.5 TB/s on an H200. Blocks of 8 or 16 tokens (a tile is whole blocks);
 // rows fit in int32 (the launcher checks). Writes block_max [rows, hist.max_blocks] and one
 // partial a part (empty parts: (-inf, 0)), as row_pool_max_kernel reads them.
-constexpr int kRingWarps = 4, kRingStages = 3;
+#ifndef KVS_RING_WARPS
+#define KVS_RING_WARPS 4
+#define KVS_RING_STAGES 3
+#endif
+constexpr int kRingWarps = KVS_RING_WARPS, kRingStages = KVS_RING_STAGES;
 template <int D>
 constexpr size_t ring_smem_bytes() {
   return size_t(kRingWarps) * kRingStages * tiles::kTile * (D / 8) * sizeof(uint4);
@@ -1559,22 +1563,22 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
   const bool pooled = !sub && !keys_on_host && (g.block == 8 || g.block == 16 || g.block == 32);
   int sms = 0;
   if (const cudaError_t e = sm_count(&sms); e != cudaSuccess) return e;
-  // Blocks of 8 or 16 from device memory whose rows fit in int32: the ring kernel, 4 CTAs an SM
-  // (48 KB of rings each at head_dim 128) over the batch's kv heads, its parts' partials in
-  // place of the chunks'.
+  // Blocks of 8 or 16 from device memory whose rows fit in int32: the ring kernel, one wave of
+  // its CTAs over the batch's kv heads, its parts' partials in place of the chunks'.
   if (pooled && g.block != 32 &&
       int64_t(view.num_pages) * view.page_size * view.num_kv_heads <= INT_MAX) {
+    auto ring = view.head_dim == 128 ? row_max_ring_kernel<128> : row_max_ring_kernel<64>;
+    const size_t smem = view.head_dim == 128 ? ring_smem_bytes<128>() : ring_smem_bytes<64>();
+    int per_sm = 0;
+    if (const cudaError_t e = resident_ctas_per_sm(reinterpret_cast<const void*>(ring),
+                                                   kRingWarps * 32, smem, &per_sm);
+        e != cudaSuccess)
+      return e;
     const int parts =
-        std::max(1, std::min(chunks, 4 * sms / std::max(1, batch * num_kv_heads)));
-    const dim3 ring_grid(batch * num_kv_heads, parts);
-    if (view.head_dim == 128)
-      row_max_ring_kernel<128><<<ring_grid, kRingWarps * 32, ring_smem_bytes<128>(), stream>>>(
-          q, num_q_heads, view, num_kv_heads, scale, scores, partials, parts, hist, g.block,
-          pool_done);
-    else
-      row_max_ring_kernel<64><<<ring_grid, kRingWarps * 32, ring_smem_bytes<64>(), stream>>>(
-          q, num_q_heads, view, num_kv_heads, scale, scores, partials, parts, hist, g.block,
-          pool_done);
+        std::max(1, std::min(chunks, per_sm * sms / std::max(1, batch * num_kv_heads)));
+    ring<<<dim3(batch * num_kv_heads, parts), kRingWarps * 32, smem, stream>>>(
+        q, num_q_heads, view, num_kv_heads, scale, scores, partials, parts, hist, g.block,
+        pool_done);
     const int pool_parts = (hist.max_blocks + kPoolMaxBlocks - 1) / kPoolMaxBlocks;
     row_pool_max_kernel<<<dim3(batch * num_q_heads, pool_parts), kThreads, 0, stream>>>(
         num_q_heads, view, scores, partials, parts, true, g, hist, kv_lens, batch, pool_done);
