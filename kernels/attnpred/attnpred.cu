@@ -42,6 +42,7 @@
 #include <string>
 
 #include "kernels/attnpred/attnpred.h"
+#include "kernels/common/attend_tiles.cuh"
 #include "kernels/common/float_key.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/ptx.cuh"
@@ -842,7 +843,7 @@ __device__ __forceinline__ void zero_history_share(const HistoryState& hist, int
   const int per_kv = g / hist.group;  // history heads of the kv head
   for (int j = 0; j < per_kv; ++j) {
     float* row = hist.slot(b, h * per_kv + j, hist.count[b] % hist.history);
-    for (int c = j0 + threadIdx.x; c < j1; c += kThreads) row[c] = 0.f;
+    for (int c = j0 + threadIdx.x; c < j1; c += blockDim.x) row[c] = 0.f;
   }
 }
 
@@ -1067,12 +1068,139 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The full row's block maxima and softmax partials with the keys streamed through per-warp
+// cp.async rings in shared memory (the dense decode kernel's loads, kernels/common/
+// attend_tiles.cuh, for K alone): CTA (b, kv head h, part y) takes the tokens [y * per, ...)
+// of the sequence, per = ceil(n / parts) rounded up to whole tiles, and its warps take the
+// 16-token tiles round-robin, each keeping kRingStages tiles in flight, without a barrier
+// until the end. The register form (row_scores_mma_kernel) had at most one chunk in flight a
+// warp and read K at 3.5 TB/s on an H200. Blocks of 8 or 16 tokens (a tile is whole blocks);
+// rows fit in int32 (the launcher checks). Writes block_max [rows, hist.max_blocks] and one
+// partial a part (empty parts: (-inf, 0)), as row_pool_max_kernel reads them.
+// 4 warps of 3 stages (48 KB at head_dim 128, 4 CTAs an SM) measured best on an H200 among 4 x 3,
+// 4 x 4, 4 x 6 and 2 x 6 (docs/gpu.md).
+constexpr int kRingWarps = 4, kRingStages = 3;
+template <int D>
+constexpr size_t ring_smem_bytes() {
+  return size_t(kRingWarps) * kRingStages * tiles::kTile * (D / 8) * sizeof(uint4);
+}
+template <int D>
+__global__ void __launch_bounds__(kRingWarps * 32)
+    row_max_ring_kernel(const bf16* __restrict__ q_raw, int num_q_heads, PagedKV view,
+                        int num_kv_heads, float scale, float* __restrict__ block_max,
+                        float2* __restrict__ partials, int num_parts, HistoryState hist,
+                        int pool_block, unsigned int* pool_done) {
+  constexpr int kPieces = D / 8, kTileSlots = tiles::kTile * kPieces;
+  constexpr int kCopies = kTileSlots / 32;  // 16-byte copies per lane per tile
+  extern __shared__ uint4 ring_smem[];
+  const int bh = blockIdx.x, b = bh / num_kv_heads, h = bh % num_kv_heads;
+  const int group = num_q_heads / num_kv_heads;
+  zero_history_share(hist, b, h, group, pool_done);
+  const int n = view.seq_lens[b];
+  const int per = ((n + num_parts - 1) / num_parts + tiles::kTile - 1) / tiles::kTile * tiles::kTile;
+  const int begin = min(n, int(blockIdx.y) * per), end = min(n, begin + per);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  uint32_t qa[D / 16][2];
+  tiles::load_query_fragments<D>(
+      reinterpret_cast<const __nv_bfloat16*>(q_raw) + (int64_t(b) * num_q_heads + h * group) * D,
+      group, lane, qa);
+  const int num_tiles = (end - begin + tiles::kTile - 1) / tiles::kTile;
+  const int my_tiles = warp < num_tiles ? (num_tiles - 1 - warp) / kRingWarps + 1 : 0;
+  uint4* ring = ring_smem + warp * kRingStages * kTileSlots;
+  auto tile_begin_of = [&](int i) { return begin + (warp + i * kRingWarps) * tiles::kTile; };
+  const int32_t* table = view.page_table + int64_t(b) * view.max_pages_per_seq;
+  auto tile_row = [&](int i) -> int {  // KV row of this lane's token (lane % 16) of tile i
+    if (i >= my_tiles) return -1;
+    const int t = tile_begin_of(i) + lane % tiles::kTile;
+    if (t >= end) return -1;
+    return (table[t / view.page_size] * view.page_size + t % view.page_size) * num_kv_heads + h;
+  };
+  auto issue = [&](int i, int row_of_lane) {
+    uint4* ks = ring + (i % kRingStages) * kTileSlots;
+#pragma unroll
+    for (int c = 0; c < kCopies; ++c) {
+      const int j = lane + 32 * c, r = j / kPieces, piece = j % kPieces;
+      const int row = __shfl_sync(0xffffffffu, row_of_lane, r);
+      ptx::cp_async_16(ptx::smem_addr(ks + tiles::smem_slot<D>(r, piece)),
+                       view.k + (row >= 0 ? int64_t(row) * D + piece * 8 : 0), row >= 0);
+    }
+  };
+#pragma unroll
+  for (int st = 0; st < kRingStages - 1; ++st) {
+    if (st < my_tiles) issue(st, tile_row(st));
+    ptx::cp_async_commit();
+  }
+  int pending_row = tile_row(kRingStages - 1);
+  float m = -INFINITY, l = 0.f;  // head row g's partial over this lane's tokens (natural log)
+  float* out = block_max + (int64_t(b) * num_q_heads + h * group + min(g, group - 1)) *
+                               hist.max_blocks;
+  for (int i = 0; i < my_tiles; ++i) {
+    if (i + kRingStages - 1 < my_tiles) issue(i + kRingStages - 1, pending_row);
+    ptx::cp_async_commit();
+    pending_row = tile_row(i + kRingStages);
+    ptx::cp_async_wait<kRingStages - 1>();
+    __syncwarp();
+    const uint4* ks = ring + (i % kRingStages) * kTileSlots;
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t kb[4];
+      const int r = ((lane >> 4) << 3) + (lane & 7), piece = 2 * kk + ((lane >> 3) & 1);
+      ptx::ldmatrix_x4(kb, ptx::smem_addr(ks + tiles::smem_slot<D>(r, piece)));
+      const uint32_t a[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
+      const uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
+      ptx::mma_bf16_16816(sc[0], a, b0, sc[0]);
+      ptx::mma_bf16_16816(sc[1], a, b1, sc[1]);
+    }
+    __syncwarp();  // every lane is done with this stage before it is refilled
+    const int tb = tile_begin_of(i);
+    float x[4], nt_max[2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int t = tb + nt * 8 + 2 * t4 + j;
+        x[nt * 2 + j] = t < end ? sc[nt][j] * scale : -INFINITY;
+      }
+      nt_max[nt] = fmaxf(x[nt * 2], x[nt * 2 + 1]);
+      nt_max[nt] = fmaxf(nt_max[nt], __shfl_xor_sync(0xffffffffu, nt_max[nt], 1));
+      nt_max[nt] = fmaxf(nt_max[nt], __shfl_xor_sync(0xffffffffu, nt_max[nt], 2));
+    }
+    const float tile_max = fmaxf(nt_max[0], nt_max[1]);  // finite: the tile's first token < end
+    if (t4 == 0 && g < group) {
+      if (pool_block == 8) {
+        out[tb / 8] = nt_max[0];
+        if (tb + 8 < end) out[tb / 8 + 1] = nt_max[1];
+      } else {
+        out[tb / 16] = tile_max;
+      }
+    }
+    const float m_new = fmaxf(m, tile_max);
+    l *= expf(m - m_new);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) l += expf(x[e] - m_new);
+    m = m_new;
+  }
+  ptx::cp_async_wait<0>();
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads();  // the rings are free: the warps' partials go there
+  float2* wp = reinterpret_cast<float2*>(ring_smem);  // [kRingWarps][kMaxGroup]
+  if (t4 == 0 && g < group) wp[warp * kMaxGroup + g] = make_float2(m, l);
+  __syncthreads();
+  if (threadIdx.x < group) {
+    float2 pt = make_float2(-INFINITY, 0.f);
+    for (int w = 0; w < kRingWarps; ++w) pt = merge_partial(pt, wp[w * kMaxGroup + threadIdx.x]);
+    partials[(int64_t(b) * num_q_heads + h * group + threadIdx.x) * num_parts + blockIdx.y] = pt;
+  }
+}
+
 using RowReduce = cub::BlockReduce<float, kThreads>;
 
-// The log-sum-exp of a row of n scores from its score CTAs' partials (one per kScoreChunk
-// positions); every thread of the CTA calls it and gets it.
-__device__ float row_lse(const float2* part, int n, RowReduce::TempStorage& red, float& s_val) {
-  const int tid = threadIdx.x, used = (n + kScoreChunk - 1) / kScoreChunk;
+// The log-sum-exp of a row from its score CTAs' `used` partials; every thread of the CTA calls
+// it and gets it.
+__device__ float row_lse(const float2* part, int used, RowReduce::TempStorage& red, float& s_val) {
+  const int tid = threadIdx.x;
   float m = -INFINITY;
   for (int c = tid; c < used; c += kThreads) m = fmaxf(m, part[c].x);
   m = RowReduce(red).Reduce(m, MaxOp());
@@ -1107,20 +1235,22 @@ __device__ __forceinline__ void finish_row(const HistoryState& hist, const int32
 // row_scores_mma_kernel pooled: a block's probability max_i exp(s_i - lse) is exp(max_i s_i -
 // lse), exp being increasing, so it is row_pool_kernel's value without a pass over the
 // scores (128K: 16 MB of scores neither written nor read back). Blocks past the row stay as
-// the score kernel zeroed them.
+// the score kernel zeroed them. every_part: each of the num_chunks partials holds (the ring
+// kernel's, whose empty CTAs write empty ones); else only the first ceil(n / kScoreChunk).
 constexpr int kPoolMaxBlocks = 2048;
 __global__ void __launch_bounds__(kThreads)
     row_pool_max_kernel(int num_q_heads, PagedKV view, const float* __restrict__ block_max,
-                        const float2* __restrict__ partials, int num_chunks, Geometry geo,
-                        HistoryState hist, const int32_t* kv_lens, int batch,
+                        const float2* __restrict__ partials, int num_chunks, bool every_part,
+                        Geometry geo, HistoryState hist, const int32_t* kv_lens, int batch,
                         unsigned int* done) {
   __shared__ typename RowReduce::TempStorage red;
   __shared__ float s_val;
   const int s = blockIdx.x, b = s / num_q_heads, qh = s % num_q_heads;
   const int n = view.seq_lens[b];
+  const int used_parts = every_part ? num_chunks : (n + kScoreChunk - 1) / kScoreChunk;
   const int j0 = blockIdx.y * kPoolMaxBlocks, j1 = min(geo.num_blocks(n), j0 + kPoolMaxBlocks);
   if (j0 < j1) {
-    const float lse = row_lse(partials + int64_t(s) * num_chunks, n, red, s_val);
+    const float lse = row_lse(partials + int64_t(s) * num_chunks, used_parts, red, s_val);
     const float* mx = block_max + int64_t(s) * hist.max_blocks;
     float* row = hist.slot(b, qh / hist.group, hist.count[b] % hist.history);
     if (hist.group == 1) {
@@ -1154,7 +1284,8 @@ __global__ void __launch_bounds__(kThreads)
     finish_row(hist, kv_lens, batch, done);
     return;
   }
-  const float lse = row_lse(partials + int64_t(s) * num_chunks, n, red, s_val);
+  const float lse =
+      row_lse(partials + int64_t(s) * num_chunks, (n + kScoreChunk - 1) / kScoreChunk, red, s_val);
   const float* sc = scores + int64_t(s) * max_tokens;
   const int32_t* id = ids ? ids + int64_t(seq) * ids_stride : nullptr;
   float* row = hist.slot(b, qh / hist.group, hist.count[b] % hist.history);
@@ -1428,6 +1559,29 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
   // tokens: whole blocks in a warp's 32 keys); any other row writes every score, and
   // row_pool_kernel pools them.
   const bool pooled = !sub && !keys_on_host && (g.block == 8 || g.block == 16 || g.block == 32);
+  int sms = 0;
+  if (const cudaError_t e = sm_count(&sms); e != cudaSuccess) return e;
+  // Blocks of 8 or 16 from device memory whose rows fit in int32: the ring kernel, one wave of
+  // its CTAs over the batch's kv heads, its parts' partials in place of the chunks'.
+  if (pooled && g.block != 32 &&
+      int64_t(view.num_pages) * view.page_size * view.num_kv_heads <= INT_MAX) {
+    auto ring = view.head_dim == 128 ? row_max_ring_kernel<128> : row_max_ring_kernel<64>;
+    const size_t smem = view.head_dim == 128 ? ring_smem_bytes<128>() : ring_smem_bytes<64>();
+    int per_sm = 0;
+    if (const cudaError_t e = resident_ctas_per_sm(reinterpret_cast<const void*>(ring),
+                                                   kRingWarps * 32, smem, &per_sm);
+        e != cudaSuccess)
+      return e;
+    const int parts =
+        std::max(1, std::min(chunks, per_sm * sms / std::max(1, batch * num_kv_heads)));
+    ring<<<dim3(batch * num_kv_heads, parts), kRingWarps * 32, smem, stream>>>(
+        q, num_q_heads, view, num_kv_heads, scale, scores, partials, parts, hist, g.block,
+        pool_done);
+    const int pool_parts = (hist.max_blocks + kPoolMaxBlocks - 1) / kPoolMaxBlocks;
+    row_pool_max_kernel<<<dim3(batch * num_q_heads, pool_parts), kThreads, 0, stream>>>(
+        num_q_heads, view, scores, partials, parts, true, g, hist, kv_lens, batch, pool_done);
+    return cudaGetLastError();
+  }
   auto kernel = view.head_dim == 128 ? (keys_on_host ? row_scores_kernel<128>
                                         : pooled     ? row_scores_mma_kernel<128, true>
                                                      : row_scores_mma_kernel<128, false>)
@@ -1437,19 +1591,14 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
   // The tensor-core form walks a full row's chunks in one wave of CTAs (2 per SM); the lane
   // form keeps a CTA per chunk.
   dim3 grid = chunk_grid;
-  if (!keys_on_host) {
-    int sms = 0;
-    const cudaError_t e = sm_count(&sms);
-    if (e != cudaSuccess) return e;
-    grid.y = std::min<unsigned>(grid.y, std::max(1u, unsigned(2 * sms) / grid.x));
-  }
+  if (!keys_on_host) grid.y = std::min<unsigned>(grid.y, std::max(1u, unsigned(2 * sms) / grid.x));
   kernel<<<grid, kThreads, 0, stream>>>(q, num_q_heads, view, sub, num_kv_heads, scale, scores,
                                         max_tokens, partials, chunks, hist, pooled ? g.block : 0,
                                         pool_done);
   if (pooled) {
     const int parts = (hist.max_blocks + kPoolMaxBlocks - 1) / kPoolMaxBlocks;
     row_pool_max_kernel<<<dim3(batch * num_q_heads, parts), kThreads, 0, stream>>>(
-        num_q_heads, view, scores, partials, chunks, g, hist, kv_lens, batch, pool_done);
+        num_q_heads, view, scores, partials, chunks, false, g, hist, kv_lens, batch, pool_done);
   } else {
     const int pool_chunks = (max_tokens + kRowChunk - 1) / kRowChunk;
     row_pool_kernel<<<dim3(batch * num_q_heads, pool_chunks), kThreads, 0, stream>>>(

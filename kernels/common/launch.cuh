@@ -5,6 +5,7 @@
 
 #include <map>
 #include <mutex>
+#include <tuple>
 
 namespace kvs::kernels {
 
@@ -23,6 +24,32 @@ inline cudaError_t sm_count(int* out) {
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return err;
     it = cache.emplace(dev, sms).first;
+  }
+  *out = it->second;
+  return cudaSuccess;
+}
+
+// CTAs of `kernel` (threads and dynamic shared memory as given) resident per SM on the current
+// device, read once per (device, kernel, smem) and cached; it also lets the kernel take more
+// than 48 KB of dynamic shared memory. Neither call is stream work, so a captured launch may
+// make it.
+inline cudaError_t resident_ctas_per_sm(const void* kernel, int threads, size_t smem, int* out) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, size_t>, int> cache;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(dev, kernel, smem);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+    int ctas = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, smem);
+    if (err != cudaSuccess) return err;
+    if (ctas < 1) return cudaErrorInvalidConfiguration;
+    it = cache.emplace(key, ctas).first;
   }
   *out = it->second;
   return cudaSuccess;
