@@ -620,8 +620,9 @@ void AttnPredEngine::decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf1
         load_q(b, qh);
         attend(b, qh, tokens.data(), int(tokens.size()));
         std::vector<float> pooled =
-            full_row ? pooled_row_cpu(qf.data(), kv, b, qh, nullptr, n, scale)
-                     : pooled_row_cpu(qf.data(), kv, b, qh, tokens.data(), int(tokens.size()), scale);
+            full_row
+                ? pooled_row_cpu(qf.data(), kv, b, qh, nullptr, n, scale)
+                : pooled_row_cpu(qf.data(), kv, b, qh, tokens.data(), int(tokens.size()), scale);
         if (ls.hist.group == 1) {
           ap::append_row_cpu(ls.hist, b, qh, pooled.data(), int(pooled.size()));
         } else if (grouped.empty()) {

@@ -916,7 +916,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
   for (int nt = 0; nt < kTiles; ++nt) load_tile(nt);
   const int stride = int(gridDim.y);
-  if ((int(blockIdx.y) + stride) * kScoreChunk < n) key_offsets((int(blockIdx.y) + stride) * kScoreChunk);
+  if ((int(blockIdx.y) + stride) * kScoreChunk < n)
+    key_offsets((int(blockIdx.y) + stride) * kScoreChunk);
   int parity = 0;
   for (int chunk = blockIdx.y; chunk * kScoreChunk < n; chunk += stride, parity ^= 1) {
     const int key0 = chunk * kScoreChunk + warp * 32;  // the warp's first position
@@ -1097,7 +1098,8 @@ __global__ void __launch_bounds__(kRingWarps * 32)
   const int group = num_q_heads / num_kv_heads;
   zero_history_share(hist, b, h, group, pool_done);
   const int n = view.seq_lens[b];
-  const int per = ((n + num_parts - 1) / num_parts + tiles::kTile - 1) / tiles::kTile * tiles::kTile;
+  const int per =
+      ((n + num_parts - 1) / num_parts + tiles::kTile - 1) / tiles::kTile * tiles::kTile;
   const int begin = min(n, int(blockIdx.y) * per), end = min(n, begin + per);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
   uint32_t qa[D / 16][2];
@@ -1132,8 +1134,8 @@ __global__ void __launch_bounds__(kRingWarps * 32)
   }
   int pending_row = tile_row(kRingStages - 1);
   float m = -INFINITY, l = 0.f;  // head row g's partial over this lane's tokens (natural log)
-  float* out = block_max + (int64_t(b) * num_q_heads + h * group + min(g, group - 1)) *
-                               hist.max_blocks;
+  float* out =
+      block_max + (int64_t(b) * num_q_heads + h * group + min(g, group - 1)) * hist.max_blocks;
   for (int i = 0; i < my_tiles; ++i) {
     if (i + kRingStages - 1 < my_tiles) issue(i + kRingStages - 1, pending_row);
     ptx::cp_async_commit();
@@ -1504,7 +1506,7 @@ cudaError_t select_blocks_cuda(const float* scores, const HistoryState& hist, in
                                   size_t(hist.max_batch) * num_kv_heads * hist.max_blocks, stream);
   if (e != cudaSuccess || batch <= 0) return e;
   select_kernel<<<batch * hist.num_heads, kSelThreads, 0, stream>>>(scores, hist, num_kv_heads, g,
-                                                                      k_blocks, block_flags);
+                                                                    k_blocks, block_flags);
   return cudaGetLastError();
 }
 

@@ -368,7 +368,8 @@ TEST(AttnPredCpu, StoredGroupHistoryPicksTheEnginesForm) {
     write_attnpred_params(w.method_group("attnpred"), p);
     w.commit();
   }
-  const AttnPredParams r = load_attnpred_params(Bundle::open(path).method_group("attnpred"), sc.shape);
+  const AttnPredParams r =
+      load_attnpred_params(Bundle::open(path).method_group("attnpred"), sc.shape);
   EXPECT_TRUE(r.group_history);
   std::remove(path.c_str());
   auto histories = [&](int knob) {
