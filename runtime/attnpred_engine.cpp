@@ -118,9 +118,12 @@ struct AttnPredEngine::LayerState {
   unsigned int expected_done = 0;
   bool prefetch_pending = false;
   cudaEvent_t selected = nullptr, prefetched = nullptr;
-  // CUDA GPU-resident: this layer's prediction on the predictor's branch, not yet joined.
+  // CUDA GPU-resident: this layer's calibration row and prediction on the predictor's branch,
+  // not yet joined; the branch's copy of the query its calibration row reads (the caller's
+  // buffer may hold the next layer's by then).
   bool prediction_pending = false;
   cudaEvent_t predicted = nullptr;
+  bf16* q_copy = nullptr;
 };
 
 AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& config,
@@ -208,6 +211,7 @@ AttnPredEngine::~AttnPredEngine() {
   for (LayerState& ls : layers_) {
     if (!ls.allocated) continue;
     if (ls.predicted) cudaEventDestroy(ls.predicted);
+    cudaFree(ls.q_copy);
     cudaFree(ls.hist.rows);
     cudaFree(ls.hist.count);
     cudaFree(ls.hist.tokens);
@@ -277,8 +281,10 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
     ls.cnn.sum = device_alloc<long long>(int64_t(ap::CnnCache::sum_values(h)));
     ls.cnn.frags = device_alloc<uint32_t>(ap::kCnnFragWords);
     ls.flags = device_alloc<uint8_t>(n_flags);
-    if (predict_branch_)
+    if (predict_branch_) {
       KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.predicted, cudaEventDisableTiming));
+      ls.q_copy = device_alloc<bf16>(int64_t(B) * hq * shape_.head_dim);
+    }
     if (config_.attnpred.offload) {
       ap::BlockCache& c = ls.cache;
       c.max_batch = B;
@@ -306,7 +312,9 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
 }
 
 // Workspace (CUDA): Selection {rows, tokens, counts} | CNN scores [B, Hq, max_blocks] |
-// history-row scratch [B, Hq, max_context] | dense decode workspace.
+// full-row scratch [B, Hq, max_context] | sparse-row scratch [B, Hq, max selected tokens] |
+// dense decode workspace. The two row scratches are apart: a layer's calibration row runs on
+// the predictor's branch while later layers append their sparse rows.
 size_t AttnPredEngine::selection_bytes() const {
   const size_t subs = size_t(config_.max_batch) * shape_.num_kv_heads;
   return 2 * align_up(subs * size_t(max_tokens_) * sizeof(int32_t)) +
@@ -320,7 +328,8 @@ size_t AttnPredEngine::workspace_bytes() const {
                                     B * shape_.num_kv_heads, shape_.group_size(), shape_.head_dim),
                                 kernels::dense_decode_workspace_bytes(B, hq, shape_.head_dim));
   return selection_bytes() + align_up(size_t(B) * hq * max_blocks_ * sizeof(float)) +
-         align_up(ap::row_scratch_bytes(B, hq, max_blocks_ * geo_.block)) + dense;
+         align_up(ap::row_scratch_bytes(B, hq, max_blocks_ * geo_.block)) +
+         align_up(ap::row_scratch_bytes(B, hq, max_tokens_)) + dense;
 }
 
 tk::Selection AttnPredEngine::selection() const {
@@ -392,11 +401,15 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   const size_t scores_off = selection_bytes();
   const size_t scratch_off =
       scores_off + align_up(size_t(config_.max_batch) * hq * max_blocks_ * sizeof(float));
-  const size_t dense_off = scratch_off + align_up(ap::row_scratch_bytes(config_.max_batch, hq,
-                                                                        max_blocks_ * geo_.block));
+  const size_t sparse_off = scratch_off + align_up(ap::row_scratch_bytes(config_.max_batch, hq,
+                                                                         max_blocks_ * geo_.block));
+  const size_t dense_off =
+      sparse_off + align_up(ap::row_scratch_bytes(config_.max_batch, hq, max_tokens_));
   float* scores = reinterpret_cast<float*>(ws + scores_off);
   void* scratch = ws + scratch_off;
-  const size_t scratch_bytes = dense_off - scratch_off;
+  const size_t scratch_bytes = sparse_off - scratch_off;
+  void* sparse_scratch = ws + sparse_off;
+  const size_t sparse_scratch_bytes = dense_off - sparse_off;
   void* dense_ws = ws + dense_off;
   const size_t dense_bytes = workspace_.bytes - dense_off;
   if (config_.collect_stats)
@@ -414,7 +427,7 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   const bool offload = ls.cache.k != nullptr;
   const int c = ls.calls++;
   const bool warm = c < warmup_;
-  const bool full_row = warm || (c + 1) % period_ == 0;
+  const bool full_row = calibrates(c, layer);
   wait_for_prediction(ls, stream);  // its flags, history and CNN cache
   if (offload && ls.prefetch_pending) {
     KVS_CUDA_CHECK(
@@ -455,26 +468,40 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
     KVS_CUDA_CHECK(kernels::dense_decode_cuda(q, shape_.group_size(), view, scale, out, lse,
                                               dense_ws, dense_bytes, attn));
   }
+  // GPU-resident: the calibration row and the prediction run on the predictor's branch, so
+  // that a layer's read of all of K overlaps the later layers' steps (the layers' calibration
+  // phases are staggered: calibrates()). The prediction reads only this layer's history and
+  // writes its CNN cache, its flags and the scores buffer, which only predictions use; the
+  // calibration row reads the cache's keys below the current length, which no later layer of
+  // the step writes, and a copy of the query. One branch: they run in order.
+  const bool predicting = predicts(c, layer);
+  if (!full_row)  // before the fork: the prediction reads this row
+    KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, view, sel.tokens, sel.max_tokens, kv.seq_lens,
+                                       kv.batch, hkv, scale, geo_, ls.hist, sparse_scratch,
+                                       sparse_scratch_bytes, false, stream));
+  cudaStream_t ps = stream;
+  if (predict_branch_ && (predicting || full_row)) {
+    if (full_row)
+      KVS_CUDA_CHECK(cudaMemcpyAsync(ls.q_copy, q,
+                                     size_t(kv.batch) * hq * shape_.head_dim * sizeof(bf16),
+                                     cudaMemcpyDefault, stream));
+    KVS_CUDA_CHECK(kernels::fork_from(predict_branch_->get(), stream));
+    ps = predict_branch_->get().side;
+  }
   if (full_row) {
-    KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, kv, nullptr, 0, kv.seq_lens, kv.batch, hkv, scale,
-                                       geo_, ls.hist, scratch, scratch_bytes, offload, stream));
+    KVS_CUDA_CHECK(ap::append_row_cuda(predict_branch_ ? ls.q_copy : q, hq, kv, nullptr, 0,
+                                       kv.seq_lens, kv.batch, hkv, scale, geo_, ls.hist, scratch,
+                                       scratch_bytes, offload, ps));
     if (config_.collect_stats)
       KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch,
                                                  hkv * shape_.head_dim * int(sizeof(bf16)),
-                                                 counters_.get() + kFullRowKeyBytes, stream));
-  } else {
-    KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, view, sel.tokens, sel.max_tokens, kv.seq_lens,
-                                       kv.batch, hkv, scale, geo_, ls.hist, scratch, scratch_bytes,
-                                       false, stream));
+                                                 counters_.get() + kFullRowKeyBytes, ps));
   }
-  if (predicts(c, layer)) {
-    // The prediction reads only this layer's history and writes its CNN cache, its flags and
-    // the scores buffer, which only predictions use (one branch: they run in order).
-    cudaStream_t ps = stream;
-    if (predict_branch_) {
-      KVS_CUDA_CHECK(kernels::fork_from(predict_branch_->get(), stream));
-      ps = predict_branch_->get().side;
-    }
+  if (predict_branch_ && full_row && !predicting) {
+    KVS_CUDA_CHECK(cudaEventRecord(ls.predicted, ps));
+    ls.prediction_pending = true;
+  }
+  if (predicting) {
     KVS_CUDA_CHECK(
         ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, scores, interval_, ps));
     KVS_CUDA_CHECK(
@@ -603,7 +630,7 @@ void AttnPredEngine::decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf1
   LayerState& ls = layers_[size_t(layer)];
   const int c = ls.calls++;
   const bool warm = c < warmup_;
-  const bool full_row = warm || (c + 1) % period_ == 0;
+  const bool full_row = calibrates(c, layer);
   for (int b = 0; b < kv.batch; ++b) {
     const int n = kv.seq_lens[b];
     for (int h = 0; h < hkv; ++h) {

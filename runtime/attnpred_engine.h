@@ -9,7 +9,10 @@
 //   2. appends a history row: the softmax of q.k over the attended tokens, max-pooled (0 for
 //      blocks not attended); on warm-up steps and every calibration_period-th step the FULL
 //      row over all n tokens instead (a separate score kernel over all keys: the output is
-//      still the sparse attention, as the paper does; only the history is calibrated);
+//      still the sparse attention, as the paper does; only the history is calibrated). Layer
+//      l's calibration phase is shifted by l, so a step's full rows are spread over the
+//      layers; GPU-resident, a full row runs on the predictor's branch (below) from a copy of
+//      the query, beside the later layers' steps;
 //   3. predicts the next step's block scores with the CNN and takes each query head's top
 //      (budget - sink - recent) / block candidate blocks; GPU-resident, on a branch of its own
 //      that the decode of the last sparse layer joins, so that a layer's prediction runs
@@ -160,6 +163,13 @@ class AttnPredEngine : public Engine {
   // each step predicts for about 1 / interval of them.
   bool predicts(int c, int layer) const {
     return c < warmup_ || (c - warmup_ + 1 + layer) % interval_ == 0;
+  }
+  // Whether decode call c of `layer` appends a full (calibration) row: every warm-up step, then
+  // every period-th step, the layers' phases staggered like the predictions', so that a step's
+  // reads of all of K are spread over the steps (GPU-resident, they run on the predictor's
+  // branch beside the other layers).
+  bool calibrates(int c, int layer) const {
+    return c < warmup_ || (c + 1 + layer) % period_ == 0;
   }
 
   int budget_ = 0, k_blocks_ = 0, period_ = 0, warmup_ = 1, interval_ = 1;
