@@ -7,10 +7,8 @@
 #include <cmath>
 
 #include "artifacts/trained_file.h"
-#include "capture/recorder.h"
-#include "capture/tokens.h"
 #include "runtime/attnpred_engine.h"
-#include "tests/torch/test_util.h"
+#include "tests/torch/tiny_capture.h"
 #include "train/attnpred_trainer.h"
 
 namespace kvs {
@@ -20,20 +18,8 @@ class AttnPredTrainOnCapture : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new testing::TempDir();
-    const LlamaModel model =
-        LlamaModel::load(testing::tiny_model_dir(), torch::kCPU, torch::kFloat32);
-    CaptureMeta meta;
-    meta.shape = model.shape();
-    meta.layers = {0, 2};  // layer 0 dense (not trained on), layer 2 trained
-    meta.vocab_size = 256;
-    CaptureWriter w(capture(), meta);
-    RecordOptions ro;
-    ro.decode_steps = 16;
-    const std::string text = testing::validation_text(2048);
-    for (int i = 0; i < 2; ++i)
-      record_sequence(model, byte_tokens(model.config(), text.substr(size_t(i) * 1024, 1024)), ro,
-                      "val" + std::to_string(i), w);
-    w.commit();
+    // Layer 0 dense (not trained on), layer 2 trained.
+    testing::record_tiny_capture(capture(), {0, 2}, 16);
   }
   static void TearDownTestSuite() { delete dir_; }
   static std::string capture() { return dir_->file("capture.h5"); }

@@ -11,13 +11,11 @@
 #include <random>
 
 #include "artifacts/bundle.h"
-#include "capture/recorder.h"
-#include "capture/tokens.h"
 #include "indexbuild/indexbuild.h"
 #include "kernels/saap/saap.h"
 #include "runtime/eval/replay.h"
 #include "runtime/saap_engine.h"
-#include "tests/torch/test_util.h"
+#include "tests/torch/tiny_capture.h"
 #include "train/saap_trainer.h"
 
 namespace kvs {
@@ -144,20 +142,7 @@ class SaapTrainOnCapture : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new testing::TempDir();
-    const LlamaModel model =
-        LlamaModel::load(testing::tiny_model_dir(), torch::kCPU, torch::kFloat32);
-    CaptureMeta meta;
-    meta.shape = model.shape();
-    meta.layers = {0, 1};
-    meta.vocab_size = 256;
-    CaptureWriter w(capture(), meta);
-    RecordOptions ro;
-    ro.decode_steps = 12;
-    const std::string text = testing::validation_text(2048);
-    for (int i = 0; i < 2; ++i)  // two prompts: batches come from one each
-      record_sequence(model, byte_tokens(model.config(), text.substr(size_t(i) * 1024, 1024)), ro,
-                      "val" + std::to_string(i), w);
-    w.commit();
+    testing::record_tiny_capture(capture(), {0, 1}, 12);
   }
   static void TearDownTestSuite() { delete dir_; }
   static std::string capture() { return dir_->file("capture.h5"); }
