@@ -22,8 +22,8 @@ size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
 // Device counters: what each kernel adds to (pairs are [count, errors] of one call site).
 enum Counter {
-  kRowsRead = 0,          // build_selection: rows attended
-  kSelectionErrors = 1,   // build_selection: non-resident or over-capacity tokens
+  kRowsRead = 0,          // build_selection, sparse_attend: rows attended
+  kSelectionErrors = 1,   // build_selection, sparse_attend: non-resident or over-capacity
   kContextRows = 2,       // kv_count_rows: a dense read's rows
   kBlocksPrefetched = 3,  // make_resident on the side stream
   kPrefetchErrors = 4,    //   (slots exhausted: never, by construction)
@@ -176,6 +176,11 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
   const int tops = g / hist_group_;
   max_tokens_ = int(std::min<int64_t>(max_context_, int64_t(geo_.sink) + geo_.recent + geo_.block +
                                                         int64_t(tops) * k_blocks_ * geo_.block));
+  // Blocks a kv head attends at most: sink blocks, the tops' flagged blocks, and the recent
+  // window's (one more when it does not start on a block).
+  list_cap_ = int(std::min<int64_t>(
+      max_blocks_,
+      int64_t(geo_.sink / geo_.block) + int64_t(tops) * k_blocks_ + geo_.recent / geo_.block + 1));
   slots_per_head_ = geo_.sink / geo_.block + tops * k_blocks_ + geo_.recent / geo_.block + 2;
   host_params_ = params.cnn;
   need(!c.offload || config_.backend == Backend::Cuda,
@@ -192,10 +197,7 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
     copy_to_device(device_params_, host_params_.data(), host_params_.size() * sizeof(float));
     counters_ = DeviceCounters(kNumCounters);
     if (c.offload) KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-    if (!c.offload) {
-      attn_branch_ = std::make_unique<OwnedStreamFork>();
-      predict_branch_ = std::make_unique<OwnedStreamFork>();
-    }
+    if (!c.offload) predict_branch_ = std::make_unique<OwnedStreamFork>();
   }
   layers_.resize(size_t(shape_.num_layers));
   for (int l = 0; l < shape_.num_layers; ++l)
@@ -206,8 +208,7 @@ AttnPredEngine::~AttnPredEngine() {
   if (config_.backend != Backend::Cuda) return;
   // A prefetch may still be copying into a layer's block cache on the side stream.
   if (side_stream_) cudaStreamSynchronize(side_stream_);
-  attn_branch_.reset();  // their streams drain first
-  predict_branch_.reset();
+  predict_branch_.reset();  // its stream drains first
   for (LayerState& ls : layers_) {
     if (!ls.allocated) continue;
     if (ls.predicted) cudaEventDestroy(ls.predicted);
@@ -312,9 +313,9 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
 }
 
 // Workspace (CUDA): Selection {rows, tokens, counts} | CNN scores [B, Hq, max_blocks] |
-// full-row scratch [B, Hq, max_context] | sparse-row scratch [B, Hq, max selected tokens] |
-// dense decode workspace. The two row scratches are apart: a layer's calibration row runs on
-// the predictor's branch while later layers append their sparse rows.
+// full-row scratch [B, Hq, max_context] | the sparse step's (sparse_step_bytes) | dense decode
+// workspace. The full row's scratch is apart: a layer's calibration row runs on the
+// predictor's branch while later layers take their sparse steps.
 size_t AttnPredEngine::selection_bytes() const {
   const size_t subs = size_t(config_.max_batch) * shape_.num_kv_heads;
   return 2 * align_up(subs * size_t(max_tokens_) * sizeof(int32_t)) +
@@ -329,7 +330,14 @@ size_t AttnPredEngine::workspace_bytes() const {
                                 kernels::dense_decode_workspace_bytes(B, hq, shape_.head_dim));
   return selection_bytes() + align_up(size_t(B) * hq * max_blocks_ * sizeof(float)) +
          align_up(ap::row_scratch_bytes(B, hq, max_blocks_ * geo_.block)) +
-         align_up(ap::row_scratch_bytes(B, hq, max_tokens_)) + dense;
+         align_up(sparse_step_bytes()) + dense;
+}
+
+size_t AttnPredEngine::sparse_step_bytes() const {
+  const int B = config_.max_batch, hq = shape_.num_q_heads;
+  return config_.attnpred.offload ? ap::row_scratch_bytes(B, hq, max_tokens_)
+                                  : ap::sparse_attend_workspace_bytes(B, hq, shape_.num_kv_heads,
+                                                                      shape_.head_dim, list_cap_);
 }
 
 tk::Selection AttnPredEngine::selection() const {
@@ -403,13 +411,12 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
       scores_off + align_up(size_t(config_.max_batch) * hq * max_blocks_ * sizeof(float));
   const size_t sparse_off = scratch_off + align_up(ap::row_scratch_bytes(config_.max_batch, hq,
                                                                          max_blocks_ * geo_.block));
-  const size_t dense_off =
-      sparse_off + align_up(ap::row_scratch_bytes(config_.max_batch, hq, max_tokens_));
+  const size_t dense_off = sparse_off + align_up(sparse_step_bytes());
   float* scores = reinterpret_cast<float*>(ws + scores_off);
   void* scratch = ws + scratch_off;
   const size_t scratch_bytes = sparse_off - scratch_off;
-  void* sparse_scratch = ws + sparse_off;
-  const size_t sparse_scratch_bytes = dense_off - sparse_off;
+  void* sparse_ws = ws + sparse_off;
+  const size_t sparse_bytes = dense_off - sparse_off;
   void* dense_ws = ws + dense_off;
   const size_t dense_bytes = workspace_.bytes - dense_off;
   if (config_.collect_stats)
@@ -437,6 +444,9 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   }
   const tk::Selection sel = selection();
   PagedKV view;
+  // GPU-resident: the attention over the selected tokens and the step's history row in two
+  // kernels (sparse_attend_cuda), which read the block flags themselves.
+  const bool fused = !warm && !offload;
   if (warm) {
     // No prediction yet: every token (from host memory in offload mode, zero-copy).
     KVS_CUDA_CHECK(
@@ -444,29 +454,22 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
     if (config_.collect_stats)
       KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv,
                                                  counters_.get() + kRowsRead, stream));
-  } else {
-    if (offload)
-      // The newest token arrived after the prefetch: the block holding it (and any the
-      // sequence grew into since) is copied again, as are blocks still missing.
-      KVS_CUDA_CHECK(ap::make_resident_cuda(kv, ls.flags, geo_, 0, false, ls.len_snapshot, ls.cache,
-                                            counters_.get() + kBlocksOnDemand, nullptr,
-                                            ap::default_copy_ctas(), stream));
-    KVS_CUDA_CHECK(ap::build_selection_cuda(kv, ls.flags, max_blocks_, geo_,
-                                            offload ? ls.cache.block_slot : nullptr, sel,
-                                            counters_.get() + kRowsRead, stream));
-    view = tk::subrequest_view(offload ? ls.cache.as_view(geo_.block) : kv, sel);
-    // GPU-resident mode: the attention reads the block list and the cache and writes only
-    // out / lse (and its own workspace), so it runs on its own branch while the history row
-    // and the predictor run here, and is joined before the step ends (-10 us at 128K on an
-    // H100). Offload mode keeps it in order: overlapped, its 32K step measured 417-418 us
-    // against 400-408 (docs/gpu.md).
-    cudaStream_t attn = stream;
-    if (attn_branch_) {
-      KVS_CUDA_CHECK(kernels::fork_from(attn_branch_->get(), stream));
-      attn = attn_branch_->get().side;
-    }
+  } else if (offload) {
+    // The newest token arrived after the prefetch: the block holding it (and any the sequence
+    // grew into since) is copied again, as are blocks still missing.
+    KVS_CUDA_CHECK(ap::make_resident_cuda(kv, ls.flags, geo_, 0, false, ls.len_snapshot, ls.cache,
+                                          counters_.get() + kBlocksOnDemand, nullptr,
+                                          ap::default_copy_ctas(), stream));
+    KVS_CUDA_CHECK(ap::build_selection_cuda(kv, ls.flags, max_blocks_, geo_, ls.cache.block_slot,
+                                            sel, counters_.get() + kRowsRead, stream));
+    view = tk::subrequest_view(ls.cache.as_view(geo_.block), sel);
     KVS_CUDA_CHECK(kernels::dense_decode_cuda(q, shape_.group_size(), view, scale, out, lse,
-                                              dense_ws, dense_bytes, attn));
+                                              dense_ws, dense_bytes, stream));
+  } else {
+    // A calibration step's history row is the full row, appended below.
+    KVS_CUDA_CHECK(ap::sparse_attend_cuda(
+        q, hq, kv, scale, ls.flags, max_blocks_, geo_, list_cap_, full_row ? nullptr : &ls.hist,
+        sel, counters_.get() + kRowsRead, out, lse, sparse_ws, sparse_bytes, stream));
   }
   // GPU-resident: the calibration row and the prediction run on the predictor's branch, so
   // that a layer's read of all of K overlaps the later layers' steps (the layers' calibration
@@ -475,10 +478,10 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   // calibration row reads the cache's keys below the current length, which no later layer of
   // the step writes, and a copy of the query. One branch: they run in order.
   const bool predicting = predicts(c, layer);
-  if (!full_row)  // before the fork: the prediction reads this row
+  if (!full_row && !fused)  // before the fork: the prediction reads this row
     KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, view, sel.tokens, sel.max_tokens, kv.seq_lens,
-                                       kv.batch, hkv, scale, geo_, ls.hist, sparse_scratch,
-                                       sparse_scratch_bytes, false, stream));
+                                       kv.batch, hkv, scale, geo_, ls.hist, sparse_ws, sparse_bytes,
+                                       false, stream));
   cudaStream_t ps = stream;
   if (predict_branch_ && (predicting || full_row)) {
     if (full_row)
@@ -511,7 +514,6 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
       ls.prediction_pending = true;
     }
   }
-  if (!warm && attn_branch_) KVS_CUDA_CHECK(kernels::join_into(attn_branch_->get(), stream));
   if (predict_branch_ && layer == last_sparse_) {
     // The end of a decode step (of a captured graph): every prediction joined.
     KVS_CUDA_CHECK(kernels::join_into(predict_branch_->get(), stream));

@@ -156,6 +156,9 @@ class AttnPredEngine : public Engine {
   void predict_cpu(LayerState& ls, int batch);
   kernels::tactic::Selection selection() const;  // CUDA: the workspace's selection arrays
   size_t selection_bytes() const;
+  // CUDA: the sparse step's workspace (GPU-resident: sparse_attend_cuda's; offload: the
+  // sparse history row's scratch).
+  size_t sparse_step_bytes() const;
 
   kernels::attnpred::Geometry geo_;
   // Whether decode call c (0-based since the prefill) of `layer` predicts the next selection:
@@ -175,6 +178,7 @@ class AttnPredEngine : public Engine {
   int budget_ = 0, k_blocks_ = 0, period_ = 0, warmup_ = 1, interval_ = 1;
   int hist_group_ = 1;  // query heads per history (AttnPredConfig::group_history)
   int max_context_ = 0, max_blocks_ = 0, max_tokens_ = 0, slots_per_head_ = 0;
+  int list_cap_ = 0;  // blocks a kv head attends at most (the sparse step's lists)
   std::vector<int> dense_layers_;
   std::vector<float> host_params_;
   float* device_params_ = nullptr;
@@ -182,9 +186,6 @@ class AttnPredEngine : public Engine {
   EngineStats host_stats_;
   DeviceCounters counters_;             // CUDA (see attnpred_engine.cpp)
   cudaStream_t side_stream_ = nullptr;  // offload prefetch stream
-  // CUDA, GPU-resident mode: the sparse attention's branch, forked after the block list and
-  // joined at the end of the step, so that it overlaps the history row and the predictor.
-  std::unique_ptr<OwnedStreamFork> attn_branch_;
   // CUDA, GPU-resident mode: the predictor's branch (prediction and top-K of a layer run there
   // after its history row, beside the later layers' steps). decode(last_sparse_) joins it.
   std::unique_ptr<OwnedStreamFork> predict_branch_;

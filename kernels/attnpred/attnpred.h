@@ -224,6 +224,26 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
                             const HistoryState& hist, void* scratch, size_t scratch_bytes,
                             bool keys_on_host, cudaStream_t stream);
 
+// GPU-resident decode's sparse step in two kernels: the attention of every (b, kv head) over
+// the tokens block_flags select (attended_token(): sink, flagged blocks, recent), from the
+// paged cache, out / lse [batch, Hq(, D)] as dense_decode_cuda would give over those tokens;
+// with hist non-null also that step's history row (the sparse row of append_row_cuda: each
+// query head's softmax over the attended tokens, max-pooled into blocks, over the group when
+// hist->group > 1; 0 at blocks not attended), then count[b] += 1 and tokens[b] = seq_lens[b].
+// sel.tokens / sel.counts get each (b, kv head)'s attended tokens, ascending (rows and
+// selected untouched). list_cap: attended blocks per (b, kv head) at most (sink blocks + the
+// group's flagged blocks + recent blocks + 1); more count as errors and the highest are
+// dropped. counters (may be null): [0] += tokens attended, [1] += blocks over list_cap.
+// cudaErrorInvalidValue (before any launch): head_dim not 64 or 128, group above 8 or not a
+// divisor, a history of another group, rows past int32, a short workspace.
+size_t sparse_attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
+                                     int list_cap);
+cudaError_t sparse_attend_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, float scale,
+                               const uint8_t* block_flags, int max_blocks, const Geometry& g,
+                               int list_cap, const HistoryState* hist, const tactic::Selection& sel,
+                               unsigned long long* counters, bf16* out, float* lse, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream);
+
 // ---- Offload: the per-layer device block cache ---------------------------------------------
 //
 // Slots of `block` tokens of one kv head (K and V [num_slots, block, d] bf16); each (b, kv
