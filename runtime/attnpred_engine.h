@@ -7,7 +7,9 @@
 //   1. attends the tokens selected at the previous step (sink, recent, the predicted blocks);
 //      the first warmup_steps decodes after a prefill attend every token instead;
 //   2. appends a history row: the softmax of q.k over the attended tokens, max-pooled (0 for
-//      blocks not attended); on warm-up steps and every calibration_period-th step the FULL
+//      blocks not attended; GPU-resident, steps 1 and 2 are two kernels, the attention
+//      keeping each block's largest score: kernels/attnpred/attnpred.h sparse_attend_cuda);
+//      on warm-up steps and every calibration_period-th step the FULL
 //      row over all n tokens instead (a separate score kernel over all keys: the output is
 //      still the sparse attention, as the paper does; only the history is calibrated). Layer
 //      l's calibration phase is shifted by l, so a step's full rows are spread over the
@@ -116,6 +118,7 @@ class AttnPredEngine : public Engine {
   int max_context() const { return max_context_; }
   int max_blocks() const { return max_blocks_; }
   int max_selected_tokens() const { return max_tokens_; }
+  int max_list_blocks() const { return list_cap_; }  ///< blocks a kv head attends at most
   int slots_per_head() const { return slots_per_head_; }
   bool is_dense_layer(int layer) const;
 

@@ -16,9 +16,13 @@
 //              largest score (one block scan per pass finds the digit), then ties taken lowest
 //              index first (one block scan over per-thread runs), flags OR-ed per kv head
 //              (plain stores of 1: the group's heads may race, all write 1).
-//   selection  parts of 256 blocks per (sequence, kv head), a block per thread: the tokens
-//              before the part by one reduction over the flags, attended-token counts, one
-//              block scan, scatter of token ids and rows into the sub-request page table.
+//   sparse     GPU-resident decode's sparse step: CTAs of (sequence, kv head) rank the
+//              flagged blocks from the flags themselves, attend their share through the shared
+//              tile loop, and keep each (head, block) largest score; a merge kernel per
+//              (sequence, query head) combines the states and writes the history row.
+//   selection  (offload) parts of 256 blocks per (sequence, kv head), a block per thread: the
+//              tokens before the part by one reduction over the flags, attended-token counts,
+//              one block scan, scatter of token ids and rows into the sub-request page table.
 //   row        scores q.k for the group's query heads, each K row read once per group: on
 //              the bf16 tensor cores (the group's heads as M rows, 32 keys of a warp in
 //              flight at once) for keys in device memory, by 16-byte lanes per key for mapped
