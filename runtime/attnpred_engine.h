@@ -13,7 +13,7 @@
 //      row over all n tokens instead (a separate score kernel over all keys: the output is
 //      still the sparse attention, as the paper does; only the history is calibrated). Layer
 //      l's calibration phase is shifted by l, so a step's full rows are spread over the
-//      layers; GPU-resident, a full row runs on the predictor's branch (below) from a copy of
+//      layers; GPU-resident, a full row runs on a branch of its own from a copy of
 //      the query, beside the later layers' steps;
 //   3. predicts the next step's block scores with the CNN and takes each query head's top
 //      (budget - sink - recent) / block candidate blocks; GPU-resident, on a branch of its own
@@ -58,7 +58,7 @@
 // host KV directly (zero-copy dense). Offload decode keeps state across steps on two streams and is
 // not meant for CUDA graph capture; GPU-resident decode is (one graph per phase of the step
 // count modulo lcm(calibration_period, predict_interval): the phase is host state). A captured
-// step must include the decode of the last sparse layer, which joins the predictor's branch.
+// step must include the decode of the last sparse layer, which joins the branches.
 #pragma once
 
 #include <memory>
@@ -149,8 +149,9 @@ class AttnPredEngine : public Engine {
  private:
   struct LayerState;
   LayerState& allocate_layer(int layer);
-  // Makes `stream` wait for the layer's prediction when it is still on the predictor's branch.
-  void wait_for_prediction(LayerState& ls, cudaStream_t stream);
+  // Makes `stream` wait for the layer's calibration row and prediction while they are still on
+  // their branches.
+  void wait_for_branches(LayerState& ls, cudaStream_t stream);
   void decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf16* out, float* lse);
   // Query head qh's history row: the softmax of q.k over `tokens` (all n when null),
   // max-pooled into blocks.
@@ -189,9 +190,11 @@ class AttnPredEngine : public Engine {
   EngineStats host_stats_;
   DeviceCounters counters_;             // CUDA (see attnpred_engine.cpp)
   cudaStream_t side_stream_ = nullptr;  // offload prefetch stream
-  // CUDA, GPU-resident mode: the predictor's branch (prediction and top-K of a layer run there
-  // after its history row, beside the later layers' steps). decode(last_sparse_) joins it.
-  std::unique_ptr<OwnedStreamFork> predict_branch_;
+  // CUDA, GPU-resident mode: the calibration rows' branch and the predictor's (prediction and
+  // top-K of a layer run there after its history row), beside the later layers' steps and
+  // each other. decode(last_sparse_) joins both.
+  std::unique_ptr<OwnedStreamFork> calib_branch_, predict_branch_;
+  bool calib_forked_ = false, predict_forked_ = false;  // in the step under way
   int last_sparse_ = -1;  // the highest layer that is not dense
   uint64_t prefetches_ = 0;
 };
