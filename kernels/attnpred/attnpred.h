@@ -199,7 +199,7 @@ cudaError_t select_blocks_cuda(const float* scores, const HistoryState& hist, in
 // Where the attended rows live: the paged cache itself (GPU-resident mode: block_slot null)
 // or a block cache of slots of `block` tokens (offload mode): block j of (b, h) is in slot
 // block_slot[(b * Hkv + h) * max_blocks + j], rows slot * block + t % block of `cache`.
-// Builds the sub-request selection (kernels/tactic/tactic.h Selection: rows, tokens, counts;
+// Offload decode's block list. Builds the sub-request selection (kernels/tactic/tactic.h Selection: rows, tokens, counts;
 // `selected` unused) of every (b, kv head) for the current lengths kv.seq_lens.
 // counters (may be null): [0] += rows attended.
 cudaError_t build_selection_cuda(const PagedKV& kv, const uint8_t* block_flags, int max_blocks,
@@ -212,7 +212,8 @@ cudaError_t build_selection_cuda(const PagedKV& kv, const uint8_t* block_flags, 
 // hist.group > 1). Two forms:
 //  - full row: view = the layer's cache, token_ids null: every token [0, seq_lens[b]);
 //  - sparse row: view = a sub-request view (one sequence per (b, kv head), group-size query
-//    heads each), token_ids = Selection::tokens (max_tokens per sequence).
+//    heads each), token_ids = Selection::tokens (max_tokens per sequence). Offload decode's;
+//    GPU-resident decode's comes out of its attention (sparse_attend_cuda below).
 // Then count[b] += 1 and tokens[b] = context length (kv_lens[b]). scratch: row_scratch_bytes.
 // keys_on_host: view's keys are mapped pinned host memory (offload mode's full row), which is
 // read with 16-byte lanes per key instead of the tensor-core form; the scores agree to fp32
