@@ -22,8 +22,8 @@ size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
 // Device counters: what each kernel adds to (pairs are [count, errors] of one call site).
 enum Counter {
-  kRowsRead = 0,          // build_selection: rows attended
-  kSelectionErrors = 1,   // build_selection: non-resident or over-capacity tokens
+  kRowsRead = 0,          // build_selection, sparse_attend: rows attended
+  kSelectionErrors = 1,   // build_selection, sparse_attend: non-resident or over-capacity
   kContextRows = 2,       // kv_count_rows: a dense read's rows
   kBlocksPrefetched = 3,  // make_resident on the side stream
   kPrefetchErrors = 4,    //   (slots exhausted: never, by construction)
@@ -118,11 +118,11 @@ struct AttnPredEngine::LayerState {
   unsigned int expected_done = 0;
   bool prefetch_pending = false;
   cudaEvent_t selected = nullptr, prefetched = nullptr;
-  // CUDA GPU-resident: this layer's calibration row and prediction on the predictor's branch,
-  // not yet joined; the branch's copy of the query its calibration row reads (the caller's
-  // buffer may hold the next layer's by then).
-  bool prediction_pending = false;
-  cudaEvent_t predicted = nullptr;
+  // CUDA GPU-resident: this layer's calibration row and prediction on their branches, not yet
+  // joined; the calibration branch's copy of the query its row reads (the caller's buffer may
+  // hold the next layer's by then).
+  bool calibration_pending = false, prediction_pending = false;
+  cudaEvent_t calibrated = nullptr, predicted = nullptr;
   bf16* q_copy = nullptr;
 };
 
@@ -176,6 +176,11 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
   const int tops = g / hist_group_;
   max_tokens_ = int(std::min<int64_t>(max_context_, int64_t(geo_.sink) + geo_.recent + geo_.block +
                                                         int64_t(tops) * k_blocks_ * geo_.block));
+  // Blocks a kv head attends at most: sink blocks, the tops' flagged blocks, and the recent
+  // window's (one more when it does not start on a block).
+  list_cap_ = int(std::min<int64_t>(
+      max_blocks_,
+      int64_t(geo_.sink / geo_.block) + int64_t(tops) * k_blocks_ + geo_.recent / geo_.block + 1));
   slots_per_head_ = geo_.sink / geo_.block + tops * k_blocks_ + geo_.recent / geo_.block + 2;
   host_params_ = params.cnn;
   need(!c.offload || config_.backend == Backend::Cuda,
@@ -193,7 +198,7 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
     counters_ = DeviceCounters(kNumCounters);
     if (c.offload) KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     if (!c.offload) {
-      attn_branch_ = std::make_unique<OwnedStreamFork>();
+      calib_branch_ = std::make_unique<OwnedStreamFork>();
       predict_branch_ = std::make_unique<OwnedStreamFork>();
     }
   }
@@ -206,11 +211,12 @@ AttnPredEngine::~AttnPredEngine() {
   if (config_.backend != Backend::Cuda) return;
   // A prefetch may still be copying into a layer's block cache on the side stream.
   if (side_stream_) cudaStreamSynchronize(side_stream_);
-  attn_branch_.reset();  // their streams drain first
+  calib_branch_.reset();  // their streams drain first
   predict_branch_.reset();
   for (LayerState& ls : layers_) {
     if (!ls.allocated) continue;
     if (ls.predicted) cudaEventDestroy(ls.predicted);
+    if (ls.calibrated) cudaEventDestroy(ls.calibrated);
     cudaFree(ls.q_copy);
     cudaFree(ls.hist.rows);
     cudaFree(ls.hist.count);
@@ -243,10 +249,10 @@ bool AttnPredEngine::is_dense_layer(int layer) const {
   return std::find(dense_layers_.begin(), dense_layers_.end(), layer) != dense_layers_.end();
 }
 
-void AttnPredEngine::wait_for_prediction(LayerState& ls, cudaStream_t stream) {
-  if (!ls.prediction_pending) return;
-  KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.predicted, 0));
-  ls.prediction_pending = false;
+void AttnPredEngine::wait_for_branches(LayerState& ls, cudaStream_t stream) {
+  if (ls.calibration_pending) KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.calibrated, 0));
+  if (ls.prediction_pending) KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.predicted, 0));
+  ls.calibration_pending = ls.prediction_pending = false;
 }
 
 AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
@@ -283,6 +289,7 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
     ls.flags = device_alloc<uint8_t>(n_flags);
     if (predict_branch_) {
       KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.predicted, cudaEventDisableTiming));
+      KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.calibrated, cudaEventDisableTiming));
       ls.q_copy = device_alloc<bf16>(int64_t(B) * hq * shape_.head_dim);
     }
     if (config_.attnpred.offload) {
@@ -312,9 +319,9 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
 }
 
 // Workspace (CUDA): Selection {rows, tokens, counts} | CNN scores [B, Hq, max_blocks] |
-// full-row scratch [B, Hq, max_context] | sparse-row scratch [B, Hq, max selected tokens] |
-// dense decode workspace. The two row scratches are apart: a layer's calibration row runs on
-// the predictor's branch while later layers append their sparse rows.
+// full-row scratch [B, Hq, max_context] | the sparse step's (sparse_step_bytes) | dense decode
+// workspace. The full row's scratch is apart: a layer's calibration row runs on its
+// branch while later layers take their sparse steps.
 size_t AttnPredEngine::selection_bytes() const {
   const size_t subs = size_t(config_.max_batch) * shape_.num_kv_heads;
   return 2 * align_up(subs * size_t(max_tokens_) * sizeof(int32_t)) +
@@ -329,7 +336,14 @@ size_t AttnPredEngine::workspace_bytes() const {
                                 kernels::dense_decode_workspace_bytes(B, hq, shape_.head_dim));
   return selection_bytes() + align_up(size_t(B) * hq * max_blocks_ * sizeof(float)) +
          align_up(ap::row_scratch_bytes(B, hq, max_blocks_ * geo_.block)) +
-         align_up(ap::row_scratch_bytes(B, hq, max_tokens_)) + dense;
+         align_up(sparse_step_bytes()) + dense;
+}
+
+size_t AttnPredEngine::sparse_step_bytes() const {
+  const int B = config_.max_batch, hq = shape_.num_q_heads;
+  return config_.attnpred.offload ? ap::row_scratch_bytes(B, hq, max_tokens_)
+                                  : ap::sparse_attend_workspace_bytes(B, hq, shape_.num_kv_heads,
+                                                                      shape_.head_dim, list_cap_);
 }
 
 tk::Selection AttnPredEngine::selection() const {
@@ -370,7 +384,7 @@ void AttnPredEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) 
     return;
   }
   if (ls.prefetch_pending) KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.prefetched, 0));
-  wait_for_prediction(ls, stream);
+  wait_for_branches(ls, stream);
   ls.prefetch_pending = false;
   KVS_CUDA_CHECK(cudaMemsetAsync(h.rows, 0, size_t(kv.batch) * row_elems * sizeof(float), stream));
   KVS_CUDA_CHECK(cudaMemsetAsync(h.count, 0, size_t(kv.batch) * sizeof(int32_t), stream));
@@ -403,13 +417,12 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
       scores_off + align_up(size_t(config_.max_batch) * hq * max_blocks_ * sizeof(float));
   const size_t sparse_off = scratch_off + align_up(ap::row_scratch_bytes(config_.max_batch, hq,
                                                                          max_blocks_ * geo_.block));
-  const size_t dense_off =
-      sparse_off + align_up(ap::row_scratch_bytes(config_.max_batch, hq, max_tokens_));
+  const size_t dense_off = sparse_off + align_up(sparse_step_bytes());
   float* scores = reinterpret_cast<float*>(ws + scores_off);
   void* scratch = ws + scratch_off;
   const size_t scratch_bytes = sparse_off - scratch_off;
-  void* sparse_scratch = ws + sparse_off;
-  const size_t sparse_scratch_bytes = dense_off - sparse_off;
+  void* sparse_ws = ws + sparse_off;
+  const size_t sparse_bytes = dense_off - sparse_off;
   void* dense_ws = ws + dense_off;
   const size_t dense_bytes = workspace_.bytes - dense_off;
   if (config_.collect_stats)
@@ -428,7 +441,7 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   const int c = ls.calls++;
   const bool warm = c < warmup_;
   const bool full_row = calibrates(c, layer);
-  wait_for_prediction(ls, stream);  // its flags, history and CNN cache
+  wait_for_branches(ls, stream);  // its flags, history and CNN cache
   if (offload && ls.prefetch_pending) {
     KVS_CUDA_CHECK(
         ap::prefetch_probe_cuda(ls.done, ls.expected_done, counters_.get() + kLate, stream));
@@ -437,6 +450,9 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   }
   const tk::Selection sel = selection();
   PagedKV view;
+  // GPU-resident: the attention over the selected tokens and the step's history row in two
+  // kernels (sparse_attend_cuda), which read the block flags themselves.
+  const bool fused = !warm && !offload;
   if (warm) {
     // No prediction yet: every token (from host memory in offload mode, zero-copy).
     KVS_CUDA_CHECK(
@@ -444,64 +460,67 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
     if (config_.collect_stats)
       KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv,
                                                  counters_.get() + kRowsRead, stream));
-  } else {
-    if (offload)
-      // The newest token arrived after the prefetch: the block holding it (and any the
-      // sequence grew into since) is copied again, as are blocks still missing.
-      KVS_CUDA_CHECK(ap::make_resident_cuda(kv, ls.flags, geo_, 0, false, ls.len_snapshot, ls.cache,
-                                            counters_.get() + kBlocksOnDemand, nullptr,
-                                            ap::default_copy_ctas(), stream));
-    KVS_CUDA_CHECK(ap::build_selection_cuda(kv, ls.flags, max_blocks_, geo_,
-                                            offload ? ls.cache.block_slot : nullptr, sel,
-                                            counters_.get() + kRowsRead, stream));
-    view = tk::subrequest_view(offload ? ls.cache.as_view(geo_.block) : kv, sel);
-    // GPU-resident mode: the attention reads the block list and the cache and writes only
-    // out / lse (and its own workspace), so it runs on its own branch while the history row
-    // and the predictor run here, and is joined before the step ends (-10 us at 128K on an
-    // H100). Offload mode keeps it in order: overlapped, its 32K step measured 417-418 us
-    // against 400-408 (docs/gpu.md).
-    cudaStream_t attn = stream;
-    if (attn_branch_) {
-      KVS_CUDA_CHECK(kernels::fork_from(attn_branch_->get(), stream));
-      attn = attn_branch_->get().side;
-    }
+  } else if (offload) {
+    // The newest token arrived after the prefetch: the block holding it (and any the sequence
+    // grew into since) is copied again, as are blocks still missing.
+    KVS_CUDA_CHECK(ap::make_resident_cuda(kv, ls.flags, geo_, 0, false, ls.len_snapshot, ls.cache,
+                                          counters_.get() + kBlocksOnDemand, nullptr,
+                                          ap::default_copy_ctas(), stream));
+    KVS_CUDA_CHECK(ap::build_selection_cuda(kv, ls.flags, max_blocks_, geo_, ls.cache.block_slot,
+                                            sel, counters_.get() + kRowsRead, stream));
+    view = tk::subrequest_view(ls.cache.as_view(geo_.block), sel);
     KVS_CUDA_CHECK(kernels::dense_decode_cuda(q, shape_.group_size(), view, scale, out, lse,
-                                              dense_ws, dense_bytes, attn));
+                                              dense_ws, dense_bytes, stream));
+  } else {
+    // A calibration step's history row is the full row, appended below.
+    KVS_CUDA_CHECK(ap::sparse_attend_cuda(
+        q, hq, kv, scale, ls.flags, max_blocks_, geo_, list_cap_, full_row ? nullptr : &ls.hist,
+        sel, counters_.get() + kRowsRead, out, lse, sparse_ws, sparse_bytes, stream));
   }
-  // GPU-resident: the calibration row and the prediction run on the predictor's branch, so
-  // that a layer's read of all of K overlaps the later layers' steps (the layers' calibration
-  // phases are staggered: calibrates()). The prediction reads only this layer's history and
-  // writes its CNN cache, its flags and the scores buffer, which only predictions use; the
-  // calibration row reads the cache's keys below the current length, which no later layer of
-  // the step writes, and a copy of the query. One branch: they run in order.
+  // GPU-resident: the calibration row and the prediction run on branches of their own, so
+  // that a layer's read of all of K and its CNN overlap each other and the later layers' steps
+  // (the layers' calibration and prediction phases are staggered: calibrates(), predicts()).
+  // The calibration row reads the cache's keys below the current length, which no later layer
+  // of the step writes, and a copy of the query (the caller's buffer holds the next layer's by
+  // the time the branch runs); the calibration rows share a scratch, so they run in order on
+  // their branch. The prediction reads only this layer's history (after its calibration row
+  // when the step has one) and writes its CNN cache, its flags and the scores buffer, which
+  // only predictions use: in order on the other branch. The layer's next decode waits for both.
   const bool predicting = predicts(c, layer);
-  if (!full_row)  // before the fork: the prediction reads this row
+  if (!full_row && !fused)  // the prediction reads this row
     KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, view, sel.tokens, sel.max_tokens, kv.seq_lens,
-                                       kv.batch, hkv, scale, geo_, ls.hist, sparse_scratch,
-                                       sparse_scratch_bytes, false, stream));
-  cudaStream_t ps = stream;
-  if (predict_branch_ && (predicting || full_row)) {
-    if (full_row)
+                                       kv.batch, hkv, scale, geo_, ls.hist, sparse_ws, sparse_bytes,
+                                       false, stream));
+  if (full_row) {
+    cudaStream_t cs = stream;
+    if (calib_branch_) {
       KVS_CUDA_CHECK(cudaMemcpyAsync(ls.q_copy, q,
                                      size_t(kv.batch) * hq * shape_.head_dim * sizeof(bf16),
                                      cudaMemcpyDefault, stream));
-    KVS_CUDA_CHECK(kernels::fork_from(predict_branch_->get(), stream));
-    ps = predict_branch_->get().side;
-  }
-  if (full_row) {
-    KVS_CUDA_CHECK(ap::append_row_cuda(predict_branch_ ? ls.q_copy : q, hq, kv, nullptr, 0,
+      KVS_CUDA_CHECK(kernels::fork_from(calib_branch_->get(), stream));
+      cs = calib_branch_->get().side;
+      calib_forked_ = true;
+    }
+    KVS_CUDA_CHECK(ap::append_row_cuda(calib_branch_ ? ls.q_copy : q, hq, kv, nullptr, 0,
                                        kv.seq_lens, kv.batch, hkv, scale, geo_, ls.hist, scratch,
-                                       scratch_bytes, offload, ps));
+                                       scratch_bytes, offload, cs));
     if (config_.collect_stats)
       KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch,
                                                  hkv * shape_.head_dim * int(sizeof(bf16)),
-                                                 counters_.get() + kFullRowKeyBytes, ps));
-  }
-  if (predict_branch_ && full_row && !predicting) {
-    KVS_CUDA_CHECK(cudaEventRecord(ls.predicted, ps));
-    ls.prediction_pending = true;
+                                                 counters_.get() + kFullRowKeyBytes, cs));
+    if (calib_branch_) {
+      KVS_CUDA_CHECK(cudaEventRecord(ls.calibrated, cs));
+      ls.calibration_pending = true;
+    }
   }
   if (predicting) {
+    cudaStream_t ps = stream;
+    if (predict_branch_) {
+      KVS_CUDA_CHECK(kernels::fork_from(predict_branch_->get(), stream));
+      ps = predict_branch_->get().side;
+      predict_forked_ = true;
+      if (full_row) KVS_CUDA_CHECK(cudaStreamWaitEvent(ps, ls.calibrated, 0));
+    }
     KVS_CUDA_CHECK(
         ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, scores, interval_, ps));
     KVS_CUDA_CHECK(
@@ -511,11 +530,14 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
       ls.prediction_pending = true;
     }
   }
-  if (!warm && attn_branch_) KVS_CUDA_CHECK(kernels::join_into(attn_branch_->get(), stream));
   if (predict_branch_ && layer == last_sparse_) {
-    // The end of a decode step (of a captured graph): every prediction joined.
-    KVS_CUDA_CHECK(kernels::join_into(predict_branch_->get(), stream));
-    for (LayerState& other : layers_) other.prediction_pending = false;
+    // The end of a decode step (of a captured graph): the branches it forked joined. Only
+    // those: a captured step that joined a branch it had not forked would wait on an event
+    // recorded outside the capture.
+    if (calib_forked_) KVS_CUDA_CHECK(kernels::join_into(calib_branch_->get(), stream));
+    if (predict_forked_) KVS_CUDA_CHECK(kernels::join_into(predict_branch_->get(), stream));
+    calib_forked_ = predict_forked_ = false;
+    for (LayerState& other : layers_) other.prediction_pending = other.calibration_pending = false;
   }
   if (offload) {
     // Cross-token prefetch of the blocks step t+1 needs. The lengths are snapshotted on the

@@ -7,11 +7,13 @@
 //   1. attends the tokens selected at the previous step (sink, recent, the predicted blocks);
 //      the first warmup_steps decodes after a prefill attend every token instead;
 //   2. appends a history row: the softmax of q.k over the attended tokens, max-pooled (0 for
-//      blocks not attended); on warm-up steps and every calibration_period-th step the FULL
+//      blocks not attended; GPU-resident, steps 1 and 2 are two kernels, the attention
+//      keeping each block's largest score: kernels/attnpred/attnpred.h sparse_attend_cuda);
+//      on warm-up steps and every calibration_period-th step the FULL
 //      row over all n tokens instead (a separate score kernel over all keys: the output is
 //      still the sparse attention, as the paper does; only the history is calibrated). Layer
 //      l's calibration phase is shifted by l, so a step's full rows are spread over the
-//      layers; GPU-resident, a full row runs on the predictor's branch (below) from a copy of
+//      layers; GPU-resident, a full row runs on a branch of its own from a copy of
 //      the query, beside the later layers' steps;
 //   3. predicts the next step's block scores with the CNN and takes each query head's top
 //      (budget - sink - recent) / block candidate blocks; GPU-resident, on a branch of its own
@@ -56,7 +58,7 @@
 // host KV directly (zero-copy dense). Offload decode keeps state across steps on two streams and is
 // not meant for CUDA graph capture; GPU-resident decode is (one graph per phase of the step
 // count modulo lcm(calibration_period, predict_interval): the phase is host state). A captured
-// step must include the decode of the last sparse layer, which joins the predictor's branch.
+// step must include the decode of the last sparse layer, which joins the branches.
 #pragma once
 
 #include <memory>
@@ -116,6 +118,7 @@ class AttnPredEngine : public Engine {
   int max_context() const { return max_context_; }
   int max_blocks() const { return max_blocks_; }
   int max_selected_tokens() const { return max_tokens_; }
+  int max_list_blocks() const { return list_cap_; }  ///< blocks a kv head attends at most
   int slots_per_head() const { return slots_per_head_; }
   bool is_dense_layer(int layer) const;
 
@@ -146,8 +149,9 @@ class AttnPredEngine : public Engine {
  private:
   struct LayerState;
   LayerState& allocate_layer(int layer);
-  // Makes `stream` wait for the layer's prediction when it is still on the predictor's branch.
-  void wait_for_prediction(LayerState& ls, cudaStream_t stream);
+  // Makes `stream` wait for the layer's calibration row and prediction while they are still on
+  // their branches.
+  void wait_for_branches(LayerState& ls, cudaStream_t stream);
   void decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf16* out, float* lse);
   // Query head qh's history row: the softmax of q.k over `tokens` (all n when null),
   // max-pooled into blocks.
@@ -156,6 +160,9 @@ class AttnPredEngine : public Engine {
   void predict_cpu(LayerState& ls, int batch);
   kernels::tactic::Selection selection() const;  // CUDA: the workspace's selection arrays
   size_t selection_bytes() const;
+  // CUDA: the sparse step's workspace (GPU-resident: sparse_attend_cuda's; offload: the
+  // sparse history row's scratch).
+  size_t sparse_step_bytes() const;
 
   kernels::attnpred::Geometry geo_;
   // Whether decode call c (0-based since the prefill) of `layer` predicts the next selection:
@@ -175,6 +182,7 @@ class AttnPredEngine : public Engine {
   int budget_ = 0, k_blocks_ = 0, period_ = 0, warmup_ = 1, interval_ = 1;
   int hist_group_ = 1;  // query heads per history (AttnPredConfig::group_history)
   int max_context_ = 0, max_blocks_ = 0, max_tokens_ = 0, slots_per_head_ = 0;
+  int list_cap_ = 0;  // blocks a kv head attends at most (the sparse step's lists)
   std::vector<int> dense_layers_;
   std::vector<float> host_params_;
   float* device_params_ = nullptr;
@@ -182,12 +190,11 @@ class AttnPredEngine : public Engine {
   EngineStats host_stats_;
   DeviceCounters counters_;             // CUDA (see attnpred_engine.cpp)
   cudaStream_t side_stream_ = nullptr;  // offload prefetch stream
-  // CUDA, GPU-resident mode: the sparse attention's branch, forked after the block list and
-  // joined at the end of the step, so that it overlaps the history row and the predictor.
-  std::unique_ptr<OwnedStreamFork> attn_branch_;
-  // CUDA, GPU-resident mode: the predictor's branch (prediction and top-K of a layer run there
-  // after its history row, beside the later layers' steps). decode(last_sparse_) joins it.
-  std::unique_ptr<OwnedStreamFork> predict_branch_;
+  // CUDA, GPU-resident mode: the calibration rows' branch and the predictor's (prediction and
+  // top-K of a layer run there after its history row), beside the later layers' steps and
+  // each other. decode(last_sparse_) joins both.
+  std::unique_ptr<OwnedStreamFork> calib_branch_, predict_branch_;
+  bool calib_forked_ = false, predict_forked_ = false;  // in the step under way
   int last_sparse_ = -1;  // the highest layer that is not dense
   uint64_t prefetches_ = 0;
 };

@@ -16,9 +16,13 @@
 //              largest score (one block scan per pass finds the digit), then ties taken lowest
 //              index first (one block scan over per-thread runs), flags OR-ed per kv head
 //              (plain stores of 1: the group's heads may race, all write 1).
-//   selection  parts of 256 blocks per (sequence, kv head), a block per thread: the tokens
-//              before the part by one reduction over the flags, attended-token counts, one
-//              block scan, scatter of token ids and rows into the sub-request page table.
+//   sparse     GPU-resident decode's sparse step: CTAs of (sequence, kv head) rank the
+//              flagged blocks from the flags themselves, attend their share through the shared
+//              tile loop, and keep each (head, block) largest score; a merge kernel per
+//              (sequence, query head) combines the states and writes the history row.
+//   selection  (offload) parts of 256 blocks per (sequence, kv head), a block per thread: the
+//              tokens before the part by one reduction over the flags, attended-token counts,
+//              one block scan, scatter of token ids and rows into the sub-request page table.
 //   row        scores q.k for the group's query heads, each K row read once per group: on
 //              the bf16 tensor cores (the group's heads as M rows, 32 keys of a warp in
 //              flight at once) for keys in device memory, by 16-byte lanes per key for mapped
@@ -1448,6 +1452,306 @@ __global__ void probe_kernel(const unsigned int* done, unsigned int expected,
   if (*reinterpret_cast<const volatile unsigned int*>(done) < expected) atomicAdd(counter, 1ull);
 }
 
+// ---- sparse attention with its history row (GPU-resident decode) ---------------------------
+//
+// sparse_attend_kernel, grid (parts, batch x kv heads): every CTA of (b, kv head h) reads the
+// block flags into a bit set of the attended blocks (sink, flagged, recent; 16-byte loads,
+// one shared atomicOr per attended block: about 130 of 8,193 at 128K), ranks them by one
+// block scan of the words' popcounts, and takes the ranks [K * part / parts, K * (part + 1) /
+// parts). Its blocks' tokens go to a list in shared memory (their KV rows, through the page
+// table, and each position's block), which attend_tiles reads as its page table, so a tile
+// may span blocks. Its score hook keeps each (query head, block) maximum by shared atomicMax
+// on order keys. The CTA writes its state (o, lse) per head, its blocks' maxima and ids, and
+// the token list (Selection::tokens, for last_read). sparse_merge_kernel, one CTA per (b,
+// query head), launched programmatically behind it: the parts' states merged (o and lse), and
+// the history row: exp(block max - lse) at each attended block, 0 elsewhere (zeroed by the
+// first kernel's CTAs), the group's largest by atomicMax when grouped. Two kernels replace
+// the block list, the split-KV attention and its merge, and the sparse row's score and pool
+// kernels (docs/gpu.md).
+constexpr int kSparseWarps = 4, kSparseStages = 3;
+constexpr int kSparseMergeWarps = 8;
+// Items (CTAs x heads' states) the workspace holds at least: parts shrink to fit at large
+// batch, down to one CTA per (b, kv head).
+constexpr int kSparseItemsCap = 1024;
+
+struct SparseParams {
+  const bf* q;
+  tiles::KvSource kv;  // the paged cache (scale_log2 = scale * log2 e)
+  const int32_t* seq_lens;
+  int batch, num_q_heads, num_kv_heads, group;
+  const uint8_t* flags;  // [.., Hkv, max_blocks]
+  int max_blocks;
+  Geometry geo;
+  int parts;             // CTAs per (b, kv head)
+  int share_cap;         // blocks one CTA holds at most: ceil(list_cap / parts)
+  int list_cap;          // attended blocks per (b, kv head) at most: the stride of ids and maxima
+  float* partial_lse;    // [(bh * parts + part) * group + hg]
+  float* partial_o;      // [..., D]
+  float* block_max;      // [b * Hq + query head][list_cap], log2 domain (scaled scores)
+  int32_t* block_ids;    // [bh][list_cap]
+  int32_t* block_count;  // [bh]
+  int32_t* tokens;       // [bh][tokens_stride]: the attended tokens, ascending
+  int32_t* token_count;  // [bh]
+  int tokens_stride;
+  unsigned long long* counters;  // may be null: [0] += tokens attended, [1] += blocks over cap
+  HistoryState hist;
+  bool append;  // write the history row (not on calibration steps: the full row is theirs)
+  unsigned int* done;
+  __nv_bfloat16* o;
+  float* lse;  // may be null
+};
+
+// Byte offsets of the first kernel's shared memory past the tile loop's (the rings must come
+// first: attend_tiles.cuh).
+struct SparseSmem {
+  size_t words, warp_sums, blocks, rows, pos_block, maxima, total;
+};
+__host__ __device__ inline SparseSmem sparse_smem(size_t tiles_bytes, int max_blocks, int share_cap,
+                                                  int block) {
+  auto up = [](size_t x) { return (x + 15) / 16 * 16; };
+  const size_t tokens = size_t(share_cap) * block;
+  SparseSmem s;
+  s.words = up(tiles_bytes);
+  s.warp_sums = up(s.words + size_t((max_blocks + 31) / 32) * 4);
+  s.blocks = up(s.warp_sums + 32 * 4);
+  s.rows = up(s.blocks + size_t(share_cap) * 4);
+  s.pos_block = up(s.rows + tokens * 4);
+  s.maxima = up(s.pos_block + tokens * 2);
+  s.total = up(s.maxima + size_t(kMaxGroup) * share_cap * 4);
+  return s;
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads)
+    sparse_attend_kernel(const __grid_constant__ SparseParams p) {
+  constexpr int D = Cfg::kHeadDim, kT = Cfg::kThreads, kW = Cfg::kWarps;
+  extern __shared__ uint4 smem[];
+  // The merge kernel may get resident now; it waits for this grid before reading anything.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const Geometry& g = p.geo;
+  const SparseSmem L = sparse_smem(Cfg::smem_bytes(), p.max_blocks, p.share_cap, g.block);
+  char* base = reinterpret_cast<char*>(smem);
+  uint32_t* words = reinterpret_cast<uint32_t*>(base + L.words);
+  int* warp_sums = reinterpret_cast<int*>(base + L.warp_sums);
+  int32_t* blocks_s = reinterpret_cast<int32_t*>(base + L.blocks);
+  int32_t* rows_s = reinterpret_cast<int32_t*>(base + L.rows);
+  uint16_t* pos_block = reinterpret_cast<uint16_t*>(base + L.pos_block);
+  unsigned* maxima = reinterpret_cast<unsigned*>(base + L.maxima);
+
+  const int part = blockIdx.x, bh = blockIdx.y;
+  const int b = bh / p.num_kv_heads, h = bh % p.num_kv_heads;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int n = p.seq_lens[b];
+  const int nb = g.num_blocks(n), nwords = (nb + 31) / 32;
+  const uint8_t* fl = p.flags + int64_t(bh) * p.max_blocks;
+  const int sink_blocks = min(nb, g.sink / g.block);
+  // The first block holding a recent token (nb: no recent window).
+  const int recent_first = g.recent > 0 ? max(0, n - g.recent) / g.block : nb;
+  const int hist_slot = p.append ? p.hist.count[b] % p.hist.history : 0;
+  for (int w = tid; w < nwords; w += kT) words[w] = 0u;
+  uint32_t qa[D / 16][2];
+  tiles::load_query_fragments<D>(p.q + (int64_t(b) * p.num_q_heads + h * p.group) * D, p.group,
+                                 lane, qa);
+  __syncthreads();
+
+  // 1. The attended blocks as bits. Flags matter in [sink_blocks, recent_first): 16-byte loads
+  // from the first aligned byte, single bytes for the unaligned head and the tail.
+  auto mark = [&](int j) { atomicOr(&words[j >> 5], 1u << (j & 31)); };
+  {
+    const int lo = sink_blocks, hi = max(lo, recent_first);
+    const int head = int((16 - (reinterpret_cast<uintptr_t>(fl + lo) & 15)) & 15);
+    const int v0 = min(hi, lo + head);
+    const int nvec = (hi - v0) / 16, v1 = v0 + nvec * 16;
+    if (tid < v0 - lo && fl[lo + tid]) mark(lo + tid);
+    if (tid < hi - v1 && fl[v1 + tid]) mark(v1 + tid);
+    const uint4* fv = reinterpret_cast<const uint4*>(fl + v0);
+    constexpr int kLoads = 4;  // 16-byte loads in flight per thread
+    for (int i0 = 0; i0 < nvec; i0 += kT * kLoads) {
+      uint4 x[kLoads];
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        const int i = i0 + k * kT + tid;
+        x[k] = i < nvec ? fv[i] : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        const uint32_t w4[4] = {x[k].x, x[k].y, x[k].z, x[k].w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          uint32_t bits = w4[c];
+          while (bits) {  // a nonzero byte of flag word c
+            const int byte = (__ffs(bits) - 1) / 8;
+            bits &= ~(0xffu << (8 * byte));
+            mark(v0 + (i0 + k * kT + tid) * 16 + c * 4 + byte);
+          }
+        }
+      }
+    }
+    for (int j = tid; j < sink_blocks; j += kT) mark(j);
+    for (int j = recent_first + tid; j < nb; j += kT) mark(j);
+  }
+  __syncthreads();
+
+  // 2. Ranks: thread t owns the words [t * per, ...); one block scan of their popcounts.
+  const int per = (nwords + kT - 1) / kT;
+  const int w0 = min(nwords, tid * per), w1 = min(nwords, w0 + per);
+  int mine = 0;
+  for (int w = w0; w < w1; ++w) mine += __popc(words[w]);
+  int incl = mine;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int x = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += x;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  int before = incl - mine, K = 0;
+#pragma unroll
+  for (int w = 0; w < kW; ++w) {
+    before += w < warp ? warp_sums[w] : 0;
+    K += warp_sums[w];
+  }
+  if (K > p.list_cap) {  // more blocks than the selection can flag: never, by construction
+    if (part == 0 && tid == 0 && p.counters)
+      atomicAdd(p.counters + 1, (unsigned long long)(K - p.list_cap));
+    K = p.list_cap;
+  }
+  const int k0 = int(int64_t(K) * part / p.parts);
+  const int cnt = int(int64_t(K) * (part + 1) / p.parts) - k0;  // <= share_cap
+  const int k1 = k0 + cnt;
+  // 3. This CTA's block ids, ascending.
+  {
+    int r = before;
+    for (int w = w0; w < w1 && r < k1; ++w) {
+      uint32_t bits = words[w];
+      const int c = __popc(bits);
+      if (r + c <= k0) {
+        r += c;
+        continue;
+      }
+      while (bits) {
+        const int bit = __ffs(bits) - 1;
+        bits &= bits - 1;
+        if (r >= k0 && r < k1) blocks_s[r - k0] = w * 32 + bit;
+        ++r;
+      }
+    }
+  }
+  // Attended tokens of block j: [block_lo(j), min((j + 1) * block, n)). Only two blocks can
+  // hold fewer than `block`: the first recent block when it is not otherwise attended (cut
+  // on its left) and the last (cut on its right, and last in every list). So a block's list
+  // position is block x its rank, less the first recent block's shortfall when that block
+  // comes before it.
+  auto block_hi = [&](int j) { return min((j + 1) * g.block, n); };
+  auto block_lo = [&](int j) {
+    return j < sink_blocks || (j < recent_first || fl[j]) ? j * g.block
+                                                          : max(j * g.block, n - g.recent);
+  };
+  const int cut_block = recent_first < nb - 1 ? recent_first : -1;
+  const int cut = cut_block >= 0 ? block_lo(cut_block) - cut_block * g.block : 0;
+  __syncthreads();  // blocks_s complete
+  const int first_block = cnt > 0 ? blocks_s[0] : 0;
+  int32_t* list = p.tokens + int64_t(bh) * p.tokens_stride;
+  for (int i = tid; i < cnt; i += kT) {
+    const int j = blocks_s[i];
+    const int lo = block_lo(j), hi = block_hi(j);
+    const bool after_cut = cut > 0 && cut_block < j;
+    const int pos = i * g.block - (after_cut && cut_block >= first_block ? cut : 0);
+    const int gpos = (k0 + i) * g.block - (after_cut ? cut : 0);
+    const int32_t* table = p.kv.page_table + int64_t(b) * p.kv.max_pages_per_seq;
+    for (int t = lo; t < hi; ++t) {
+      const int page = table[t / p.kv.page_size];
+      rows_s[pos + t - lo] = (page * p.kv.page_size + t % p.kv.page_size) * p.num_kv_heads + h;
+      pos_block[pos + t - lo] = uint16_t(i);
+      if (gpos + t - lo < p.tokens_stride) list[gpos + t - lo] = t;
+    }
+    if (i == cnt - 1) warp_sums[kW] = pos + hi - lo;  // the CTA's token count
+  }
+  if (cnt == 0 && tid == 0) warp_sums[kW] = 0;
+  for (int i = tid; i < kMaxGroup * p.share_cap; i += kT) maxima[i] = 0u;  // below every key
+  if (part == 0 && tid == 0) {
+    // Tokens in the list: K whole blocks less the cut block's and the last block's shortfalls.
+    int total = K * g.block - cut;
+    if (nb > 0 && K > 0) {
+      const int last = nb - 1;
+      const bool attended = last < sink_blocks || last >= recent_first || fl[last];
+      if (attended) total -= g.block - (block_hi(last) - block_lo(last));
+    }
+    p.token_count[bh] = min(total, p.tokens_stride);
+    p.block_count[bh] = K;
+    if (p.counters) atomicAdd(p.counters, (unsigned long long)total);
+    if (blockIdx.y == 0 && p.done) *p.done = 0u;
+  }
+  if (p.append) {  // this part's share of the history slot, zeroed for the merge's stores
+    const int per_kv = p.group / p.hist.group;
+    const int span = (p.max_blocks + p.parts - 1) / p.parts;
+    const int c0 = part * span, c1 = min(p.max_blocks, c0 + span);
+    for (int k = 0; k < per_kv; ++k) {
+      float* row = p.hist.slot(b, h * per_kv + k, hist_slot);
+      for (int c = c0 + tid; c < c1; c += kT) row[c] = 0.f;
+    }
+  }
+  __syncthreads();
+  const int ntok = warp_sums[kW];
+
+  // 4. Attention over the list, with each (head, block) maximum of the scores.
+  const tiles::KvSource src{p.kv.k, p.kv.v, rows_s, 1, 1, ntok, p.kv.scale_log2};
+  const int group = p.group, cap = p.share_cap;
+  tiles::attend_tiles<Cfg, false>(
+      src, 0, 0, 0, ntok, 0, qa, smem, [&](const int(&pos)[4], int gr, const float(&x)[4]) {
+        if (gr >= group) return;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (x[k] != -INFINITY)
+            atomicMax(&maxima[gr * cap + pos_block[pos[k]]], float_order_key(x[k]));
+      });
+  __syncthreads();
+  const int64_t item = int64_t(bh) * p.parts + part;
+  tiles::merge_warp_states<Cfg>(smem, group, [&](int hg, int d, float4 o, float lse) {
+    const int64_t prow = item * group + hg;
+    *reinterpret_cast<float4*>(p.partial_o + prow * D + d) = o;
+    if (d == 0) p.partial_lse[prow] = lse;
+  });
+  for (int idx = tid; idx < group * cnt; idx += kT) {
+    const int hg = idx / cnt, i = idx % cnt;
+    p.block_max[(int64_t(b) * p.num_q_heads + h * group + hg) * p.list_cap + k0 + i] =
+        float_from_order_key(maxima[hg * cap + i]);
+    if (hg == 0) p.block_ids[int64_t(bh) * p.list_cap + k0 + i] = blocks_s[i];
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kSparseMergeWarps * 32)
+    sparse_merge_kernel(const __grid_constant__ SparseParams p) {
+  __shared__ WarpAccumulators<kSparseMergeWarps, D> warp_acc;
+  __shared__ float s_lse;
+  const int row = blockIdx.x, b = row / p.num_q_heads, qh = row % p.num_q_heads;
+  const int h = qh / p.group, hg = qh % p.group, bh = b * p.num_kv_heads + h;
+  // Everything below reads what sparse_attend_kernel wrote.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  merge_row_states<D, kSparseMergeWarps>(p.partial_lse, p.partial_o,
+                                         int64_t(bh) * p.parts * p.group + hg, p.group, p.parts,
+                                         warp_acc, p.o + int64_t(row) * D, &s_lse);
+  __syncthreads();
+  const float lse = s_lse;
+  if (threadIdx.x == 0 && p.lse) p.lse[row] = lse;
+  if (!p.append) return;
+  const int K = min(p.block_count[bh], p.list_cap);
+  const float lse2 = lse * tiles::kLog2e;
+  const HistoryState& hist = p.hist;
+  float* hrow = hist.slot(b, qh / hist.group, hist.count[b] % hist.history);
+  const float* mx = p.block_max + int64_t(row) * p.list_cap;
+  const int32_t* ids = p.block_ids + int64_t(bh) * p.list_cap;
+  for (int r = threadIdx.x; r < K; r += blockDim.x) {
+    const float v = exp2f(mx[r] - lse2);
+    if (hist.group == 1)
+      hrow[ids[r]] = v;
+    else  // the group's largest: probabilities are >= 0, so their float bits order as ints
+      atomicMax(reinterpret_cast<int*>(hrow + ids[r]), __float_as_int(v));
+  }
+  finish_row(hist, p.seq_lens, p.batch, p.done);
+}
+
 }  // namespace
 
 PagedKV BlockCache::as_view(int block) const {
@@ -1608,6 +1912,117 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
         chunks, g, hist, kv_lens, batch, pool_done);
   }
   return cudaGetLastError();
+}
+
+// Workspace of sparse_attend_cuda: partial lse [items, group] | partial o [items, group, D] |
+// block maxima [max_batch * Hq, list_cap] | block ids [max_batch * Hkv, list_cap] | block
+// counts [max_batch * Hkv] | the merge's count of finished CTAs.
+struct SparseWorkspace {
+  size_t lse, o, max, ids, count, done, total;
+};
+static SparseWorkspace sparse_workspace(int max_batch, int num_q_heads, int num_kv_heads,
+                                        int head_dim, int list_cap) {
+  auto up = [](size_t x) { return (x + 255) / 256 * 256; };
+  const size_t bh = size_t(max_batch) * num_kv_heads;
+  const size_t states = std::max<size_t>(bh, kSparseItemsCap) * size_t(num_q_heads / num_kv_heads);
+  SparseWorkspace w;
+  w.lse = 0;
+  w.o = up(states * sizeof(float));
+  w.max = w.o + up(states * head_dim * sizeof(float));
+  w.ids = w.max + up(size_t(max_batch) * num_q_heads * list_cap * sizeof(float));
+  w.count = w.ids + up(bh * list_cap * sizeof(int32_t));
+  w.done = w.count + up(bh * sizeof(int32_t));
+  w.total = w.done + up(sizeof(unsigned int));
+  return w;
+}
+
+size_t sparse_attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
+                                     int list_cap) {
+  if (max_batch < 1 || num_kv_heads < 1 || num_q_heads % num_kv_heads != 0 || list_cap < 1)
+    throw std::invalid_argument("sparse_attend_workspace_bytes: max_batch " +
+                                std::to_string(max_batch) + ", heads " +
+                                std::to_string(num_q_heads) + " / " + std::to_string(num_kv_heads) +
+                                ", list_cap " + std::to_string(list_cap));
+  return sparse_workspace(max_batch, num_q_heads, num_kv_heads, head_dim, list_cap).total;
+}
+
+template <int D>
+static cudaError_t launch_sparse_attend(SparseParams p, int sms, cudaStream_t stream) {
+  using Cfg = tiles::TileConfig<D, kSparseWarps, kSparseStages>;
+  const int bh = p.batch * p.num_kv_heads;
+  // About two CTAs per SM over the batch's lists (the dense kernel's wave with the same tile
+  // loop), a round of tiles (a block per warp) each at least, within the workspace's items.
+  const int rounds = (p.list_cap + kSparseWarps - 1) / kSparseWarps;
+  p.parts = std::max(1, std::min({rounds, 2 * sms / bh, kSparseItemsCap / bh}));
+  p.share_cap = (p.list_cap + p.parts - 1) / p.parts;
+  const size_t smem = sparse_smem(Cfg::smem_bytes(), p.max_blocks, p.share_cap, p.geo.block).total;
+  auto kernel = sparse_attend_kernel<Cfg>;
+  int per_sm = 0;
+  if (const cudaError_t e =
+          resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), Cfg::kThreads, smem, &per_sm);
+      e != cudaSuccess)
+    return e;
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  kernel<<<dim3(unsigned(p.parts), unsigned(bh)), Cfg::kThreads, smem, stream>>>(p);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return launch_programmatic(sparse_merge_kernel<D>, dim3(unsigned(p.batch * p.num_q_heads)),
+                             dim3(kSparseMergeWarps * 32), 0, stream, p);
+}
+
+cudaError_t sparse_attend_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, float scale,
+                               const uint8_t* block_flags, int max_blocks, const Geometry& g,
+                               int list_cap, const HistoryState* hist, const tactic::Selection& sel,
+                               unsigned long long* counters, bf16* out, float* lse, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream) {
+  if (kv.batch <= 0) return cudaSuccess;
+  const int hkv = kv.num_kv_heads, d = kv.head_dim;
+  if ((d != 64 && d != 128) || hkv < 1 || num_q_heads % hkv != 0 || num_q_heads / hkv > kMaxGroup ||
+      list_cap < 1 || max_blocks < 1)
+    return cudaErrorInvalidValue;
+  const int group = num_q_heads / hkv;
+  if (hist && ((hist->group != 1 && hist->group != group) ||
+               hist->num_heads * hist->group != num_q_heads || hist->max_blocks != max_blocks))
+    return cudaErrorInvalidValue;
+  if (int64_t(kv.num_pages) * kv.page_size * hkv > INT_MAX) return cudaErrorInvalidValue;
+  const SparseWorkspace w = sparse_workspace(kv.batch, num_q_heads, hkv, d, list_cap);
+  if (workspace_bytes < w.total) return cudaErrorInvalidValue;
+  int sms = 0;
+  if (const cudaError_t e = sm_count(&sms); e != cudaSuccess) return e;
+  char* ws = static_cast<char*>(workspace);
+  SparseParams p{};
+  p.q = reinterpret_cast<const bf*>(q);
+  p.kv = tiles::KvSource{reinterpret_cast<const bf*>(kv.k),
+                         reinterpret_cast<const bf*>(kv.v),
+                         kv.page_table,
+                         kv.page_size,
+                         hkv,
+                         kv.max_pages_per_seq,
+                         scale * tiles::kLog2e};
+  p.seq_lens = kv.seq_lens;
+  p.batch = kv.batch;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = hkv;
+  p.group = group;
+  p.flags = block_flags;
+  p.max_blocks = max_blocks;
+  p.geo = g;
+  p.list_cap = list_cap;
+  p.partial_lse = reinterpret_cast<float*>(ws + w.lse);
+  p.partial_o = reinterpret_cast<float*>(ws + w.o);
+  p.block_max = reinterpret_cast<float*>(ws + w.max);
+  p.block_ids = reinterpret_cast<int32_t*>(ws + w.ids);
+  p.block_count = reinterpret_cast<int32_t*>(ws + w.count);
+  p.tokens = sel.tokens;
+  p.token_count = sel.counts;
+  p.tokens_stride = sel.max_tokens;
+  p.counters = counters;
+  if (hist) p.hist = *hist;
+  p.append = hist != nullptr;
+  p.done = reinterpret_cast<unsigned int*>(ws + w.done);
+  p.o = reinterpret_cast<bf*>(out);
+  p.lse = lse;
+  return d == 128 ? launch_sparse_attend<128>(p, sms, stream)
+                  : launch_sparse_attend<64>(p, sms, stream);
 }
 
 int default_copy_ctas() { return 64; }

@@ -199,7 +199,7 @@ cudaError_t select_blocks_cuda(const float* scores, const HistoryState& hist, in
 // Where the attended rows live: the paged cache itself (GPU-resident mode: block_slot null)
 // or a block cache of slots of `block` tokens (offload mode): block j of (b, h) is in slot
 // block_slot[(b * Hkv + h) * max_blocks + j], rows slot * block + t % block of `cache`.
-// Builds the sub-request selection (kernels/tactic/tactic.h Selection: rows, tokens, counts;
+// Offload decode's block list. Builds the sub-request selection (kernels/tactic/tactic.h Selection: rows, tokens, counts;
 // `selected` unused) of every (b, kv head) for the current lengths kv.seq_lens.
 // counters (may be null): [0] += rows attended.
 cudaError_t build_selection_cuda(const PagedKV& kv, const uint8_t* block_flags, int max_blocks,
@@ -212,7 +212,8 @@ cudaError_t build_selection_cuda(const PagedKV& kv, const uint8_t* block_flags, 
 // hist.group > 1). Two forms:
 //  - full row: view = the layer's cache, token_ids null: every token [0, seq_lens[b]);
 //  - sparse row: view = a sub-request view (one sequence per (b, kv head), group-size query
-//    heads each), token_ids = Selection::tokens (max_tokens per sequence).
+//    heads each), token_ids = Selection::tokens (max_tokens per sequence). Offload decode's;
+//    GPU-resident decode's comes out of its attention (sparse_attend_cuda below).
 // Then count[b] += 1 and tokens[b] = context length (kv_lens[b]). scratch: row_scratch_bytes.
 // keys_on_host: view's keys are mapped pinned host memory (offload mode's full row), which is
 // read with 16-byte lanes per key instead of the tensor-core form; the scores agree to fp32
@@ -223,6 +224,26 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
                             int batch, int num_kv_heads, float scale, const Geometry& g,
                             const HistoryState& hist, void* scratch, size_t scratch_bytes,
                             bool keys_on_host, cudaStream_t stream);
+
+// GPU-resident decode's sparse step in two kernels: the attention of every (b, kv head) over
+// the tokens block_flags select (attended_token(): sink, flagged blocks, recent), from the
+// paged cache, out / lse [batch, Hq(, D)] as dense_decode_cuda would give over those tokens;
+// with hist non-null also that step's history row (the sparse row of append_row_cuda: each
+// query head's softmax over the attended tokens, max-pooled into blocks, over the group when
+// hist->group > 1; 0 at blocks not attended), then count[b] += 1 and tokens[b] = seq_lens[b].
+// sel.tokens / sel.counts get each (b, kv head)'s attended tokens, ascending (rows and
+// selected untouched). list_cap: attended blocks per (b, kv head) at most (sink blocks + the
+// group's flagged blocks + recent blocks + 1); more count as errors and the highest are
+// dropped. counters (may be null): [0] += tokens attended, [1] += blocks over list_cap.
+// cudaErrorInvalidValue (before any launch): head_dim not 64 or 128, group above 8 or not a
+// divisor, a history of another group, rows past int32, a short workspace.
+size_t sparse_attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
+                                     int list_cap);
+cudaError_t sparse_attend_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, float scale,
+                               const uint8_t* block_flags, int max_blocks, const Geometry& g,
+                               int list_cap, const HistoryState* hist, const tactic::Selection& sel,
+                               unsigned long long* counters, bf16* out, float* lse, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream);
 
 // ---- Offload: the per-layer device block cache ---------------------------------------------
 //

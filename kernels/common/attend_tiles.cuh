@@ -99,9 +99,18 @@ __device__ __forceinline__ void load_query_fragments(const __nv_bfloat16* q_grou
 // Ends with each warp's state in shared memory and no barrier after it: the caller runs
 // __syncthreads() before merge_warp_states. The caller also synchronizes before calling it
 // again on the same shared memory.
-template <class Cfg, bool kRowStart>
+// on_scores(pos, g, x) sees every tile's scores as they are computed: x[nt * 2 + j] is this
+// lane's head row g score (log2 domain, scaled; -inf where masked) of range position
+// pos[nt * 2 + j] = tile begin + nt * 8 + 2 * (lane % 4) + j (AttentionPredictor's sparse
+// attention pools its history row from them). The default does nothing and costs no code.
+struct NoScoreHook {
+  __device__ __forceinline__ void operator()(const int (&)[4], int, const float (&)[4]) const {}
+};
+
+template <class Cfg, bool kRowStart, class ScoreHook = NoScoreHook>
 __device__ void attend_tiles(const KvSource& src, int b, int kvh, int begin, int end, int row_start,
-                             const uint32_t (&qa)[Cfg::kHeadDim / 16][2], uint4* smem) {
+                             const uint32_t (&qa)[Cfg::kHeadDim / 16][2], uint4* smem,
+                             ScoreHook&& on_scores = ScoreHook()) {
   constexpr int D = Cfg::kHeadDim;
   constexpr int kWarps = Cfg::kWarps, kStages = Cfg::kStages;
   constexpr int kPieces = Cfg::kPieces;
@@ -196,6 +205,11 @@ __device__ void attend_tiles(const KvSource& src, int b, int kvh, int begin, int
         x[nt * 2 + j] = v;
         tile_max = fmaxf(tile_max, v);
       }
+    }
+    {
+      const int pos[4] = {tile_begin + 2 * t4, tile_begin + 2 * t4 + 1, tile_begin + 8 + 2 * t4,
+                          tile_begin + 9 + 2 * t4};
+      on_scores(pos, g, x);
     }
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));

@@ -31,8 +31,10 @@ inline cudaError_t sm_count(int* out) {
 
 // CTAs of `kernel` (threads and dynamic shared memory as given) resident per SM on the current
 // device, read once per (device, kernel, smem) and cached; it also lets the kernel take more
-// than 48 KB of dynamic shared memory. Neither call is stream work, so a captured launch may
-// make it.
+// than 48 KB of dynamic shared memory: as much as the device allows, since the attribute is
+// the kernel's, not the launch's (set to `smem` itself, a kernel whose size varies by call
+// failed to launch at a size cached before a smaller one). None of the calls is stream work,
+// so a captured launch may make them.
 inline cudaError_t resident_ctas_per_sm(const void* kernel, int threads, size_t smem, int* out) {
   static std::mutex mu;
   static std::map<std::tuple<int, const void*, size_t>, int> cache;
@@ -43,7 +45,14 @@ inline cudaError_t resident_ctas_per_sm(const void* kernel, int threads, size_t 
   const auto key = std::make_tuple(dev, kernel, smem);
   auto it = cache.find(key);
   if (it == cache.end()) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    int optin = 0;
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (err != cudaSuccess) return err;
+    cudaFuncAttributes attrs{};
+    err = cudaFuncGetAttributes(&attrs, kernel);
+    if (err != cudaSuccess) return err;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               optin - int(attrs.sharedSizeBytes));
     if (err != cudaSuccess) return err;
     int ctas = 0;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, smem);

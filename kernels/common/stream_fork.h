@@ -1,7 +1,7 @@
 // A branch of work off a caller's stream, for steps whose parts do not depend on each other
-// (SAAP's index step beside its router, AttentionPredictor's attention beside its
-// predictor). Both ends are an event record plus a wait, so eager calls overlap the branches
-// and stream capture records them as two branches of the graph.
+// (SAAP's index step beside its router, AttentionPredictor's calibration row and predictor
+// beside the later layers). Both ends are an event record plus a wait, so eager calls overlap the
+// branches and stream capture records them as two branches of the graph.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -8,7 +8,8 @@
 //   ap_gpu       the attnpred engine, GPU-resident (attention + history row + prediction),
 //                CUDA graph replays of the step loop, as a decode loop would run it
 //   ap_eager     the same loop launched kernel by kernel (the host's launches may bound it)
-//   sparse_attn  its attention alone: selection build + split-KV over the sub-request view
+//   sparse_attn  its sparse step alone: the attention over the selected blocks and the history
+//                row (sparse_attend_cuda, two kernels)
 //   predictor    its CNN + top-K alone, one prediction (the paper's "predict attention";
 //                hideable, cross-token); with --predict-interval P it follows P appended
 //                history rows, and 1/P of the steps pay it
@@ -297,14 +298,14 @@ int main(int argc, char** argv) try {
     sel.rows = dalloc<int32_t>(size_t(hkv) * sel.max_tokens);
     sel.tokens = dalloc<int32_t>(size_t(hkv) * sel.max_tokens);
     sel.counts = dalloc<int32_t>(size_t(hkv));
-    const size_t sws_bytes = kvs::kernels::dense_decode_workspace_bytes(hkv, hq / hkv, d);
+    const size_t sws_bytes =
+        ap::sparse_attend_workspace_bytes(1, hq, hkv, d, gpu.max_list_blocks());
     void* sws = dalloc<char>(sws_bytes);
     const kvs::PagedKV kv0 = view(dk[0], dv[0]);
     const double sparse_attn = median_us(reps, 1, stream, [&] {
-      KVS_CUDA_CHECK(ap::build_selection_cuda(kv0, flags, mb, geo, nullptr, sel, nullptr, stream));
-      KVS_CUDA_CHECK(kvs::kernels::dense_decode_cuda(
-          q, hq / hkv, kvs::kernels::tactic::subrequest_view(kv0, sel), scale, out, nullptr, sws,
-          sws_bytes, stream));
+      KVS_CUDA_CHECK(ap::sparse_attend_cuda(q, hq, kv0, scale, flags, mb, geo,
+                                            gpu.max_list_blocks(), &hist, sel, nullptr, out,
+                                            nullptr, sws, sws_bytes, stream));
     });
     const size_t rs_bytes = ap::row_scratch_bytes(1, hq, mb * geo.block);
     void* rs = dalloc<char>(rs_bytes);
