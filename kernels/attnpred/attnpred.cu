@@ -1504,7 +1504,7 @@ struct SparseParams {
 // Byte offsets of the first kernel's shared memory past the tile loop's (the rings must come
 // first: attend_tiles.cuh).
 struct SparseSmem {
-  size_t words, warp_sums, blocks, rows, pos_block, maxima, total;
+  size_t words, warp_sums, blocks, rows, tokens, pos_block, maxima, total;
 };
 __host__ __device__ inline SparseSmem sparse_smem(size_t tiles_bytes, int max_blocks, int share_cap,
                                                   int block) {
@@ -1515,7 +1515,8 @@ __host__ __device__ inline SparseSmem sparse_smem(size_t tiles_bytes, int max_bl
   s.warp_sums = up(s.words + size_t((max_blocks + 31) / 32) * 4);
   s.blocks = up(s.warp_sums + 32 * 4);
   s.rows = up(s.blocks + size_t(share_cap) * 4);
-  s.pos_block = up(s.rows + tokens * 4);
+  s.tokens = up(s.rows + tokens * 4);
+  s.pos_block = up(s.tokens + tokens * 4);
   s.maxima = up(s.pos_block + tokens * 2);
   s.total = up(s.maxima + size_t(kMaxGroup) * share_cap * 4);
   return s;
@@ -1535,6 +1536,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   int* warp_sums = reinterpret_cast<int*>(base + L.warp_sums);
   int32_t* blocks_s = reinterpret_cast<int32_t*>(base + L.blocks);
   int32_t* rows_s = reinterpret_cast<int32_t*>(base + L.rows);
+  int32_t* tokens_s = reinterpret_cast<int32_t*>(base + L.tokens);
   uint16_t* pos_block = reinterpret_cast<uint16_t*>(base + L.pos_block);
   unsigned* maxima = reinterpret_cast<unsigned*>(base + L.maxima);
 
@@ -1651,21 +1653,24 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const int cut = cut_block >= 0 ? block_lo(cut_block) - cut_block * g.block : 0;
   __syncthreads();  // blocks_s complete
   const int first_block = cnt > 0 ? blocks_s[0] : 0;
-  int32_t* list = p.tokens + int64_t(bh) * p.tokens_stride;
-  for (int i = tid; i < cnt; i += kT) {
-    const int j = blocks_s[i];
-    const int lo = block_lo(j), hi = block_hi(j);
-    const bool after_cut = cut > 0 && cut_block < j;
-    const int pos = i * g.block - (after_cut && cut_block >= first_block ? cut : 0);
-    const int gpos = (k0 + i) * g.block - (after_cut ? cut : 0);
-    const int32_t* table = p.kv.page_table + int64_t(b) * p.kv.max_pages_per_seq;
-    for (int t = lo; t < hi; ++t) {
-      const int page = table[t / p.kv.page_size];
-      rows_s[pos + t - lo] = (page * p.kv.page_size + t % p.kv.page_size) * p.num_kv_heads + h;
-      pos_block[pos + t - lo] = uint16_t(i);
-      if (gpos + t - lo < p.tokens_stride) list[gpos + t - lo] = t;
+  const int32_t* table = p.kv.page_table + int64_t(b) * p.kv.max_pages_per_seq;
+  // A thread per token slot (block i, offset u), with only shared stores, so that all of the
+  // CTA's page-table loads are in flight at once; the list goes out after the barrier. (A
+  // thread per block, storing each token to the global list as it went, loaded its tokens'
+  // entries one after another behind stores that might alias them: 15 us of the kernel at
+  // 128K, ncu.)
+  for (int x = tid; x < cnt * g.block; x += kT) {
+    const int i = x / g.block, j = blocks_s[i];
+    const int lo = block_lo(j), hi = block_hi(j), t = j * g.block + x % g.block;
+    if (t >= lo && t < hi) {
+      const bool after_cut = cut > 0 && cut_block < j && cut_block >= first_block;
+      const int pos = i * g.block - (after_cut ? cut : 0) + t - lo;
+      const int page = __ldg(table + t / p.kv.page_size);
+      rows_s[pos] = (page * p.kv.page_size + t % p.kv.page_size) * p.num_kv_heads + h;
+      tokens_s[pos] = t;
+      pos_block[pos] = uint16_t(i);
+      if (i == cnt - 1 && t == hi - 1) warp_sums[kW] = pos + 1;  // the CTA's token count
     }
-    if (i == cnt - 1) warp_sums[kW] = pos + hi - lo;  // the CTA's token count
   }
   if (cnt == 0 && tid == 0) warp_sums[kW] = 0;
   for (int i = tid; i < kMaxGroup * p.share_cap; i += kT) maxima[i] = 0u;  // below every key
@@ -1693,6 +1698,11 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   }
   __syncthreads();
   const int ntok = warp_sums[kW];
+  {  // The CTA's tokens in the (b, kv head) list, from its first one's position on.
+    const int first = k0 * g.block - (cut > 0 && cut_block < first_block ? cut : 0);
+    int32_t* list = p.tokens + int64_t(bh) * p.tokens_stride + first;
+    for (int i = tid; i < ntok && first + i < p.tokens_stride; i += kT) list[i] = tokens_s[i];
+  }
 
   // 4. Attention over the list, with each (head, block) maximum of the scores.
   const tiles::KvSource src{p.kv.k, p.kv.v, rows_s, 1, 1, ntok, p.kv.scale_log2};
