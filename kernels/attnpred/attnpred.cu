@@ -1639,16 +1639,13 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       }
     }
   }
-  // Attended tokens of block j: [block_lo(j), min((j + 1) * block, n)). Only two blocks can
-  // hold fewer than `block`: the first recent block when it is not otherwise attended (cut
-  // on its left) and the last (cut on its right, and last in every list). So a block's list
-  // position is block x its rank, less the first recent block's shortfall when that block
-  // comes before it.
+  // Attended tokens of block j: [block_lo(j), block_hi(j)), block_attended's count of them
+  // (the one place of the rule). Only two blocks can hold fewer than `block`: the first
+  // recent block when it is not otherwise attended (cut on its left) and the last (cut on its
+  // right, and last in every list). So a block's list position is block x its rank, less the
+  // first recent block's shortfall when that block comes before it.
   auto block_hi = [&](int j) { return min((j + 1) * g.block, n); };
-  auto block_lo = [&](int j) {
-    return j < sink_blocks || (j < recent_first || fl[j]) ? j * g.block
-                                                          : max(j * g.block, n - g.recent);
-  };
+  auto block_lo = [&](int j) { return block_hi(j) - block_attended(g, j, n, fl); };
   const int cut_block = recent_first < nb - 1 ? recent_first : -1;
   const int cut = cut_block >= 0 ? block_lo(cut_block) - cut_block * g.block : 0;
   __syncthreads();  // blocks_s complete
@@ -1678,9 +1675,8 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     // Tokens in the list: K whole blocks less the cut block's and the last block's shortfalls.
     int total = K * g.block - cut;
     if (nb > 0 && K > 0) {
-      const int last = nb - 1;
-      const bool attended = last < sink_blocks || last >= recent_first || fl[last];
-      if (attended) total -= g.block - (block_hi(last) - block_lo(last));
+      const int last = block_attended(g, nb - 1, n, fl);
+      if (last > 0) total -= g.block - last;
     }
     p.token_count[bh] = min(total, p.tokens_stride);
     p.block_count[bh] = K;
