@@ -1475,6 +1475,22 @@ __global__ void probe_kernel(const unsigned int* done, unsigned int expected,
 // kernels (docs/gpu.md).
 constexpr int kSparseWarps = 4, kSparseStages = 3;
 
+// Position of the set bit of x that has k set bits below it (k < popc(x)): a binary search
+// on the bit counts of halves.
+__device__ __forceinline__ int nth_set_bit(uint32_t x, int k) {
+  int pos = 0;
+#pragma unroll
+  for (int half = 16; half > 0; half /= 2) {
+    const int low = __popc(x & ((1u << half) - 1u));
+    if (k >= low) {
+      k -= low;
+      x >>= half;
+      pos += half;
+    }
+  }
+  return pos;
+}
+
 // Bit i (0..3) set where byte i of x is nonzero. __vcmpne4 leaves 0xff in each such byte; its
 // top bits, at 8 i + 7, are gathered to bits 28 + i by one multiply (the partial products land
 // on distinct bits, so nothing carries into 28..31).
@@ -1645,22 +1661,19 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const int k0 = int(int64_t(K) * part / p.parts);
   const int cnt = int(int64_t(K) * (part + 1) / p.parts) - k0;  // <= share_cap
   const int k1 = k0 + cnt;
-  // 3. This CTA's block ids, ascending.
+  // 3. This CTA's block ids, ascending: each rank of [k0, k1) in the thread's words found
+  // by its position among the word's bits, so a thread steps over the CTA's few ranks, not
+  // over every attended block before them (a thread holding full words of the recent window
+  // walked up to 96 bits, one after another).
   {
     int r = before;
     for (int w = w0; w < w1 && r < k1; ++w) {
-      uint32_t bits = words[w];
+      const uint32_t bits = words[w];
       const int c = __popc(bits);
-      if (r + c <= k0) {
-        r += c;
-        continue;
-      }
-      while (bits) {
-        const int bit = __ffs(bits) - 1;
-        bits &= bits - 1;
-        if (r >= k0 && r < k1) blocks_s[r - k0] = w * 32 + bit;
-        ++r;
-      }
+      const int q1 = min(r + c, k1);
+#pragma unroll 1
+      for (int q = max(r, k0); q < q1; ++q) blocks_s[q - k0] = w * 32 + nth_set_bit(bits, q - r);
+      r += c;
     }
   }
   // Attended tokens of block j: [block_lo(j), block_hi(j)), block_attended's count of them
