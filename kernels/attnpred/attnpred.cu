@@ -757,11 +757,16 @@ __global__ void __launch_bounds__(kSelThreads)
   }
 }
 
-__device__ __forceinline__ int block_attended(const Geometry& g, int j, int n, const uint8_t* fl) {
+// Tokens of block j that decode attends: all of them in the sink or when the block is flagged,
+// else those in the recent window.
+__device__ __forceinline__ int block_attended(const Geometry& g, int j, int n, bool flagged) {
   const int lo = j * g.block, hi = min(lo + g.block, n);
   if (lo >= n) return 0;
-  if (lo < g.sink || fl[j]) return hi - lo;
+  if (lo < g.sink || flagged) return hi - lo;
   return max(0, hi - max(lo, n - g.recent));
+}
+__device__ __forceinline__ int block_attended(const Geometry& g, int j, int n, const uint8_t* fl) {
+  return block_attended(g, j, n, j * g.block < n && j * g.block >= g.sink && fl[j] != 0);
 }
 
 // Grid (sequence x kv head, parts of kListBlocks blocks): thread t of part y owns block
@@ -1469,6 +1474,29 @@ __global__ void probe_kernel(const unsigned int* done, unsigned int expected,
 // the block list, the split-KV attention and its merge, and the sparse row's score and pool
 // kernels (docs/gpu.md).
 constexpr int kSparseWarps = 4, kSparseStages = 3;
+
+// Position of the set bit of x that has k set bits below it (k < popc(x)): a binary search
+// on the bit counts of halves.
+__device__ __forceinline__ int nth_set_bit(uint32_t x, int k) {
+  int pos = 0;
+#pragma unroll
+  for (int half = 16; half > 0; half /= 2) {
+    const int low = __popc(x & ((1u << half) - 1u));
+    if (k >= low) {
+      k -= low;
+      x >>= half;
+      pos += half;
+    }
+  }
+  return pos;
+}
+
+// Bit i (0..3) set where byte i of x is nonzero. __vcmpne4 leaves 0xff in each such byte; its
+// top bits, at 8 i + 7, are gathered to bits 28 + i by one multiply (the partial products land
+// on distinct bits, so nothing carries into 28..31).
+__device__ __forceinline__ uint32_t nonzero_bytes(uint32_t x) {
+  return (((__vcmpne4(x, 0u) >> 7) & 0x01010101u) * 0x10204080u) >> 28;
+}
 constexpr int kSparseMergeWarps = 8;
 // Items (CTAs x heads' states) the workspace holds at least: parts shrink to fit at large
 // batch, down to one CTA per (b, kv head).
@@ -1504,7 +1532,7 @@ struct SparseParams {
 // Byte offsets of the first kernel's shared memory past the tile loop's (the rings must come
 // first: attend_tiles.cuh).
 struct SparseSmem {
-  size_t words, warp_sums, blocks, rows, tokens, pos_block, maxima, total;
+  size_t words, masks, warp_sums, blocks, rows, tokens, pos_block, maxima, total;
 };
 __host__ __device__ inline SparseSmem sparse_smem(size_t tiles_bytes, int max_blocks, int share_cap,
                                                   int block) {
@@ -1512,7 +1540,8 @@ __host__ __device__ inline SparseSmem sparse_smem(size_t tiles_bytes, int max_bl
   const size_t tokens = size_t(share_cap) * block;
   SparseSmem s;
   s.words = up(tiles_bytes);
-  s.warp_sums = up(s.words + size_t((max_blocks + 31) / 32) * 4);
+  s.masks = up(s.words + size_t((max_blocks + 31) / 32) * 4);
+  s.warp_sums = up(s.masks + size_t((max_blocks + 31) / 16 + 1) * 2);  // a flag row's masks
   s.blocks = up(s.warp_sums + 32 * 4);
   s.rows = up(s.blocks + size_t(share_cap) * 4);
   s.tokens = up(s.rows + tokens * 4);
@@ -1533,6 +1562,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const SparseSmem L = sparse_smem(Cfg::smem_bytes(), p.max_blocks, p.share_cap, g.block);
   char* base = reinterpret_cast<char*>(smem);
   uint32_t* words = reinterpret_cast<uint32_t*>(base + L.words);
+  uint16_t* masks = reinterpret_cast<uint16_t*>(base + L.masks);
   int* warp_sums = reinterpret_cast<int*>(base + L.warp_sums);
   int32_t* blocks_s = reinterpret_cast<int32_t*>(base + L.blocks);
   int32_t* rows_s = reinterpret_cast<int32_t*>(base + L.rows);
@@ -1550,55 +1580,65 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   // The first block holding a recent token (nb: no recent window).
   const int recent_first = g.recent > 0 ? max(0, n - g.recent) / g.block : nb;
   const int hist_slot = p.append ? p.hist.count[b] % p.hist.history : 0;
-  for (int w = tid; w < nwords; w += kT) words[w] = 0u;
   uint32_t qa[D / 16][2];
   tiles::load_query_fragments<D>(p.q + (int64_t(b) * p.num_q_heads + h * p.group) * D, p.group,
                                  lane, qa);
-  __syncthreads();
 
-  // 1. The attended blocks as bits. Flags matter in [sink_blocks, recent_first): 16-byte loads
-  // from the first aligned byte, single bytes for the unaligned head and the tail.
-  auto mark = [&](int j) { atomicOr(&words[j >> 5], 1u << (j & 31)); };
+  // 1. The attended blocks as bits. The flag row is read in aligned 16-byte vectors from
+  // the one holding block sink_blocks to the one holding the last block, each turned into a
+  // 16-bit mask of its nonzero bytes in `masks` (bit i of the stream: row byte i - skew).
+  // Then each thread cuts its own words out of that stream and adds the sink and the recent
+  // window. Branch-free and without atomics: the first form (a loop over each nonzero byte of
+  // every flag word, a shared atomicOr per attended block) took 5.5 us of this kernel's 15 at
+  // 128K on an H200, its 8 KB of conditional blocks run once per CTA (docs/gpu.md).
+  const int skew = int(reinterpret_cast<uintptr_t>(fl) & 15);
+  const uint4* fv = reinterpret_cast<const uint4*>(fl - skew);
+  const int v_lo = (sink_blocks + skew) / 16, v_hi = (nb + skew + 15) / 16;
   {
-    const int lo = sink_blocks, hi = max(lo, recent_first);
-    const int head = int((16 - (reinterpret_cast<uintptr_t>(fl + lo) & 15)) & 15);
-    const int v0 = min(hi, lo + head);
-    const int nvec = (hi - v0) / 16, v1 = v0 + nvec * 16;
-    if (tid < v0 - lo && fl[lo + tid]) mark(lo + tid);
-    if (tid < hi - v1 && fl[v1 + tid]) mark(v1 + tid);
-    const uint4* fv = reinterpret_cast<const uint4*>(fl + v0);
-    constexpr int kLoads = 4;  // 16-byte loads in flight per thread
-    for (int i0 = 0; i0 < nvec; i0 += kT * kLoads) {
+    constexpr int kLoads = 8;  // 16-byte loads in flight per thread: one round up to 128K
+    for (int v0 = v_lo; v0 < v_hi; v0 += kT * kLoads) {
       uint4 x[kLoads];
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
-        const int i = i0 + k * kT + tid;
-        x[k] = i < nvec ? fv[i] : make_uint4(0u, 0u, 0u, 0u);
+        const int v = v0 + k * kT + tid;
+        x[k] = v < v_hi ? fv[v] : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
-        const uint32_t w4[4] = {x[k].x, x[k].y, x[k].z, x[k].w};
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          uint32_t bits = w4[c];
-          while (bits) {  // a nonzero byte of flag word c
-            const int byte = (__ffs(bits) - 1) / 8;
-            bits &= ~(0xffu << (8 * byte));
-            mark(v0 + (i0 + k * kT + tid) * 16 + c * 4 + byte);
-          }
-        }
+        const int v = v0 + k * kT + tid;
+        if (v < v_hi)
+          masks[v - v_lo] = uint16_t(nonzero_bytes(x[k].x) | nonzero_bytes(x[k].y) << 4 |
+                                     nonzero_bytes(x[k].z) << 8 | nonzero_bytes(x[k].w) << 12);
       }
     }
-    for (int j = tid; j < sink_blocks; j += kT) mark(j);
-    for (int j = recent_first + tid; j < nb; j += kT) mark(j);
   }
   __syncthreads();
-
+  // Flag of block j (sink_blocks <= j < nb) from the masks.
+  auto flagged = [&](int j) { return (masks[(j + skew) / 16 - v_lo] >> ((j + skew) % 16)) & 1; };
+  // Bits [lo, hi) of word w.
+  auto range_bits = [](int w, int lo, int hi) {
+    const int a = max(lo - 32 * w, 0), b = min(hi - 32 * w, 32);
+    return a >= b ? 0u : (b - a == 32 ? ~0u : ((1u << (b - a)) - 1u) << a);
+  };
   // 2. Ranks: thread t owns the words [t * per, ...); one block scan of their popcounts.
   const int per = (nwords + kT - 1) / kT;
   const int w0 = min(nwords, tid * per), w1 = min(nwords, w0 + per);
   int mine = 0;
-  for (int w = w0; w < w1; ++w) mine += __popc(words[w]);
+  for (int w = w0; w < w1; ++w) {
+    // Flags of the blocks [sink_blocks, recent_first) of word w: bits of stream positions
+    // [32 w + skew, + 32), which span three masks.
+    uint32_t bits = 0u;
+    const int lo = max(sink_blocks, 32 * w), hi = min(recent_first, 32 * w + 32);
+    if (lo < hi) {
+      const int m0 = (32 * w + skew) / 16 - v_lo;  // masks outside [v_lo, v_hi) read as 0
+      auto mask = [&](int i) { return i >= 0 && i < v_hi - v_lo ? uint64_t(masks[i]) : 0ull; };
+      const uint64_t stream = mask(m0) | mask(m0 + 1) << 16 | mask(m0 + 2) << 32;
+      bits = uint32_t(stream >> ((32 * w + skew) % 16)) & range_bits(w, lo, hi);
+    }
+    bits |= range_bits(w, 0, sink_blocks) | range_bits(w, recent_first, nb);
+    words[w] = bits;
+    mine += __popc(bits);
+  }
   int incl = mine;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
@@ -1621,22 +1661,19 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const int k0 = int(int64_t(K) * part / p.parts);
   const int cnt = int(int64_t(K) * (part + 1) / p.parts) - k0;  // <= share_cap
   const int k1 = k0 + cnt;
-  // 3. This CTA's block ids, ascending.
+  // 3. This CTA's block ids, ascending: each rank of [k0, k1) in the thread's words found
+  // by its position among the word's bits, so a thread steps over the CTA's few ranks, not
+  // over every attended block before them (a thread holding full words of the recent window
+  // walked up to 96 bits, one after another).
   {
     int r = before;
     for (int w = w0; w < w1 && r < k1; ++w) {
-      uint32_t bits = words[w];
+      const uint32_t bits = words[w];
       const int c = __popc(bits);
-      if (r + c <= k0) {
-        r += c;
-        continue;
-      }
-      while (bits) {
-        const int bit = __ffs(bits) - 1;
-        bits &= bits - 1;
-        if (r >= k0 && r < k1) blocks_s[r - k0] = w * 32 + bit;
-        ++r;
-      }
+      const int q1 = min(r + c, k1);
+#pragma unroll 1
+      for (int q = max(r, k0); q < q1; ++q) blocks_s[q - k0] = w * 32 + nth_set_bit(bits, q - r);
+      r += c;
     }
   }
   // Attended tokens of block j: [block_lo(j), block_hi(j)), block_attended's count of them
@@ -1645,7 +1682,9 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   // right, and last in every list). So a block's list position is block x its rank, less the
   // first recent block's shortfall when that block comes before it.
   auto block_hi = [&](int j) { return min((j + 1) * g.block, n); };
-  auto block_lo = [&](int j) { return block_hi(j) - block_attended(g, j, n, fl); };
+  auto block_lo = [&](int j) {
+    return block_hi(j) - block_attended(g, j, n, j >= sink_blocks && flagged(j));
+  };
   const int cut_block = recent_first < nb - 1 ? recent_first : -1;
   const int cut = cut_block >= 0 ? block_lo(cut_block) - cut_block * g.block : 0;
   __syncthreads();  // blocks_s complete
@@ -1675,7 +1714,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     // Tokens in the list: K whole blocks less the cut block's and the last block's shortfalls.
     int total = K * g.block - cut;
     if (nb > 0 && K > 0) {
-      const int last = block_attended(g, nb - 1, n, fl);
+      const int last = block_attended(g, nb - 1, n, nb - 1 >= sink_blocks && flagged(nb - 1));
       if (last > 0) total -= g.block - last;
     }
     p.token_count[bh] = min(total, p.tokens_stride);
