@@ -1473,7 +1473,10 @@ __global__ void probe_kernel(const unsigned int* done, unsigned int expected,
 // first kernel's CTAs), the group's largest by atomicMax when grouped. Two kernels replace
 // the block list, the split-KV attention and its merge, and the sparse row's score and pool
 // kernels (docs/gpu.md).
-constexpr int kSparseWarps = 4, kSparseStages = 3;
+// Two stages: a warp attends one or two tiles (about 5 blocks a CTA at 128K), and the smaller
+// ring (69 KB a CTA with d 128, against 101 KB with three) lets a third CTA onto an SM beside
+// the branches' kernels: 0.6-0.9 us a step at 128K predicting every 4 steps (docs/gpu.md).
+constexpr int kSparseWarps = 4, kSparseStages = 2;
 
 // Position of the set bit of x that has k set bits below it (k < popc(x)): a binary search
 // on the bit counts of halves.
