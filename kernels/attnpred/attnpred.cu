@@ -1697,7 +1697,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   // CTA's page-table loads are in flight at once; the list goes out after the barrier. (A
   // thread per block, storing each token to the global list as it went, loaded its tokens'
   // entries one after another behind stores that might alias them; this form gained 0.5 us a
-  // step at 128K, and the kernel still takes about 15 us alone: docs/gpu.md.)
+  // step at 128K: docs/gpu.md.)
   for (int x = tid; x < cnt * g.block; x += kT) {
     const int i = x / g.block, j = blocks_s[i];
     const int lo = block_lo(j), hi = block_hi(j), t = j * g.block + x % g.block;
