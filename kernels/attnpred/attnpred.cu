@@ -1599,31 +1599,37 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const int skew = int(reinterpret_cast<uintptr_t>(fl) & 15);
   const uint4* fv = reinterpret_cast<const uint4*>(fl - skew);
   const int v_lo = (sink_blocks + skew) / 16, v_hi = (nb + skew + 15) / 16;
+  // Vectors [v_in, v_out) lie inside the row; v_lo and v_hi - 1 may reach past it.
+  auto whole = [&](int v) { return 16 * v >= skew && 16 * v + 16 - skew <= p.max_blocks; };
+  const int v_in = v_lo < v_hi && !whole(v_lo) ? v_lo + 1 : v_lo;
+  const int v_out = max(v_in, v_hi > v_lo && !whole(v_hi - 1) ? v_hi - 1 : v_hi);
   {
     constexpr int kLoads = 8;  // 16-byte loads in flight per thread: one round up to 128K
-    for (int v0 = v_lo; v0 < v_hi; v0 += kT * kLoads) {
+    for (int v0 = v_in; v0 < v_out; v0 += kT * kLoads) {
       uint4 x[kLoads];
-      auto whole = [&](int v) { return 16 * v >= skew && 16 * v + 16 - skew <= p.max_blocks; };
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         const int v = v0 + k * kT + tid;
-        x[k] = v < v_hi && whole(v) ? fv[v] : make_uint4(0u, 0u, 0u, 0u);
+        x[k] = v < v_out ? fv[v] : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         const int v = v0 + k * kT + tid;
-        if (v >= v_hi) continue;
-        uint32_t m = nonzero_bytes(x[k].x) | nonzero_bytes(x[k].y) << 4 |
-                     nonzero_bytes(x[k].z) << 8 | nonzero_bytes(x[k].w) << 12;
-        if (!whole(v)) {
-#pragma unroll 1
-          for (int i = 0; i < 16; ++i) {
-            const int j = 16 * v + i - skew;  // row byte
-            if (j >= 0 && j < p.max_blocks && fl[j]) m |= 1u << i;
-          }
-        }
-        masks[v - v_lo] = uint16_t(m);
+        if (v < v_out)
+          masks[v - v_lo] = uint16_t(nonzero_bytes(x[k].x) | nonzero_bytes(x[k].y) << 4 |
+                                     nonzero_bytes(x[k].z) << 8 | nonzero_bytes(x[k].w) << 12);
       }
+    }
+    // The edge vectors, a byte at a time: thread 0 the first, thread 1 the last.
+    const int ve = tid == 0 ? v_lo : v_hi - 1;
+    if (tid < 2 && ve >= v_lo && ve < v_hi && (ve < v_in || ve >= v_out) &&
+        !(tid == 1 && ve == v_lo)) {
+      uint32_t m = 0u;
+      for (int i = 0; i < 16; ++i) {
+        const int j = 16 * ve + i - skew;  // row byte
+        if (j >= 0 && j < p.max_blocks && fl[j]) m |= 1u << i;
+      }
+      masks[ve - v_lo] = uint16_t(m);
     }
   }
   __syncthreads();
