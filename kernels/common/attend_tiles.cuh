@@ -111,8 +111,9 @@ struct NoScoreHook {
 // differing by at most one tile. Against tiles dealt round-robin (warp w: w, w + warps, ...),
 // the runs spread a CTA's concurrent reads over `warps` places in the range instead of a few
 // adjacent pages, and DRAM served them faster on an H200: the dense kernel 2.2 % at 32K batch
-// 8, 2.7 % at 32K batch 1, 1.4 % at 128K batch 8, 0.8 % slower at 128K batch 1; the full
-// row's K stream 2 % (docs/gpu.md, "tile order inside a CTA").
+// 8, 2.7 % at 32K batch 1, 1.4 % at 128K batch 8, 0.8 % slower at 128K batch 1 (0.5 % faster
+// there with a shuffled page table); the full row's K stream 2 % (docs/gpu.md, "Tile order
+// inside a CTA").
 struct WarpRun {
   int first, count;
 };
