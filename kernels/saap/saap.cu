@@ -14,9 +14,10 @@
 //           engine runs it on a branch forked after the attention kernel and joined at the
 //           step's last layer, so that no kernel of the route waits for it
 //   mlp     two GEMV launches over all query heads of the batch, on the tensor cores, with
-//           e4m3 (default) or bf16 weights (a warp per 16 output rows, one 16-byte fragment
-//           load per lane and 256 or 512 weights, 8 batch rows of x from shared memory per
-//           pass): the router's cost is one read of its weights per step up to batch 8
+//           e4m3 (default) or bf16 weights (a warp per 16 output rows, 32 in the first, one
+//           16-byte fragment load per lane and 256 or 512 weights, 8 batch rows of x from
+//           shared memory per pass): the router's cost is one read of its weights per step up
+//           to batch 8
 //   route   one CTA per (b, h), launched programmatically behind the second GEMV: softmax
 //           per query head, group sum (or mean-query centroid scores), top-l ids
 //   attend  per (b, h) and part (attend_cuda), launched programmatically behind the route:
@@ -857,22 +858,45 @@ struct E4m3Mma {
 };
 
 // y[b, head, r] = act(scale[head, r] * (w[head, r, :] . x[b, head, :]) + bias[head, r]) for
-// b < batch (scale 1 for bf16 weights), on the tensor cores: a warp owns 16 rows (one mma's M),
-// walks their K one 16-byte lane load at a time (Fmt::kTiles tiles of 16 columns each, kMmaInFlight
-// loads in flight before any is used), and takes 8 batch rows at a time as the mma's N (x converted
-// in shared memory; B rows past the batch are zero, not loaded). w is in pack_mma_rows'
-// order. The weights are nearly all the bytes (75 MB per layer at d 128, hidden 1024, C
-// 1024, 32 heads in bf16, half that in e4m3), read once per 8 batch rows. A SIMT form
-// (per-lane FMAs on 16-byte pieces, a warp per 8 rows) took as long in bf16 at batch 1 (~29
-// us for the 1024-wide GEMV, about 2.3 TB/s; a split of K over 4 warps did not move that
-// either), 1.6x longer at batch 8, where every piece fed 8 rows of FMAs, and in e4m3 it was
+// b < batch (scale 1 for bf16 weights), on the tensor cores: a warp owns kRb blocks of 16 rows
+// (one mma's M each), walks their K one 16-byte lane load at a time (Fmt::kTiles tiles of 16
+// columns each, kMmaInFlight loads in flight over the blocks before any is used), and takes 8
+// batch rows at a time as the mma's N (x converted in shared memory; B rows past the batch
+// are zero, not loaded). w is in pack_mma_rows' order. The weights are nearly all the bytes (75 MB
+// per layer at d 128, hidden 1024, C 1024, 32 heads in bf16, half that in e4m3), read once per 8
+// batch rows. A SIMT form (per-lane FMAs on 16-byte pieces, a warp per 8 rows) took as long in bf16
+// at batch 1 (~29 us for the 1024-wide GEMV, about 2.3 TB/s; a split of K over 4 warps did not move
+// that either), 1.6x longer at batch 8, where every piece fed 8 rows of FMAs, and in e4m3 it was
 // bound by instruction issue (2.5 per weight in bf16, twice that per byte in e4m3).
 constexpr int kMmaWarps = 4;
 constexpr int kMmaInFlight = 8;
+// The first GEMV's 16-row blocks per warp (hidden 1024: 256 CTAs instead of 512). Its CTAs
+// then hold fewer of each SM's registers, so that more of the second GEMV's CTAs (116
+// registers each, launched programmatically behind it) get resident and request their dense
+// prefix while it runs; with one block per warp the last quarter got resident only as the
+// first GEMV's CTAs left, and ended last. At d 128 in e4m3 the two blocks' 8 loads are still
+// one round. 128K batch 1 on an H200: 35.85 -> 34.9 us a step; 4 blocks per warp (two
+// rounds) gained nothing (docs/gpu.md).
+constexpr int kGemv1Rb = 2;
 constexpr int kMmaN = 8;      // batch rows per pass over the weights
 constexpr int kStageIlp = 4;  // pairs of x per thread and round of the staging
 
-template <class In, class Fmt, bool kRelu>
+// Lane load `load` of a warp's 16 weight rows (Fmt::kTiles tiles of 16 columns, in
+// pack_mma_rows' order) against 8 batch rows of x staged in shared memory as pairs: xb is
+// batch row g's pairs from pair c on (row_in: that row exists). d[q] accumulates weight row
+// g + 8 (q / 2) times batch row 2c + q % 2.
+template <class Fmt>
+__device__ __forceinline__ void rows_load_mma(float (&d)[4], const uint4& a, int load,
+                                              const uint32_t* xb, bool row_in) {
+#pragma unroll
+  for (int t = 0; t < Fmt::kTiles; ++t) {
+    const int s = load * Fmt::kTiles + t;  // the tile: columns 16 s ..
+    const uint32_t b[2] = {row_in ? xb[s * 8] : 0u, row_in ? xb[s * 8 + 4] : 0u};
+    Fmt::mma(d, a, t, b);
+  }
+}
+
+template <class In, class Fmt, bool kRelu, int kRb>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     gemv_kernel(const In* x, const uint4* w, const float* scale, const float* bias, float* y,
                 int batch, int heads, int rows, int K) {
@@ -881,37 +905,45 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   // launch_gemv): let it get resident now.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   constexpr int kc = 16 * Fmt::kTiles;  // columns per lane load
+  constexpr int kIf = kMmaInFlight / kRb;  // loads per row block in flight together
   const int loads = (K + kc - 1) / kc, blocks = (rows + 15) / 16;
   // Words per batch row: K / 2 padded by 4, so that the 8 rows of a B fragment load (g) fall
   // on different banks.
   const int half_k = loads * kc / 2, stride = half_k + 4;
   const int head = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
-  const int rb = blockIdx.x * kMmaWarps + warp;
-  const bool active = rb < blocks;  // the grid's last CTA may hold warps past the rows
-  const uint4* wl = w + (int64_t(head) * blocks + (active ? rb : 0)) * loads * 32 + lane;
+  const int rb0 = (blockIdx.x * kMmaWarps + warp) * kRb;
+  // The grid's last CTA may hold warps and blocks past the rows.
+  const bool active = rb0 < blocks;
   // What does not depend on x is requested first, so that its memory latency overlaps the
   // staging of x: the epilogue's row scales and biases (rows g and g + 8) and the first
   // round of weights. At batch 1 that took 2.3-2.6 us off the 128K step (docs/gpu.md).
-  float row_scale[2] = {1.f, 1.f}, row_bias[2] = {0.f, 0.f};
-  uint4 a[kMmaInFlight];
+  float row_scale[kRb][2], row_bias[kRb][2];
+  uint4 a[kRb][kIf];
   const auto load_round = [&](int l0) {
 #pragma unroll
-    for (int u = 0; u < kMmaInFlight; ++u)
-      a[u] = l0 + u < loads ? wl[(l0 + u) * 32] : make_uint4(0u, 0u, 0u, 0u);
+    for (int j = 0; j < kRb; ++j) {
+      const bool in = rb0 + j < blocks;
+      const uint4* wl = w + (int64_t(head) * blocks + (in ? rb0 + j : 0)) * loads * 32 + lane;
+#pragma unroll
+      for (int u = 0; u < kIf; ++u)
+        a[j][u] = in && l0 + u < loads ? wl[(l0 + u) * 32] : make_uint4(0u, 0u, 0u, 0u);
+    }
   };
-  if (active) {
+#pragma unroll
+  for (int j = 0; j < kRb; ++j)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int r = rb * 16 + g + 8 * i;
+      const int r = (rb0 + j) * 16 + g + 8 * i;
+      row_scale[j][i] = 1.f;
+      row_bias[j][i] = 0.f;
       if (r < rows) {
         const int64_t hr = int64_t(head) * rows + r;
-        if (Fmt::kScaled) row_scale[i] = scale[hr];
-        row_bias[i] = bias[hr];
+        if (Fmt::kScaled) row_scale[j][i] = scale[hr];
+        row_bias[j][i] = bias[hr];
       }
     }
-    load_round(0);
-  }
+  if (active) load_round(0);
   // x may be the previous grid's output (the first GEMV's hidden layer for the second; q_pre,
   // for the first, from whatever kernel wrote it): wait for that grid here, after the loads
   // above are in flight (a no-op for a launch without the attribute).
@@ -940,47 +972,46 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     }
     __syncthreads();
     if (!active) continue;
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    float d[kRb][4] = {};
     const uint32_t* xb = x_s + g * stride + c;
-    for (int l0 = 0; l0 < loads; l0 += kMmaInFlight) {
+    for (int l0 = 0; l0 < loads; l0 += kIf) {
       if (l0 > 0 || b0 > 0) load_round(l0);  // the first pass's first round is in already
 #pragma unroll
-      for (int u = 0; u < kMmaInFlight; ++u) {
-        if (l0 + u >= loads) break;
+      for (int j = 0; j < kRb; ++j)
 #pragma unroll
-        for (int t = 0; t < Fmt::kTiles; ++t) {
-          const int s = (l0 + u) * Fmt::kTiles + t;  // the tile: columns 16 s ..
-          const uint32_t b[2] = {g < nb ? xb[s * 8] : 0u, g < nb ? xb[s * 8 + 4] : 0u};
-          Fmt::mma(d, a[u], t, b);
+        for (int u = 0; u < kIf; ++u) {
+          if (l0 + u >= loads) break;
+          rows_load_mma<Fmt>(d[j], a[j][u], l0 + u, xb, g < nb);
+        }
+    }
+    // d[j][q]: row 16 (rb0 + j) + g + 8 (q / 2), batch column 2c + q % 2.
+#pragma unroll
+    for (int j = 0; j < kRb; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int r = (rb0 + j) * 16 + g + 8 * (q / 2), n = 2 * c + q % 2;
+        if (r < rows && n < nb) {
+          const float v = row_scale[j][q / 2] * d[j][q] + row_bias[j][q / 2];
+          y[(int64_t(b0 + n) * heads + head) * rows + r] = kRelu ? fmaxf(v, 0.f) : v;
         }
       }
-    }
-    // d[q]: row g + 8 (q / 2), batch column 2c + q % 2.
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int r = rb * 16 + g + 8 * (q / 2), n = 2 * c + q % 2;
-      if (r < rows && n < nb) {
-        const float v = row_scale[q / 2] * d[q] + row_bias[q / 2];
-        y[(int64_t(b0 + n) * heads + head) * rows + r] = kRelu ? fmaxf(v, 0.f) : v;
-      }
-    }
   }
 }
 
 // x_s of gemv_kernel: kMmaN rows of K (rounded up to 32) / 2 + 4 words.
 size_t gemv_smem_bytes(int K) { return size_t(kMmaN) * ((K + 31) / 32 * 16 + 4) * 4; }
 
-template <class In, class Fmt, bool kRelu>
+template <class In, class Fmt, bool kRelu, int kRb>
 cudaError_t launch_gemv(const In* x, const void* w, const float* scale, const float* bias, float* y,
                         int batch, int heads, int rows, int K, bool programmatic,
                         cudaStream_t stream) {
   const int blocks = (rows + 15) / 16;
-  const dim3 grid(unsigned((blocks + kMmaWarps - 1) / kMmaWarps), unsigned(heads));
+  const dim3 grid(unsigned((blocks + kMmaWarps * kRb - 1) / (kMmaWarps * kRb)), unsigned(heads));
   if (programmatic)
-    return launch_programmatic(gemv_kernel<In, Fmt, kRelu>, grid, dim3(kMmaWarps * 32),
+    return launch_programmatic(gemv_kernel<In, Fmt, kRelu, kRb>, grid, dim3(kMmaWarps * 32),
                                gemv_smem_bytes(K), stream, x, static_cast<const uint4*>(w), scale,
                                bias, y, batch, heads, rows, K);
-  gemv_kernel<In, Fmt, kRelu><<<grid, kMmaWarps * 32, gemv_smem_bytes(K), stream>>>(
+  gemv_kernel<In, Fmt, kRelu, kRb><<<grid, kMmaWarps * 32, gemv_smem_bytes(K), stream>>>(
       x, static_cast<const uint4*>(w), scale, bias, y, batch, heads, rows, K);
   return cudaGetLastError();
 }
@@ -1219,13 +1250,13 @@ cudaError_t launch_mlp(const bf* q_pre, const void* w1, const float* s1, const v
                        const float* s2, const Router<bf16>& r, float* hidden, float* logits,
                        int batch, cudaStream_t stream) {
   const int hq = r.num_q_heads;
-  const cudaError_t e = launch_gemv<bf, Mma, true>(q_pre, w1, s1, r.b1, hidden, batch, hq, r.hidden,
-                                                   r.head_dim, true, stream);
+  const cudaError_t e = launch_gemv<bf, Mma, true, kGemv1Rb>(q_pre, w1, s1, r.b1, hidden, batch, hq,
+                                                             r.hidden, r.head_dim, true, stream);
   if (e != cudaSuccess || !r.w2_column_blocks)
     return e != cudaSuccess
                ? e
-               : launch_gemv<float, Mma, false>(hidden, w2, s2, r.b2, logits, batch, hq,
-                                                r.num_clusters, r.hidden, true, stream);
+               : launch_gemv<float, Mma, false, 1>(hidden, w2, s2, r.b2, logits, batch, hq,
+                                                   r.num_clusters, r.hidden, true, stream);
   const dim3 grid(unsigned((r.num_clusters + kColumnBlock - 1) / kColumnBlock), unsigned(hq));
   return launch_programmatic(gemv_nonzero_kernel<Columns>, grid, dim3(kNzWarps * 32),
                              gemv_nonzero_smem_bytes(batch, r.hidden), stream, hidden,
@@ -1960,10 +1991,12 @@ cudaError_t prepare_cuda(int hidden) {
   using GemvKernelBf =
       void (*)(const bf*, const uint4*, const float*, const float*, float*, int, int, int, int);
   cudaError_t e = cudaSuccess;
-  for (GemvKernel fn : {gemv_kernel<float, Bf16Mma, false>, gemv_kernel<float, E4m3Mma, false>})
+  for (GemvKernel fn :
+       {gemv_kernel<float, Bf16Mma, false, 1>, gemv_kernel<float, E4m3Mma, false, 1>})
     if (e == cudaSuccess)
       e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
-  for (GemvKernelBf fn : {gemv_kernel<bf, Bf16Mma, true>, gemv_kernel<bf, E4m3Mma, true>})
+  for (GemvKernelBf fn :
+       {gemv_kernel<bf, Bf16Mma, true, kGemv1Rb>, gemv_kernel<bf, E4m3Mma, true, kGemv1Rb>})
     if (e == cudaSuccess)
       e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
   if (e == cudaSuccess)
