@@ -857,17 +857,17 @@ struct E4m3Mma {
   }
 };
 
-// y[b, head, r] = act(scale[head, r] * (w[head, r, :] . x[b, head, :]) + bias[head, r]) for
-// b < batch (scale 1 for bf16 weights), on the tensor cores: a warp owns kRb blocks of 16 rows
-// (one mma's M each), walks their K one 16-byte lane load at a time (Fmt::kTiles tiles of 16
-// columns each, kMmaInFlight loads in flight over the blocks before any is used), and takes 8
-// batch rows at a time as the mma's N (x converted in shared memory; B rows past the batch
-// are zero, not loaded). w is in pack_mma_rows' order. The weights are nearly all the bytes (75 MB
-// per layer at d 128, hidden 1024, C 1024, 32 heads in bf16, half that in e4m3), read once per 8
-// batch rows. A SIMT form (per-lane FMAs on 16-byte pieces, a warp per 8 rows) took as long in bf16
-// at batch 1 (~29 us for the 1024-wide GEMV, about 2.3 TB/s; a split of K over 4 warps did not move
-// that either), 1.6x longer at batch 8, where every piece fed 8 rows of FMAs, and in e4m3 it was
-// bound by instruction issue (2.5 per weight in bf16, twice that per byte in e4m3).
+// y[b, head, r] = act(scale[head, r] * (w[head, r, :] . x[b, head, :]) + bias[head, r]) for b <
+// batch (scale 1 for bf16 weights), on the tensor cores: a warp owns kRb blocks of 16 rows (one
+// mma's M each), walks their K one 16-byte lane load at a time (Fmt::kTiles tiles of 16 columns
+// each, kMmaInFlight loads in flight over the blocks before any is used), and takes 8 batch rows at
+// a time as the mma's N (x converted in shared memory; B rows past the batch are zero, not loaded).
+// w is in pack_mma_rows' order. The weights are nearly all the bytes (75 MB per layer at d 128,
+// hidden 1024, C 1024, 32 heads in bf16, half that in e4m3), read once per 8 batch rows. A SIMT
+// form (per-lane FMAs on 16-byte pieces, a warp per 8 rows) took as long in bf16 at batch 1 (~29 us
+// for the 1024-wide GEMV, about 2.3 TB/s; a split of K over 4 warps did not move that either), 1.6x
+// longer at batch 8, where every piece fed 8 rows of FMAs, and in e4m3 it was bound by instruction
+// issue (2.5 per weight in bf16, twice that per byte in e4m3).
 constexpr int kMmaWarps = 4;
 constexpr int kMmaInFlight = 8;
 // The first GEMV's 16-row blocks per warp (hidden 1024: 256 CTAs instead of 512). Its CTAs
@@ -875,8 +875,8 @@ constexpr int kMmaInFlight = 8;
 // registers each, launched programmatically behind it) get resident and request their dense
 // prefix while it runs; with one block per warp the last quarter got resident only as the
 // first GEMV's CTAs left, and ended last. At d 128 in e4m3 the two blocks' 8 loads are still
-// one round. 128K batch 1 on an H200: 35.85 -> 34.9 us a step; 4 blocks per warp (two
-// rounds) gained nothing (docs/gpu.md).
+// one round. 128K batch 1 on an H200: 35.1-35.9 -> 34.9 us a step (two calls); 4 blocks per warp
+// (one or two rounds) gained nothing (docs/gpu.md).
 constexpr int kGemv1Rb = 2;
 constexpr int kMmaN = 8;      // batch rows per pass over the weights
 constexpr int kStageIlp = 4;  // pairs of x per thread and round of the staging
