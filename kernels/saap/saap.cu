@@ -1075,6 +1075,9 @@ constexpr int kNzRows = 16;                     // batch rows per pass: the mma'
 constexpr int kNzColsPerLane = 8;               // columns a lane lists per round of the scan
 constexpr int kNzScanRows = 4;                  // batch rows whose x a lane loads together
 constexpr int kNzRedStride = kColumnBlock + 4;  // floats per batch row of the warp partials
+// Softmax pairs per (batch row, head) that the second GEMV in column blocks leaves for the
+// route: one per 32 outputs, so C <= 32 * kRoutePairs (every route_in_registers shape).
+constexpr int kRoutePairs = 32;
 
 // A warp's list capacity: its range of whole tiles (a quarter of K's, rounded up).
 __host__ __device__ inline int nz_warp_capacity(int K) {
@@ -1092,7 +1095,8 @@ size_t gemv_nonzero_smem_bytes(int batch, int K) {
 template <class Fmt>
 __global__ void __launch_bounds__(kNzWarps * 32, 4)
     gemv_nonzero_kernel(const float* x, const typename Fmt::Load* w, const float* scale,
-                        const float* bias, float* y, int batch, int heads, int rows, int K) {
+                        const float* bias, float* y, int batch, int heads, int rows, int K,
+                        float2* pairs) {
   using Load = typename Fmt::Load;
   constexpr int kThreads = kNzWarps * 32, kInFlight = Fmt::kInFlight;
   extern __shared__ uint32_t nz_smem[];
@@ -1231,7 +1235,18 @@ __global__ void __launch_bounds__(kNzWarps * 32, 4)
       const int n = i / kColumnBlock;
       float acc = red[n * kNzRedStride + o];
       for (int w2 = 1; w2 < kNzWarps; ++w2) acc += red[(w2 * pass_rows + n) * kNzRedStride + o];
-      if (row < rows) y[(int64_t(b0 + n) * heads + head) * rows + row] = out_scale * acc + out_bias;
+      const float v = out_scale * acc + out_bias;
+      if (row < rows) y[(int64_t(b0 + n) * heads + head) * rows + row] = v;
+      // The softmax pair of the warp's 32 outputs (one n; kThreads and kColumnBlock are
+      // multiples of 32), for the route (route_pairs_score).
+      if (pairs) {
+        const float m = float_from_order_key(
+            __reduce_max_sync(0xffffffffu, float_order_key(row < rows ? v : -INFINITY)));
+        float e = row < rows ? __expf(v - m) : 0.f;
+        for (int off = 16; off > 0; off /= 2) e += __shfl_xor_sync(0xffffffffu, e, off);
+        if (lane == 0)
+          pairs[(int64_t(b0 + n) * heads + head) * kRoutePairs + row / 32] = make_float2(m, e);
+      }
     }
     __syncthreads();  // red is rewritten by the next pass
   }
@@ -1248,7 +1263,7 @@ __global__ void __launch_bounds__(kNzWarps * 32, 4)
 template <class Mma, class Columns>
 cudaError_t launch_mlp(const bf* q_pre, const void* w1, const float* s1, const void* w2,
                        const float* s2, const Router<bf16>& r, float* hidden, float* logits,
-                       int batch, cudaStream_t stream) {
+                       float2* pairs, int batch, cudaStream_t stream) {
   const int hq = r.num_q_heads;
   const cudaError_t e = launch_gemv<bf, Mma, true, kGemv1Rb>(q_pre, w1, s1, r.b1, hidden, batch, hq,
                                                              r.hidden, r.head_dim, true, stream);
@@ -1261,7 +1276,7 @@ cudaError_t launch_mlp(const bf* q_pre, const void* w1, const float* s1, const v
   return launch_programmatic(gemv_nonzero_kernel<Columns>, grid, dim3(kNzWarps * 32),
                              gemv_nonzero_smem_bytes(batch, r.hidden), stream, hidden,
                              static_cast<const typename Columns::Load*>(w2), s2, r.b2, logits,
-                             batch, hq, r.num_clusters, r.hidden);
+                             batch, hq, r.num_clusters, r.hidden, pairs);
 }
 
 template <class Op>
@@ -1415,6 +1430,35 @@ __device__ float route_mlp_score(const float* logits, int row0, int g, int C, fl
   return c < C ? score : -FLT_MAX;
 }
 
+// route_mlp_score from the second GEMV's softmax pairs (gemv_nonzero_kernel with pairs; C
+// <= 32 * kRoutePairs): lane l of every warp loads pair l of each head with the logits, one
+// round trip, and the warp combines them into the head's max M and sum S itself, so the
+// score sum_j exp(z_j - M_j) / S_j needs no barrier. The route's own reductions (two
+// barriers of 32 warps) took 1.7 us of its 4 on an H200 (docs/gpu.md).
+template <int kG>
+__device__ float route_pairs_score(const float* logits, const float2* pairs, int row0, int g,
+                                   int C) {
+  const int c = threadIdx.x, lane = threadIdx.x % 32, groups = (C + 31) / 32;
+  float z[kG];
+  float2 p[kG];
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
+    z[j] = j < g && c < C ? logits[int64_t(row0 + j) * C + c] : -FLT_MAX;
+    p[j] = j < g && lane < groups ? pairs[int64_t(row0 + j) * kRoutePairs + lane]
+                                  : make_float2(-INFINITY, 0.f);
+  }
+  float score = 0.f;
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
+    if (j >= g) break;  // uniform
+    const float m = float_from_order_key(__reduce_max_sync(0xffffffffu, float_order_key(p[j].x)));
+    float sum = p[j].x == -INFINITY ? 0.f : p[j].y * __expf(p[j].x - m);
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    score += __expf(z[j] - m) * (1.f / sum);
+  }
+  return c < C ? score : -FLT_MAX;
+}
+
 // The best `probes` <= 32 of the block's C <= kRouteThreads scores (thread c holds cluster
 // c's, s >= 0), in route_sort_registers' order (descending score, ascending id), to
 // out[rank]; or false, with nothing written, when the candidates below overflow (then the
@@ -1532,16 +1576,19 @@ bool route_in_registers(const Router<bf16>& r, int pow2) {
 // selected[(b * Hkv + h) * probes ...]. A kernel apart from route_kernel's general paths so
 // that their code is not in its instructions: in these one-wave kernels that run their code
 // once, code that no thread executes still cost time (docs/gpu.md, device facts).
-template <bool kTop32, int kG>
+template <bool kTop32, int kG, bool kPairs>
 __global__ void __launch_bounds__(kRouteThreads)
-    route_mlp_kernel(const float* logits, Router<bf16> r, int probes, int pow2, int32_t* selected) {
+    route_mlp_kernel(const float* logits, const float2* pairs, Router<bf16> r, int probes, int pow2,
+                     int32_t* selected) {
   route_wait_then_release();
   extern __shared__ float route_s[];
   const RouteSmem sm(route_s, pow2);
   const int hkv = r.num_kv_heads, g = r.num_q_heads / hkv;
   const int b = blockIdx.x / hkv, h = blockIdx.x % hkv;
   int32_t* out = selected + int64_t(blockIdx.x) * probes;
-  const float s = route_mlp_score<kG>(logits, b * r.num_q_heads + h * g, g, r.num_clusters, sm.red);
+  const int row0 = b * r.num_q_heads + h * g;
+  const float s = kPairs ? route_pairs_score<kG>(logits, pairs, row0, g, r.num_clusters)
+                         : route_mlp_score<kG>(logits, row0, g, r.num_clusters, sm.red);
   int id;
   if (kTop32) {
     if (route_top_candidates(s, r.num_clusters, probes, sm.cand, sm.cand_rank, sm.warp_max,
@@ -1552,6 +1599,15 @@ __global__ void __launch_bounds__(kRouteThreads)
     id = route_sort_registers(s, sm.exchange, sm.exchange_ids);
   }
   if (int(threadIdx.x) < probes) out[threadIdx.x] = id;
+}
+
+using RouteMlpKernel = void (*)(const float*, const float2*, Router<bf16>, int, int, int32_t*);
+template <bool kPairs>
+RouteMlpKernel route_mlp_kernel_for(bool top32, bool small_group) {
+  return top32 ? (small_group ? route_mlp_kernel<true, 4, kPairs>
+                              : route_mlp_kernel<true, kMaxRouteGroup, kPairs>)
+               : (small_group ? route_mlp_kernel<false, 4, kPairs>
+                              : route_mlp_kernel<false, kMaxRouteGroup, kPairs>);
 }
 
 // Scores of the C clusters for (b, h), bitonic-sorted (descending score, ascending id), top l
@@ -1632,14 +1688,15 @@ __global__ void __launch_bounds__(kRouteThreads)
 
 // The router's scratch: the hidden layer and the logits.
 struct RouteLayout {
-  size_t hidden, logits, total;
+  size_t hidden, logits, pairs, total;
 };
 
 RouteLayout route_layout(int max_batch, int hq, int hidden, int C) {
   RouteLayout l;
   l.hidden = align_up(size_t(max_batch) * hq * hidden * sizeof(float));
   l.logits = align_up(size_t(max_batch) * hq * C * sizeof(float));
-  l.total = l.hidden + l.logits;
+  l.pairs = align_up(size_t(max_batch) * hq * kRoutePairs * sizeof(float2));
+  l.total = l.hidden + l.logits + l.pairs;
   return l;
 }
 
@@ -1732,17 +1789,30 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
   return cudaGetLastError();
 }
 
-cudaError_t mlp_logits_cuda(const bf16* q_pre, const Router<bf16>& r, int batch, float* hidden,
-                            float* logits, cudaStream_t stream) {
+namespace {
+
+// mlp_logits_cuda, and with w2 in column blocks and pairs non-null, the softmax pairs of
+// every 32 outputs to pairs [batch, Hq, kRoutePairs] (C <= 32 * kRoutePairs).
+cudaError_t mlp_logits(const bf16* q_pre, const Router<bf16>& r, int batch, float* hidden,
+                       float* logits, float2* pairs, cudaStream_t stream) {
   if (batch < 1 || r.num_q_heads < 1 || r.head_dim < 1 || r.head_dim > 128 || r.hidden % 8 != 0 ||
       r.hidden < 8 || r.hidden > kMaxHiddenCuda || r.num_clusters < 1 || !q_pre || !hidden ||
-      !logits || !(r.w1_e4m3 ? r.w2_e4m3 && r.w1_scale && r.w2_scale : r.w1 && r.w2))
+      !logits || !(r.w1_e4m3 ? r.w2_e4m3 && r.w1_scale && r.w2_scale : r.w1 && r.w2) ||
+      (pairs && (!r.w2_column_blocks || r.num_clusters > 32 * kRoutePairs)))
     return cudaErrorInvalidValue;
   const bf* q = reinterpret_cast<const bf*>(q_pre);
-  return r.w1_e4m3 ? launch_mlp<E4m3Mma, E4m3Columns>(q, r.w1_e4m3, r.w1_scale, r.w2_e4m3,
-                                                      r.w2_scale, r, hidden, logits, batch, stream)
-                   : launch_mlp<Bf16Mma, Bf16Columns>(q, r.w1, nullptr, r.w2, nullptr, r, hidden,
-                                                      logits, batch, stream);
+  return r.w1_e4m3
+             ? launch_mlp<E4m3Mma, E4m3Columns>(q, r.w1_e4m3, r.w1_scale, r.w2_e4m3, r.w2_scale, r,
+                                                hidden, logits, pairs, batch, stream)
+             : launch_mlp<Bf16Mma, Bf16Columns>(q, r.w1, nullptr, r.w2, nullptr, r, hidden, logits,
+                                                pairs, batch, stream);
+}
+
+}  // namespace
+
+cudaError_t mlp_logits_cuda(const bf16* q_pre, const Router<bf16>& r, int batch, float* hidden,
+                            float* logits, cudaStream_t stream) {
+  return mlp_logits(q_pre, r, batch, hidden, logits, nullptr, stream);
 }
 
 size_t route_workspace_bytes(int max_batch, int num_q_heads, int hidden, int num_clusters) {
@@ -1814,19 +1884,21 @@ cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>&
   char* p = static_cast<char*>(workspace);
   float* hidden = reinterpret_cast<float*>(p);
   float* logits = reinterpret_cast<float*>(p + lay.hidden);
+  const int pow2 = next_pow2(C);
+  // The second GEMV in column blocks leaves the route its softmax pairs.
+  const bool pairs = route_in_registers(r, pow2) && r.w2_column_blocks && C <= 32 * kRoutePairs;
+  float2* pair_buf = pairs ? reinterpret_cast<float2*>(p + lay.hidden + lay.logits) : nullptr;
   cudaError_t e = cudaSuccess;
   if (r.use_mlp) {
-    e = mlp_logits_cuda(q_pre, r, B, hidden, logits, stream);
+    e = mlp_logits(q_pre, r, B, hidden, logits, pair_buf, stream);
     if (e != cudaSuccess) return e;
   }
-  const int pow2 = next_pow2(C);
   size_t route_smem = 0;
   e = route_smem_for(B * hkv, pow2, d, probes, C, &route_smem);
   if (e != cudaSuccess) return e;
   // The route, programmatic behind the MLP's last grid, waits for it before it releases the
   // attention (route_wait_then_release), whose code before its own wait reads the index: the
   // index step of the call before has completed then (the engine joins it at the step's end).
-  using RouteKernel = void (*)(const float*, Router<bf16>, int, int, int32_t*);
   if (!route_in_registers(r, pow2)) {
     e = launch_programmatic(route_kernel, dim3(unsigned(B * hkv)), dim3(kRouteThreads), route_smem,
                             stream, logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2,
@@ -1834,12 +1906,11 @@ cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>&
   } else {
     // Llama-3's groups of 4 (and smaller) take the kernel unrolled for 4 heads.
     const bool top32 = probes <= 32, small_group = hq / hkv <= 4;
-    const RouteKernel fn =
-        top32
-            ? (small_group ? route_mlp_kernel<true, 4> : route_mlp_kernel<true, kMaxRouteGroup>)
-            : (small_group ? route_mlp_kernel<false, 4> : route_mlp_kernel<false, kMaxRouteGroup>);
+    const RouteMlpKernel fn = pairs ? route_mlp_kernel_for<true>(top32, small_group)
+                                    : route_mlp_kernel_for<false>(top32, small_group);
     e = launch_programmatic(fn, dim3(unsigned(B * hkv)), dim3(kRouteThreads), route_smem, stream,
-                            logits, r, probes, pow2, selected);
+                            logits, static_cast<const float2*>(pair_buf), r, probes, pow2,
+                            selected);
   }
   return e;
 }
@@ -2013,10 +2084,12 @@ cudaError_t prepare_cuda(int hidden) {
   SmInfo info;
   e = sm_info(&info);
   const int optin = info.optin;
-  for (auto fn : {route_mlp_kernel<true, 4>, route_mlp_kernel<true, kMaxRouteGroup>,
-                  route_mlp_kernel<false, 4>, route_mlp_kernel<false, kMaxRouteGroup>})
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+  for (bool top32 : {true, false})
+    for (bool small_group : {true, false})
+      for (RouteMlpKernel fn : {route_mlp_kernel_for<true>(top32, small_group),
+                                route_mlp_kernel_for<false>(top32, small_group)})
+        if (e == cudaSuccess)
+          e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
   if (e != cudaSuccess) return e;
   return cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
 }
