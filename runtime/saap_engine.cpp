@@ -466,7 +466,7 @@ void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Paged
     const kernels::tactic::Selection sel = lists();
     char* route_ws = ws + selected_bytes() + lists_bytes();
     KVS_CUDA_CHECK(sk::decode_select_cuda(q_pre, kv.batch, router, config_.saap.probes,
-                                          selected_ptr(), route_ws, route_bytes(), stream));
+                                          selected_ptr(), route_ws, route_bytes(), stream, &st));
     const kernels::StreamFork& branch = index_branch_->get();
     KVS_CUDA_CHECK(sk::attend_cuda(q, kv, scale, window(), st, selected_ptr(),
                                    config_.saap.probes, sel, device_counters_.get(),

@@ -1530,13 +1530,15 @@ struct RouteSmem {
   int* cand_rank;      // [kRouteCandidates]
   unsigned* warp_max;  // [32]
   int* cand_count;     // [1]
+  int* off;            // [kRouteThreads + 1] the slot's CSR offsets (route_mlp_kernel)
+  int* sel;            // [kRouteThreads] the selection (route_mlp_kernel)
 
   static constexpr size_t bytes(int pow2) {
     return kRouteCandidates * sizeof(unsigned long long) +
            size_t(pow2) * (sizeof(float) + sizeof(int)) +
            (2 * 32 * kMaxRouteGroup + 128) * sizeof(float) +
            2 * size_t(kRouteThreads) * (sizeof(float) + sizeof(int)) +
-           (kRouteCandidates + 32 + 1) * sizeof(int);
+           (kRouteCandidates + 32 + 1 + 2 * kRouteThreads + 1) * sizeof(int);
   }
   __device__ RouteSmem(float* base, int pow2) {
     cand = reinterpret_cast<unsigned long long*>(base);
@@ -1549,6 +1551,8 @@ struct RouteSmem {
     cand_rank = exchange_ids + 2 * kRouteThreads;
     warp_max = reinterpret_cast<unsigned*>(cand_rank + kRouteCandidates);
     cand_count = reinterpret_cast<int*>(warp_max + 32);
+    off = cand_count + 1;
+    sel = off + kRouteThreads + 1;
   }
 };
 
@@ -1579,29 +1583,52 @@ bool route_in_registers(const Router<bf16>& r, int pow2) {
 template <bool kTop32, int kG, bool kPairs>
 __global__ void __launch_bounds__(kRouteThreads)
     route_mlp_kernel(const float* logits, const float2* pairs, Router<bf16> r, int probes, int pow2,
-                     int32_t* selected) {
-  route_wait_then_release();
+                     IndexState st, int32_t* selected) {
   extern __shared__ float route_s[];
   const RouteSmem sm(route_s, pow2);
-  const int hkv = r.num_kv_heads, g = r.num_q_heads / hkv;
-  const int b = blockIdx.x / hkv, h = blockIdx.x % hkv;
+  const int hkv = r.num_kv_heads, g = r.num_q_heads / hkv, C = r.num_clusters;
+  const int b = blockIdx.x / hkv, h = blockIdx.x % hkv, tid = threadIdx.x;
+  // The slot's CSR offsets, for the prefetch at the end, before the wait: the index is
+  // complete once this grid launches (decode_select_cuda).
+  const bool prefetch = st.members != nullptr;
+  if (prefetch) {
+    const int32_t* offsets = st.offsets_of(b, h);
+    for (int c = tid; c <= C; c += kRouteThreads) sm.off[c] = offsets[c];
+  }
+  route_wait_then_release();
   int32_t* out = selected + int64_t(blockIdx.x) * probes;
   const int row0 = b * r.num_q_heads + h * g;
-  const float s = kPairs ? route_pairs_score<kG>(logits, pairs, row0, g, r.num_clusters)
-                         : route_mlp_score<kG>(logits, row0, g, r.num_clusters, sm.red);
-  int id;
-  if (kTop32) {
-    if (route_top_candidates(s, r.num_clusters, probes, sm.cand, sm.cand_rank, sm.warp_max,
-                             sm.cand_count, out))
-      return;
-    route_top32(s, int(threadIdx.x), sm.exchange, sm.exchange_ids, &id);
-  } else {
-    id = route_sort_registers(s, sm.exchange, sm.exchange_ids);
+  const float s = kPairs ? route_pairs_score<kG>(logits, pairs, row0, g, C)
+                         : route_mlp_score<kG>(logits, row0, g, C, sm.red);
+  if (!kTop32 || !route_top_candidates(s, C, probes, sm.cand, sm.cand_rank, sm.warp_max,
+                                       sm.cand_count, sm.sel)) {
+    int id;
+    if (kTop32)
+      route_top32(s, tid, sm.exchange, sm.exchange_ids, &id);
+    else
+      id = route_sort_registers(s, sm.exchange, sm.exchange_ids);
+    if (tid < probes) sm.sel[tid] = id;
   }
-  if (int(threadIdx.x) < probes) out[threadIdx.x] = id;
+  __syncthreads();
+  if (tid < probes) out[tid] = sm.sel[tid];
+  // The members of the selected clusters into L2, a warp per cluster: they are the first
+  // thing the attention's member parts load after their wait, and from DRAM that load took
+  // 1.6-1.8 us of their 3.4 from the wait to their first rows (H200, 128K; docs/gpu.md). The
+  // route ends without waiting for these requests.
+  if (prefetch) {
+    const int32_t* members = st.members_of(b, h);
+    for (int k = tid / 32; k < probes; k += kRouteThreads / 32) {
+      const int c = sm.sel[k];
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(members + sm.off[c]) & ~uintptr_t(127);
+      const uintptr_t hi = reinterpret_cast<uintptr_t>(members + sm.off[c + 1]);
+      for (uintptr_t line = lo + 128 * (tid % 32); line < hi; line += 32 * 128)
+        ptx::prefetch_l2(reinterpret_cast<const void*>(line));
+    }
+  }
 }
 
-using RouteMlpKernel = void (*)(const float*, const float2*, Router<bf16>, int, int, int32_t*);
+using RouteMlpKernel = void (*)(const float*, const float2*, Router<bf16>, int, int, IndexState,
+                                int32_t*);
 template <bool kPairs>
 RouteMlpKernel route_mlp_kernel_for(bool top32, bool small_group) {
   return top32 ? (small_group ? route_mlp_kernel<true, 4, kPairs>
@@ -1872,12 +1899,14 @@ cudaError_t route_smem_for(int route_ctas, int pow2, int d, int probes, int C, s
 
 cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>& r, int probes,
                                int32_t* selected, void* workspace, size_t workspace_bytes,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, const IndexState* index) {
   const int B = batch, hkv = r.num_kv_heads, hq = r.num_q_heads, d = r.head_dim;
   const int C = r.num_clusters, H = r.hidden;
   if (B < 1 || hkv < 1 || hq < 1 || hq % hkv != 0 || d % 8 != 0 || d > 128 || H % 8 != 0 ||
       (r.use_mlp && H > kMaxHiddenCuda) || C > kMaxClustersCuda || probes < 1 || probes > C ||
-      !q_pre || !selected)
+      !q_pre || !selected ||
+      (index && (index->num_kv_heads != hkv || index->num_clusters != C || index->max_batch < B ||
+                 !index->offsets || !index->members)))
     return cudaErrorInvalidValue;
   const RouteLayout lay = route_layout(B, hq, H, C);
   if (!workspace || workspace_bytes < lay.total) return cudaErrorInvalidValue;
@@ -1898,7 +1927,9 @@ cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>&
   if (e != cudaSuccess) return e;
   // The route, programmatic behind the MLP's last grid, waits for it before it releases the
   // attention (route_wait_then_release), whose code before its own wait reads the index: the
-  // index step of the call before has completed then (the engine joins it at the step's end).
+  // index step of the call before has completed then (the engine joins it at the step's end,
+  // a full dependency of the first GEMV's launch). So has it when the route launches, and
+  // route_mlp_kernel reads the index's offsets before its own wait.
   if (!route_in_registers(r, pow2)) {
     e = launch_programmatic(route_kernel, dim3(unsigned(B * hkv)), dim3(kRouteThreads), route_smem,
                             stream, logits, reinterpret_cast<const bf*>(q_pre), r, probes, pow2,
@@ -1910,7 +1941,7 @@ cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>&
                                     : route_mlp_kernel_for<false>(top32, small_group);
     e = launch_programmatic(fn, dim3(unsigned(B * hkv)), dim3(kRouteThreads), route_smem, stream,
                             logits, static_cast<const float2*>(pair_buf), r, probes, pow2,
-                            selected);
+                            index ? *index : IndexState{}, selected);
   }
   return e;
 }

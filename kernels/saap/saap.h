@@ -258,9 +258,11 @@ size_t index_step_workspace_bytes(int max_batch, int num_kv_heads, int num_clust
 // cudaErrorInvalidValue, before any launch, on shapes it cannot serve.
 cudaError_t mlp_logits_cuda(const bf16* q_pre, const Router<bf16>& router, int batch, float* hidden,
                             float* logits, cudaStream_t stream);
-cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>& router,
-                               int probes, int32_t* selected, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream);
+// index (optional): the layer's index that attend_cuda reads next. With the MLP router, the
+// route then requests the members of the clusters it selects into L2.
+cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>& router, int probes,
+                               int32_t* selected, void* workspace, size_t workspace_bytes,
+                               cudaStream_t stream, const IndexState* index = nullptr);
 
 // The dynamic shared memory that keeps every attention CTA off the SMs of the route's
 // route_ctas CTAs (an SM of smem_per_sm bytes, reserved_per_cta more per resident CTA, at most

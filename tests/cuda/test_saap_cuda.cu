@@ -358,6 +358,33 @@ TEST(SaapCuda, DecodeSelectRefusesHeadCountsItCannotServe) {
   EXPECT_EQ(call(0, 8), cudaErrorInvalidValue) << "no query heads";
 }
 
+// An index for the route's prefetch that is not the router's shape is refused the same way.
+TEST(SaapCuda, DecodeSelectRefusesAnIndexOfAnotherShape) {
+  std::vector<char> ws(size_t(1) << 20);
+  std::vector<bf16> q(32 * 128);
+  std::vector<int32_t> sel(64), offsets(2 * 65), members(16);
+  sk::Router<bf16> r;
+  r.num_q_heads = 32;
+  r.num_kv_heads = 8;
+  r.head_dim = 128;
+  r.hidden = 64;
+  r.num_clusters = 64;
+  auto call = [&](int hkv, int C, int max_batch) {
+    sk::IndexState st;
+    st.offsets = offsets.data();
+    st.members = members.data();
+    st.num_kv_heads = hkv;
+    st.num_clusters = C;
+    st.max_batch = max_batch;
+    st.max_tokens = 2;
+    return sk::decode_select_cuda(q.data(), 1, r, 8, sel.data(), ws.data(), ws.size(), nullptr,
+                                  &st);
+  };
+  EXPECT_EQ(call(4, 64, 1), cudaErrorInvalidValue) << "other kv heads";
+  EXPECT_EQ(call(8, 128, 1), cudaErrorInvalidValue) << "other clusters";
+  EXPECT_EQ(call(8, 64, 0), cudaErrorInvalidValue) << "fewer sequences than the batch";
+}
+
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngine) { run_pair(SaapRouter::Mlp, {900, 1300}, 32); }
 // Layer 1 of 3 is not the last sparse layer: its index steps stay on the engine's branch after
 // each decode, and its next decode must join them (eager steps only: a captured step must
