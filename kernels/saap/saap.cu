@@ -1462,28 +1462,52 @@ __device__ float route_pairs_score(const float* logits, const float2* pairs, int
 // The best `probes` <= 32 of the block's C <= kRouteThreads scores (thread c holds cluster
 // c's, s >= 0), in route_sort_registers' order (descending score, ascending id), to
 // out[rank]; or false, with nothing written, when the candidates below overflow (then the
-// caller takes route_top32). Every warp's best score is one of 32 distinct elements, so the
-// smallest of the 32 warp maxima, t, is at most the 32nd best score: only elements scoring
-// t or more can be among the best 32 (for C < kRouteThreads a warp of padding puts t at 0,
-// so every cluster is a candidate, and C > kRouteCandidates always takes route_top32). Those
-// candidates are compacted into shared memory, and each is ranked by counting the candidates
-// better than it, a quarter of them per thread.
-// Three barriers and no sorting network: route_top32's warp sorts and five merge rounds took
-// 3.3 us of the route's 6 on an H200 (docs/gpu.md).
+// caller takes route_top32). Only elements scoring at least the 32nd best can be among the
+// best 32, so any t with 32 elements at or above it bounds the candidates. Each warp offers
+// two keys: its best, which stands for one element, and its second best (its best again when
+// two lanes hold that), which stands for two; t is the largest offered key that at least 32
+// of the 64 reach, so at least 32 elements score t or more. (The smallest of the 32 warp
+// maxima, the bound before, let 91-186 of 1024 clusters through at 128K, and the slowest
+// route CTA spent 2 us ranking them; docs/gpu.md. Padding, past C, has key 0 and never
+// offers more than 0, so for C < 32 every cluster is a candidate.) The candidates are
+// compacted into shared memory, and each is ranked by counting the candidates better than
+// it, up to 8 threads sharing the count. Four barriers and no sorting network: route_top32's
+// warp sorts and five merge rounds took 3.3 us of the route's 6 on an H200 (docs/gpu.md).
 constexpr int kRouteCandidates = 256;
+constexpr int kRouteRankParts = 8;  // threads at most that share a candidate's count
 __device__ bool route_top_candidates(float s, int C, int probes, unsigned long long* cand,
-                                     int* cand_rank, unsigned* warp_max, int* cand_count,
+                                     int* cand_rank, unsigned* warp_keys, int* cand_count,
                                      int32_t* out) {
   const int c = threadIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   // Scores as ordered keys: a nonnegative float's bits grow with it; 1 + them for clusters
   // (0 and NaN scores: 1), 0 past C, so that padding ranks below every cluster.
   const unsigned key = c < C ? (s > 0.f ? __float_as_uint(s) + 1u : 1u) : 0u;
-  const unsigned wmax = __reduce_max_sync(0xffffffffu, key);
-  if (lane == 0) warp_max[warp] = wmax;
-  if (c == 0) *cand_count = 0;
+  const unsigned best = __reduce_max_sync(0xffffffffu, key);
+  const unsigned below = __reduce_max_sync(0xffffffffu, key < best ? key : 0u);
+  const unsigned second = __popc(__ballot_sync(0xffffffffu, key == best)) > 1 ? best : below;
+  unsigned* bound = warp_keys + 64;  // warp_keys: [32] best, [32] second, the bound
+  if (lane == 0) {
+    warp_keys[warp] = best;
+    warp_keys[32 + warp] = second;
+  }
+  if (c == 0) {
+    *cand_count = 0;
+    *bound = 0u;
+  }
   if (c < kRouteCandidates) cand_rank[c] = 0;
   __syncthreads();
-  const unsigned t = __reduce_min_sync(0xffffffffu, warp_max[lane]);
+  {
+    const unsigned wb = warp_keys[lane], ws = warp_keys[32 + lane];
+    const auto reach = [&](unsigned x) {
+      return __popc(__ballot_sync(0xffffffffu, wb >= x)) +
+             __popc(__ballot_sync(0xffffffffu, ws >= x));
+    };
+    // This warp's offer (second <= best, so it reaches at least as many).
+    const unsigned offer = reach(best) >= 32 ? best : reach(second) >= 32 ? second : 0u;
+    if (lane == 0 && offer > 0u) atomicMax(bound, offer);
+  }
+  __syncthreads();
+  const unsigned t = *bound;
   const bool is = key >= t && c < C;
   const unsigned ballot = __ballot_sync(0xffffffffu, is);
   int base = 0;
@@ -1494,16 +1518,17 @@ __device__ bool route_top_candidates(float s, int C, int probes, unsigned long l
   if (is && slot < kRouteCandidates)
     cand[slot] = (static_cast<unsigned long long>(key) << 32) | unsigned(~unsigned(c));
   __syncthreads();
-  const int K = *cand_count;
+  const int K = *cand_count;               // >= 1: the best cluster scores t or more
   if (K > kRouteCandidates) return false;  // uniform over the block
   {
-    const int i = c % kRouteCandidates, quarter = c / kRouteCandidates;
-    static_assert(kRouteThreads == 4 * kRouteCandidates, "a quarter of the candidates a thread");
-    if (i < K) {
+    static_assert(kRouteThreads >= kRouteRankParts * kRouteCandidates / 2,
+                  "at least 4 threads a candidate");
+    const int parts = min(kRouteRankParts, kRouteThreads / K), i = c % K, part = c / K;
+    if (part < parts) {
       const unsigned long long mine = cand[i];
       int better_count = 0;
-      const int u0 = quarter * K / 4, u1 = (quarter + 1) * K / 4;
-#pragma unroll 8
+      const int u0 = part * K / parts, u1 = (part + 1) * K / parts;
+#pragma unroll 4
       for (int u = u0; u < u1; ++u) better_count += cand[u] > mine;
       if (better_count > 0) atomicAdd(&cand_rank[i], better_count);
     }
@@ -1518,7 +1543,7 @@ __device__ bool route_top_candidates(float s, int C, int probes, unsigned long l
 
 // The route kernels' shared memory for C rounded up to pow2 (route_smem_bytes): the top
 // candidates (first: 8-byte keys), scores and ids, the reduction scratch, the mean query, the
-// register sort's exchange buffers, the candidates' ranks, the warp maxima and their count.
+// register sort's exchange buffers, the candidates' ranks, the warp keys and their count.
 struct RouteSmem {
   unsigned long long* cand;  // [kRouteCandidates]
   float* score;              // [pow2]
@@ -1528,7 +1553,7 @@ struct RouteSmem {
   float* exchange;
   int* exchange_ids;   // [2 * kRouteThreads] each
   int* cand_rank;      // [kRouteCandidates]
-  unsigned* warp_max;  // [32]
+  unsigned* warp_keys;  // [65] route_top_candidates' warp keys and bound
   int* cand_count;     // [1]
   int* off;            // [kRouteThreads + 1] the slot's CSR offsets (route_mlp_kernel)
   int* sel;            // [kRouteThreads] the selection (route_mlp_kernel)
@@ -1538,7 +1563,7 @@ struct RouteSmem {
            size_t(pow2) * (sizeof(float) + sizeof(int)) +
            (2 * 32 * kMaxRouteGroup + 128) * sizeof(float) +
            2 * size_t(kRouteThreads) * (sizeof(float) + sizeof(int)) +
-           (kRouteCandidates + 32 + 1 + 2 * kRouteThreads + 1) * sizeof(int);
+           (kRouteCandidates + 65 + 1 + 2 * kRouteThreads + 1) * sizeof(int);
   }
   __device__ RouteSmem(float* base, int pow2) {
     cand = reinterpret_cast<unsigned long long*>(base);
@@ -1549,8 +1574,8 @@ struct RouteSmem {
     exchange = qmean + 128;
     exchange_ids = reinterpret_cast<int*>(exchange + 2 * kRouteThreads);
     cand_rank = exchange_ids + 2 * kRouteThreads;
-    warp_max = reinterpret_cast<unsigned*>(cand_rank + kRouteCandidates);
-    cand_count = reinterpret_cast<int*>(warp_max + 32);
+    warp_keys = reinterpret_cast<unsigned*>(cand_rank + kRouteCandidates);
+    cand_count = reinterpret_cast<int*>(warp_keys + 65);
     off = cand_count + 1;
     sel = off + kRouteThreads + 1;
   }
@@ -1600,7 +1625,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   const int row0 = b * r.num_q_heads + h * g;
   const float s = kPairs ? route_pairs_score<kG>(logits, pairs, row0, g, C)
                          : route_mlp_score<kG>(logits, row0, g, C, sm.red);
-  if (!kTop32 || !route_top_candidates(s, C, probes, sm.cand, sm.cand_rank, sm.warp_max,
+  if (!kTop32 || !route_top_candidates(s, C, probes, sm.cand, sm.cand_rank, sm.warp_keys,
                                        sm.cand_count, sm.sel)) {
     int id;
     if (kTop32)
