@@ -1521,8 +1521,7 @@ __device__ bool route_top_candidates(float s, int C, int probes, unsigned long l
   const int K = *cand_count;               // >= 1: the best cluster scores t or more
   if (K > kRouteCandidates) return false;  // uniform over the block
   {
-    static_assert(kRouteThreads >= kRouteRankParts * kRouteCandidates / 2,
-                  "at least 4 threads a candidate");
+    static_assert(kRouteThreads >= 4 * kRouteCandidates, "at least 4 threads a candidate");
     const int parts = min(kRouteRankParts, kRouteThreads / K), i = c % K, part = c / K;
     if (part < parts) {
       const unsigned long long mine = cand[i];
