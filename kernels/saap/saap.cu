@@ -1431,31 +1431,39 @@ __device__ float route_mlp_score(const float* logits, int row0, int g, int C, fl
 }
 
 // route_mlp_score from the second GEMV's softmax pairs (gemv_nonzero_kernel with pairs; C
-// <= 32 * kRoutePairs): lane l of every warp loads pair l of each head with the logits, one
-// round trip, and the warp combines them into the head's max M and sum S itself, so the
-// score sum_j exp(z_j - M_j) / S_j needs no barrier. The route's own reductions (two
-// barriers of 32 warps) took 1.7 us of its 4 on an H200 (docs/gpu.md).
+// <= 32 * kRoutePairs): warp j < g loads head j's pairs (lane l pair l) while every thread
+// loads its logits, one round trip; the warp combines them into the head's max M and the
+// inverse of its sum S into red, and after one barrier every thread's score is sum_j exp(z_j
+// - M_j) / S_j. Every warp combining every head itself (no barrier) had all 32 warps do the
+// same reductions and exponentials; this form took 0.1-0.4 us off the step on an H200
+// (docs/gpu.md). The route's own reductions (two barriers of 32 warps) had taken 1.7 us of
+// its 4 before the pairs.
 template <int kG>
-__device__ float route_pairs_score(const float* logits, const float2* pairs, int row0, int g,
-                                   int C) {
-  const int c = threadIdx.x, lane = threadIdx.x % 32, groups = (C + 31) / 32;
+__device__ float route_pairs_score(const float* logits, const float2* pairs, int row0, int g, int C,
+                                   float* red) {
+  const int c = threadIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int groups = (C + 31) / 32;
   float z[kG];
-  float2 p[kG];
 #pragma unroll
-  for (int j = 0; j < kG; ++j) {
-    z[j] = j < g && c < C ? logits[int64_t(row0 + j) * C + c] : -FLT_MAX;
-    p[j] = j < g && lane < groups ? pairs[int64_t(row0 + j) * kRoutePairs + lane]
-                                  : make_float2(-INFINITY, 0.f);
+  for (int j = 0; j < kG; ++j) z[j] = j < g && c < C ? logits[int64_t(row0 + j) * C + c] : -FLT_MAX;
+  float* head_m = red;                     // [kG]
+  float* head_inv = red + kMaxRouteGroup;  // [kG]
+  if (warp < g) {
+    const float2 p = lane < groups ? pairs[int64_t(row0 + warp) * kRoutePairs + lane]
+                                   : make_float2(-INFINITY, 0.f);
+    const float m = float_from_order_key(__reduce_max_sync(0xffffffffu, float_order_key(p.x)));
+    float sum = p.x == -INFINITY ? 0.f : p.y * __expf(p.x - m);
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+      head_m[warp] = m;
+      head_inv[warp] = 1.f / sum;
+    }
   }
+  __syncthreads();
   float score = 0.f;
 #pragma unroll
-  for (int j = 0; j < kG; ++j) {
-    if (j >= g) break;  // uniform
-    const float m = float_from_order_key(__reduce_max_sync(0xffffffffu, float_order_key(p[j].x)));
-    float sum = p[j].x == -INFINITY ? 0.f : p[j].y * __expf(p[j].x - m);
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    score += __expf(z[j] - m) * (1.f / sum);
-  }
+  for (int j = 0; j < kG; ++j)
+    if (j < g) score += __expf(z[j] - head_m[j]) * head_inv[j];
   return c < C ? score : -FLT_MAX;
 }
 
@@ -1622,7 +1630,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   route_wait_then_release();
   int32_t* out = selected + int64_t(blockIdx.x) * probes;
   const int row0 = b * r.num_q_heads + h * g;
-  const float s = kPairs ? route_pairs_score<kG>(logits, pairs, row0, g, C)
+  const float s = kPairs ? route_pairs_score<kG>(logits, pairs, row0, g, C, sm.red)
                          : route_mlp_score<kG>(logits, row0, g, C, sm.red);
   if (!kTop32 || !route_top_candidates(s, C, probes, sm.cand, sm.cand_rank, sm.warp_keys,
                                        sm.cand_count, sm.sel)) {
