@@ -112,9 +112,6 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
     KVS_CUDA_CHECK(sk::prepare_cuda(parts_.hidden_dim));
     d_inv_freq_ = device_upload(inv_freq_.data(), inv_freq_.size());
     if (config_.collect_stats) device_counters_ = DeviceCounters(3);
-    index_branch_ = std::make_unique<OwnedStreamFork>();
-    for (int l : parts_.layers)
-      if (!is_dense_layer(l)) last_sparse_ = std::max(last_sparse_, l);
   }
   const int C = parts_.num_clusters, d = parts_.head_dim;
   const bool fp8 = c.router_weights == SaapWeights::Fp8;
@@ -182,14 +179,12 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
     routers_.push_back(std::move(r));
   }
   index_.resize(size_t(shape_.num_layers));
-  index_pending_.assign(size_t(shape_.num_layers), false);
   last_tokens_.resize(size_t(shape_.num_layers));
   last_clusters_.resize(size_t(shape_.num_layers));
 }
 
 SaapEngine::~SaapEngine() {
   if (config_.backend != Backend::Cuda) return;
-  index_branch_.reset();  // its stream drains before the index and the weights are freed
   for (LayerRouter& r : routers_) {
     cudaFree(r.d_centroids);
     cudaFree(r.d_norms);
@@ -209,6 +204,7 @@ SaapEngine::~SaapEngine() {
     cudaFree(li.view.assign);
     cudaFree(li.view.indexed_len);
     cudaFree(li.view.csr_len);
+    cudaFree(li.view.step_best);
   }
   cudaFree(d_inv_freq_);
 }
@@ -307,16 +303,8 @@ size_t SaapEngine::route_bytes() const {
                                             parts_.hidden_dim, parts_.num_clusters));
 }
 
-size_t SaapEngine::index_step_bytes() const {
-  return align_up(sk::index_step_workspace_bytes(config_.max_batch, shape_.num_kv_heads,
-                                                 parts_.num_clusters, config_.saap.fold_every,
-                                                 max_context_));
-}
-
-// [selected | lists | route scratch | index step scratch], then the attention's states.
-size_t SaapEngine::select_bytes() const {
-  return selected_bytes() + lists_bytes() + route_bytes() + index_step_bytes();
-}
+// [selected | lists | route scratch], then the attention's states.
+size_t SaapEngine::select_bytes() const { return selected_bytes() + lists_bytes() + route_bytes(); }
 
 size_t SaapEngine::workspace_bytes() const {
   if (config_.backend == Backend::Cpu) return 0;
@@ -345,7 +333,6 @@ kernels::tactic::Selection SaapEngine::lists() const {
 const sk::IndexState& SaapEngine::index_state(int layer) const {
   if (layer < 0 || layer >= shape_.num_layers || !index_[size_t(layer)].allocated)
     throw std::logic_error("saap engine: layer " + str(layer) + " has no index (prefill it first)");
-  if (config_.backend == Backend::Cuda) settle_index();
   return index_[size_t(layer)].view;
 }
 
@@ -382,6 +369,8 @@ SaapEngine::LayerIndex& SaapEngine::allocate_index(int layer) {
     zero_on_device(v.offsets, size_t(n_off) * sizeof(int32_t));
     zero_on_device(v.indexed_len, size_t(slots) * sizeof(int32_t));
     zero_on_device(v.csr_len, size_t(slots) * sizeof(int32_t));
+    v.step_best = device_alloc<unsigned long long>(slots * sk::kMaxIndexStep);
+    zero_on_device(v.step_best, size_t(slots) * sk::kMaxIndexStep * sizeof(unsigned long long));
   }
   li.allocated = true;
   return li;
@@ -392,7 +381,6 @@ void SaapEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
   check_prefill_args(who, layer, kv, shape_, config_.max_batch);
   if (is_dense_layer(layer)) return;
   const int slot = require_slot(layer, "prefill");
-  if (config_.backend == Backend::Cuda) join_index(stream);  // it may write this index
   const std::vector<int32_t> lens = host_seq_lens(kv, config_.backend, stream);
   int max_len = 0;
   for (int b = 0; b < kv.batch; ++b) {
@@ -449,60 +437,22 @@ void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const Paged
                                                  device_counters_.get(), stream));
   } else {
     const int slot = parts_.layer_slot(layer);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    KVS_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    const bool capturing = capture == cudaStreamCaptureStatusActive;
-    if (capturing && index_pending_eager_) {
-      const auto it = std::find(index_pending_.begin(), index_pending_.end(), true);
-      throw std::logic_error(
-          "saap engine decode: the index step of layer " + str(it - index_pending_.begin()) +
-          " from a decode outside this capture is still pending, and a capture cannot wait for "
-          "it: finish that step (decode layer " + str(last_sparse_) +
-          ", the last sparse layer) or call index_state() before the capture begins");
-    }
-    if (index_pending_[size_t(layer)]) join_index(stream);  // the step before's, not joined
     const sk::Router<bf16> router = cuda_router(slot);
     const sk::IndexState& st = index_[size_t(layer)].view;
     const kernels::tactic::Selection sel = lists();
     char* route_ws = ws + selected_bytes() + lists_bytes();
     KVS_CUDA_CHECK(sk::decode_select_cuda(q_pre, kv.batch, router, config_.saap.probes,
                                           selected_ptr(), route_ws, route_bytes(), stream, &st));
-    const kernels::StreamFork& branch = index_branch_->get();
-    KVS_CUDA_CHECK(sk::attend_cuda(q, kv, scale, window(), st, selected_ptr(),
+    // The attention, then the index step (its share in the attention's parts, its commit and
+    // the fold in the merge kernel's).
+    KVS_CUDA_CHECK(sk::attend_cuda(q, kv, scale, window(), st, router, d_inv_freq_, selected_ptr(),
                                    config_.saap.probes, sel, device_counters_.get(),
                                    router_bytes_per_kv_head(), shape_.num_q_heads, out, lse,
-                                   ws + select_bytes(), workspace_.bytes - select_bytes(), stream,
-                                   &branch));
-    // The index step, once the attention has read the index (attend_cuda forked the branch
-    // after its attention kernel): beside the merge and the next layers' steps.
-    KVS_CUDA_CHECK(sk::index_step_cuda(kv, d_inv_freq_, window(), router, st,
-                                       route_ws + route_bytes(), index_step_bytes(),
-                                       branch.side));
-    index_pending_[size_t(layer)] = true;
-    if (!capturing) index_pending_eager_ = true;
-    if (layer == last_sparse_) join_index(stream);
+                                   ws + select_bytes(), workspace_.bytes - select_bytes(), stream));
   }
   if (device_counters_)
     KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, kv.num_kv_heads,
                                                device_counters_.get() + 2, stream));
-}
-
-bool SaapEngine::any_index_pending() const {
-  return std::find(index_pending_.begin(), index_pending_.end(), true) != index_pending_.end();
-}
-
-void SaapEngine::join_index(cudaStream_t stream) {
-  if (!any_index_pending()) return;
-  KVS_CUDA_CHECK(kernels::join_into(index_branch_->get(), stream));
-  index_pending_.assign(index_pending_.size(), false);
-  index_pending_eager_ = false;
-}
-
-void SaapEngine::settle_index() const {
-  if (!any_index_pending()) return;
-  KVS_CUDA_CHECK(cudaStreamSynchronize(index_branch_->get().side));
-  index_pending_.assign(index_pending_.size(), false);
-  index_pending_eager_ = false;
 }
 
 void SaapEngine::decode_cpu(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv,
@@ -576,7 +526,6 @@ std::vector<int32_t> SaapEngine::last_clusters(int layer, int b, int h) const {
     const size_t i = size_t(b) * hkv + h;
     return i < last.size() ? last[i] : std::vector<int32_t>{};
   }
-  settle_index();
   std::vector<int32_t> out(static_cast<size_t>(l));
   copy_to_host(out.data(), selected_ptr() + (size_t(b) * hkv + h) * l, out.size() * sizeof(int32_t));
   return out;
@@ -592,7 +541,6 @@ std::vector<std::vector<int32_t>> SaapEngine::last_read(int layer, int b) const 
     for (int h = 0; h < hkv; ++h) per_kv_head[size_t(h)] = last[size_t(b) * hkv + h];
   } else {
     // The lists in the workspace belong to the last decode call, whichever layer it was.
-    settle_index();
     per_kv_head = read_kv_head_lists(lists(), b, hkv);
   }
   return per_query_head_lists(std::move(per_kv_head), g, true);

@@ -11,20 +11,17 @@
 // index_every steps). Layers in SaapConfig::dense_layers are attended in full; any other
 // layer must have an index in the parts, or prefill/decode throw naming it.
 //
-// CUDA: a layer's index step runs on a branch forked right after its attention kernel, beside
-// its merge and the next layers' steps, and decode(last sparse layer) joins the branch back
-// into the caller's stream: no kernel of a step waits for an index step until the step's last
-// sparse layer. So a step captured in a CUDA graph must include the decode of the highest
-// layer that is not dense (else the capture ends with unjoined work), as with
-// AttnPredEngine. A decode or prefill of a layer whose index step is still on the branch
-// joins it first, and index_state, last_read and last_clusters wait for it. A decode captured
-// while an index step queued outside the capture is still pending throws std::logic_error
-// (a capture cannot depend on work outside it).
+// CUDA: a layer's index step is part of its decode's kernels (saap::attend_cuda): its
+// attention's parts score the keys to index against the centroids, and its merge kernel
+// commits them and folds, so a decode leaves no work behind it and a step may be captured in
+// a CUDA graph layer by layer. index_state, last_read and last_clusters read what the
+// caller's stream has finished: synchronize it first.
 //
 // Memory: the router weights of every indexed layer live on the backend from construction
 // (bf16: 2 bytes per MLP weight); a layer's index is allocated at its first prefill for
 // (max_batch, max_context): CSR offsets (C + 1), members and assignments (4 bytes per token
-// each) per (sequence, kv head). Decode allocates nothing; its scratch is the workspace.
+// each) per (sequence, kv head), and on CUDA the index step's best per key (8 bytes each of
+// kMaxIndexStep). Decode allocates nothing; its scratch is the workspace.
 //
 // Stats: kv_rows_read counts the attended rows per kv head (sink + clusters + window);
 // selection_bytes_read the router weights (or centroids for the nearest-centroid router)
@@ -115,7 +112,6 @@ class SaapEngine : public Engine {
   size_t selected_bytes() const;
   size_t lists_bytes() const;
   size_t route_bytes() const;       // decode_select_cuda's scratch
-  size_t index_step_bytes() const;  // index_step_cuda's scratch
   size_t select_bytes() const;      // everything before the dense decode workspace
   int32_t* selected_ptr() const;
   kernels::tactic::Selection lists() const;
@@ -130,19 +126,6 @@ class SaapEngine : public Engine {
   // CPU backend: per layer, per (b * Hkv + h): the tokens attended and clusters selected.
   std::vector<std::vector<std::vector<int32_t>>> last_tokens_, last_clusters_;
   DeviceCounters device_counters_;  // CUDA: [rows read, selection bytes, context rows]
-  // CUDA: the branch of the index steps (forked after each sparse layer's attention, joined
-  // at the last sparse layer), the layers whose index steps are on it and not joined yet, and
-  // the highest layer that is not dense.
-  std::unique_ptr<OwnedStreamFork> index_branch_;
-  mutable std::vector<bool> index_pending_;
-  // Whether a pending index step was queued outside a capture: a capture cannot wait for it.
-  mutable bool index_pending_eager_ = false;
-  int last_sparse_ = -1;
-  // Joins the branch into `stream` if any index step is pending; settle_index waits for it on
-  // the host instead (for the readers).
-  bool any_index_pending() const;
-  void join_index(cudaStream_t stream);
-  void settle_index() const;
 };
 
 }  // namespace kvs

@@ -57,8 +57,6 @@ using bf = __nv_bfloat16;
 constexpr int kAssignTokens = 32;    // keys per tile of the prefill assignment
 constexpr int kAssignCents = 32;     // centroids per shared-memory tile
 constexpr int kAssignThreads = 256;  // 8 warps x 4 centroids of a tile
-constexpr int kStepThreads = 512;    // decode-time assignment CTA
-constexpr int kStepChunk = 128;      // centroids per pass of a decode-time assignment CTA
 constexpr int kRouteThreads = 1024;
 constexpr int kMaxRouteGroup = 8;  // query heads per kv head in route_mlp_score
 constexpr int kScanIlp = 8;        // post-prefill assignments per thread and round of the scan
@@ -79,6 +77,19 @@ __device__ __forceinline__ int last_at_most(const int* a, int n, int x) {
       lo = mid;
     else
       hi = mid - 1;
+  }
+  return lo;
+}
+
+// The first j in [0, n) with a[j] >= x (n when none), for ascending a.
+__device__ __forceinline__ int lower_bound(const int* a, int n, int x) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (a[mid] < x)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -169,15 +180,7 @@ __global__ void __launch_bounds__(kAssignThreads)
 // offsets[c] = first position of cluster c in the sorted labels (binary search).
 __global__ void csr_offsets_kernel(const int32_t* sorted, int count, int C, int32_t* offsets) {
   for (int c = blockIdx.x * blockDim.x + threadIdx.x; c <= C; c += gridDim.x * blockDim.x) {
-    int lo = 0, hi = count;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (sorted[mid] < c)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
-    offsets[c] = lo;
+    offsets[c] = lower_bound(sorted, count, c);
   }
 }
 
@@ -208,304 +211,134 @@ PrefillLayout prefill_layout(int max_len, int hkv, int d) {
 }
 
 // ---- decode: indexing ----------------------------------------------------------------------
-
-// The decode half of the index, one thread-block cluster of kStepRanks CTAs per (b, h), for
-// the n = index_step_count(...) tokens t0 = indexed_len .. t0 + n - 1 (none on most steps:
-// the kernel then returns at once). Every CTA loads their keys (all loads in flight together)
-// and rotates them back before RoPE (rope_rotate_pair at each token's position, rounded to
-// bf16 as rope_cuda rounds it), scores its share of the C centroids against each key, and
-// hands its best per key to CTA 0 through distributed shared memory; CTA 0 commits the
-// nearest per token (largest centroid_score, ties to the lowest id) and indexed_len. The
-// centroid rows are staged through shared memory kStepChunk at a time with coalesced 16-byte
-// copies, in flight with the keys' loads: a thread reading its own rows (512 B apart across
-// the warp) took 12 µs on an H100. kStepKeys threads share a staged row, each scoring it
-// against one key of a group with the same sequential dot product as for one key, so a
-// token's assignment does not depend on how many are indexed together.
-constexpr int kStepRanks = 8;        // CTAs per (b, h): a portable cluster size
-constexpr int kStepPitch = 128 + 4;  // floats per staged row or key: rows on other banks
+//
+// The decode half of the index has no kernels of its own. On a step with n =
+// index_step_count(...) > 0 tokens to index from t0 = indexed_len, every attention part of
+// slot (b, h) scores an even share of the C centroids against the n keys (index_share, in
+// attend_kernel: the member and scan parts before they wait for the route, the window parts
+// after their rows) and leaves each key's best as a packed key (index_best_key) by atomicMax in
+// IndexState::step_best. Once the whole attention grid has completed, a CTA per slot of the
+// merge kernel commits the step (commit_index_step): assign[t0 + e] from step_best, which it
+// zeroes again, and indexed_len; then it folds where fold_due. The index step used to be
+// three kernels on a branch beside the next layers (a cluster kernel for the assignment, two
+// for the fold), which launched every step to return at once on three in four: they found
+// room only in the gaps of the step's grids, and the branch's join cost the 128K batch-1 step
+// 2.4 us of its 33.8 on an H200 (docs/gpu.md).
+constexpr int kStepPitch = 128 + 4;  // floats per staged centroid row or key: rows on other banks
 constexpr int kStepKeys = 4;         // keys scored together, a thread each
-static_assert(kStepThreads == kStepChunk * kStepKeys, "a thread per (staged row, key of a group)");
-static_assert(kMaxIndexStep <= kStepThreads && kMaxIndexStep % kStepKeys == 0,
-              "a thread per key commits the step's tokens");
-constexpr int kStepWarps = kStepThreads / 32;
-constexpr int kStepPairs = kMaxIndexStep * 64 / kStepThreads;  // key pairs per thread, at most
+static_assert(kMaxIndexStep % kStepKeys == 0, "keys are scored in groups of kStepKeys");
 
-// The best of count (score, id) entries, as `better` orders them (ties to the lowest id).
-__device__ __forceinline__ void best_of(const float* s, const int* c, int count, float& best,
-                                        int& best_c) {
-  best = s[0];
-  best_c = c[0];
-  for (int i = 1; i < count; ++i)
-    if (better(s[i], c[i], best, best_c)) {
-      best = s[i];
-      best_c = c[i];
-    }
-}
-
-// step_index_kernel's dynamic shared memory: kStepChunk staged rows and kMaxIndexStep keys.
-constexpr size_t step_index_smem_bytes() {
-  return (size_t(kStepChunk) + kMaxIndexStep) * kStepPitch * sizeof(float);
-}
-
-__global__ void __cluster_dims__(kStepRanks, 1, 1) __launch_bounds__(kStepThreads)
-    step_index_kernel(PagedKV kv, Window w, const float* inv_freq, const float* centroids,
-                      const float* norms, int C, IndexState st) {
-  namespace cg = cooperative_groups;
-  extern __shared__ __align__(16) float step_s[];
-  float* rows_s = step_s;                           // [kStepChunk, kStepPitch]
-  float* key_s = rows_s + kStepChunk * kStepPitch;  // [kMaxIndexStep, kStepPitch]
-  // Each warp's best per key so far, then (CTA 0) each rank's.
-  __shared__ float red_s[kMaxIndexStep][kStepWarps], rank_s[kMaxIndexStep][kStepRanks];
-  __shared__ int red_c[kMaxIndexStep][kStepWarps], rank_c[kMaxIndexStep][kStepRanks];
-  const int b = blockIdx.y / kv.num_kv_heads, h = blockIdx.y % kv.num_kv_heads;
-  const int d = kv.head_dim, half = d / 2;
-  const int64_t slot = st.slot(b, h);
-  const int t0 = st.indexed_len[slot];
-  const int n = index_step_count(kv.seq_lens[b], w.recent, t0, st.index_every);
-  if (n == 0) return;  // uniform over the cluster
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = int(cluster.block_rank());
-  // CTA 0's shared memory may be written only once every CTA of the cluster runs.
-  ptx::cluster_arrive_relaxed();
-  const int per = (C + kStepRanks - 1) / kStepRanks;
-  const int c_begin = min(C, rank * per), c_end = min(C, c_begin + per);
-  auto stage = [&](int c0) {
-    const int rows = min(kStepChunk, c_end - c0);
-    const float* src = centroids + (int64_t(h) * C + c0) * d;
-    for (int i = threadIdx.x; i < rows * (d / 4); i += kStepThreads)
-      ptx::cp_async_16(ptx::smem_addr(rows_s + (i / (d / 4)) * kStepPitch + (i % (d / 4)) * 4),
-                       src + int64_t(i) * 4, true);
-    ptx::cp_async_commit();
-  };
-  if (c_begin < c_end) stage(c_begin);
-  // The keys: every pair's loads first, then the rotations. The rows of a last, partial group
-  // of kStepKeys are zero (their scores are never used).
-  const int n_pad = (n + kStepKeys - 1) / kStepKeys * kStepKeys;
-  float kx[kStepPairs], ky[kStepPairs];
-#pragma unroll
-  for (int u = 0; u < kStepPairs; ++u) {
-    const int i = int(threadIdx.x) + u * kStepThreads, e = i / half, j = i % half;
-    kx[u] = ky[u] = 0.f;
-    if (e < n) {
-      const bf* key = reinterpret_cast<const bf*>(kv.k) + kv.offset(b, t0 + e, h);
-      kx[u] = __bfloat162float(key[j]);
-      ky[u] = __bfloat162float(key[j + half]);
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < kStepPairs; ++u) {
-    const int i = int(threadIdx.x) + u * kStepThreads, e = i / half, j = i % half;
-    if (e < n_pad) {
-      float x = 0.f, y = 0.f;
-      if (e < n) {
-        const __nv_bfloat162 r = rope_rotate_pair(kx[u], ky[u], t0 + e, inv_freq[j], true);
-        x = __bfloat162float(r.x);
-        y = __bfloat162float(r.y);
-      }
-      key_s[e * kStepPitch + j] = x;
-      key_s[e * kStepPitch + j + half] = y;
-    }
-  }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int i = threadIdx.x; i < kMaxIndexStep * kStepWarps; i += kStepThreads) {
-    red_s[i / kStepWarps][i % kStepWarps] = -FLT_MAX;
-    red_c[i / kStepWarps][i % kStepWarps] = 0x7fffffff;
-  }
-  const int row = threadIdx.x / kStepKeys, u = threadIdx.x % kStepKeys;
-  for (int c0 = c_begin; c0 < c_end; c0 += kStepChunk) {
-    const int c = c0 + row;
-    const float norm = c < c_end ? norms[int64_t(h) * C + c] : 0.f;
-    ptx::cp_async_wait<0>();
-    __syncthreads();  // the rows and the keys are staged
-    const float4* row4 = reinterpret_cast<const float4*>(rows_s + row * kStepPitch);
-    for (int e0 = 0; e0 < n; e0 += kStepKeys) {
-      const float4* key4 = reinterpret_cast<const float4*>(key_s + (e0 + u) * kStepPitch);
-      float acc = 0.f;
-      if (c < c_end) {
-        for (int k = 0; k < d / 4; ++k) {
-          const float4 v = row4[k], q = key4[k];
-          acc = fmaf(v.x, q.x, acc);
-          acc = fmaf(v.y, q.y, acc);
-          acc = fmaf(v.z, q.z, acc);
-          acc = fmaf(v.w, q.w, acc);
-        }
-      }
-      // The best row for key e0 + u over the warp's lanes of the same u.
-      float best = c < c_end ? centroid_score(acc, norm) : -FLT_MAX;
-      int best_c = c < c_end ? c : 0x7fffffff;
-      for (int off = 16; off >= kStepKeys; off /= 2) {
-        const float os = __shfl_xor_sync(0xffffffffu, best, off);
-        const int oc = __shfl_xor_sync(0xffffffffu, best_c, off);
-        if (better(os, oc, best, best_c)) {
-          best = os;
-          best_c = oc;
-        }
-      }
-      // Lanes 0..kStepKeys-1 keep the warp's best for their key over the passes.
-      const int e = e0 + u;
-      if (lane < kStepKeys && e < n && better(best, best_c, red_s[e][warp], red_c[e][warp])) {
-        red_s[e][warp] = best;
-        red_c[e][warp] = best_c;
-      }
-    }
-    __syncthreads();  // the rows are read: the next pass may restage them
-    if (c0 + kStepChunk < c_end) stage(c0 + kStepChunk);
-  }
-  __syncthreads();  // every warp's best per key is in red_s
-  ptx::cluster_wait();
-  // Thread e < n: key e's best over the warps, to CTA 0.
-  if (int(threadIdx.x) < n) {
-    const int e = threadIdx.x;
-    float best;
-    int best_c;
-    best_of(red_s[e], red_c[e], kStepWarps, best, best_c);
-    cluster.map_shared_rank(&rank_s[0][0], 0)[e * kStepRanks + rank] = best;
-    cluster.map_shared_rank(&rank_c[0][0], 0)[e * kStepRanks + rank] = best_c;
-  }
-  cluster.sync();  // CTA 0 holds every rank's best per key; the others may leave
-  if (rank != 0 || int(threadIdx.x) >= n) return;
-  const int e = threadIdx.x;
-  float best;
-  int best_c;
-  best_of(rank_s[e], rank_c[e], kStepRanks, best, best_c);
-  st.assign_of(b, h)[t0 + e] = best_c < C ? best_c : -1;  // -1: no finite score (a NaN key)
-  if (e == 0) st.indexed_len[slot] = t0 + n;
+// A centroid's assignment score for a key as one ordered 64-bit key: the score's order key,
+// then the id reversed, so that the largest is the best score with ties to the lowest id (the
+// CPU's rule, `better`). 0 for a score that no centroid may win with: NaN, or below -FLT_MAX
+// (the CPU starts from -FLT_MAX); a key whose best is 0 is assigned -1.
+__device__ __forceinline__ unsigned long long index_best_key(float s, int c) {
+  return s >= -FLT_MAX
+             ? (static_cast<unsigned long long>(float_order_key(s)) << 32) | unsigned(~unsigned(c))
+             : 0ull;
 }
 
 // ---- decode: the fold ----------------------------------------------------------------------
 //
 // When fold_due, slot (b, h) merges its oldest F = fold_every post-prefill assignments into
-// the CSR (saap.h). With the F tokens stably sorted by cluster, shift[c] = the number of them
-// in clusters below c: old members of cluster c move up by shift[c], and the sorted token j
-// (of cluster c) lands at old_offsets[c + 1] + j, right after cluster c's old members. The
-// moves overlap, so the old members go through a copy first (index_step_layout's copy, not
-// the token lists, which the next layer's attention writes while this branch may run): two
-// kernels after the assignment; on the steps where nothing is due both return at once.
+// the CSR (saap.h). With the F tokens stably sorted by cluster, shift(c) = the number of them
+// in clusters below c: old members of cluster c move up by shift(c), and the sorted token j
+// (of cluster c) lands at old_offsets[c + 1] + j, right after cluster c's old members. One CTA
+// per slot (of the merge kernel, once the attention has read the index) moves the old members
+// in place, in rounds from the top down: a member never moves down and the map is increasing,
+// so a round writes only where members were read in that round or the rounds before. It runs
+// on one step in fold_every per layer, for as long as the slot's members take to move.
 
-constexpr int kFoldThreads = 1024;
-constexpr int kFoldItems = kMaxFold / kFoldThreads;  // sorted assignments per thread
-constexpr int kFoldIlp = 8;         // members per thread and round of the copy and the moves
-constexpr int kFoldCopyParts = 8;   // CTAs per slot copying the old members (plus one sorting)
-constexpr int kFoldMoveParts = 16;  // CTAs per slot moving them
+// The merge kernel's warps; its CTAs also commit the index step.
+constexpr int kAttendMergeWarps = 8;
+constexpr int kCommitThreads = kAttendMergeWarps * 32;
+constexpr int kFoldItems = kMaxFold / kCommitThreads;  // sorted assignments per thread
+constexpr int kFoldIlp = 16;                           // members per thread and round of the moves
 
-// The fold's scratch in the index step's workspace (index_step_layout), per slot.
-struct FoldScratch {
-  int32_t* start;        // [slots] csr_len when the slot folds this step, else -1
-  int32_t* old_offsets;  // [slots, C + 1]
-  int32_t* shift;        // [slots, C + 1]
-  int32_t* clusters;     // [slots, F] the folded assignments, sorted
-  int32_t* tokens;       // [slots, F] their tokens
-  int32_t* copy;         // [slots, copy_stride] the old members
-  int64_t copy_stride;
+using FoldSort = cub::BlockRadixSort<int, kCommitThreads, kFoldItems, int>;
+union FoldSmem {
+  typename FoldSort::TempStorage sort;
+  struct {
+    int keys[kMaxFold];             // the folded assignments' clusters, sorted
+    int off[kMaxClustersCuda + 1];  // the old offsets
+  } s;
 };
 
-// Decides whether the slot folds this step and records it in f.start (fold_scatter_kernel
-// reads that, not csr_len, which its own first CTA updates). CTA 0 of the slot sorts the
-// folded assignments and derives shift; the others copy the old members.
-__global__ void __launch_bounds__(kFoldThreads) fold_copy_kernel(IndexState st, FoldScratch f) {
-  using Sort = cub::BlockRadixSort<int, kFoldThreads, kFoldItems, int>;
-  __shared__ union {
-    typename Sort::TempStorage sort;
-    int keys[kMaxFold];  // the sorted keys, after the sort
-  } smem;
-  const int slot = blockIdx.x, C = st.num_clusters, F = st.fold_every;
-  const int indexed = st.indexed_len[slot], csr = st.csr_len[slot];
-  const bool due = fold_due(F, indexed, csr);
-  if (blockIdx.y == 0 && threadIdx.x == 0) f.start[slot] = due ? csr : -1;
-  if (!due) return;
-  const int32_t* offsets = st.offsets + int64_t(slot) * (C + 1);
-  if (blockIdx.y > 0) {
-    const int32_t* members = st.members + int64_t(slot) * st.max_tokens;
-    int32_t* copy = f.copy + int64_t(slot) * f.copy_stride;
-    const int count = offsets[C];
-    const int stride = (gridDim.y - 1) * kFoldThreads;
-    for (int i0 = (blockIdx.y - 1) * kFoldThreads + threadIdx.x; i0 < count;
-         i0 += stride * kFoldIlp) {
-      int v[kFoldIlp];
-#pragma unroll
-      for (int u = 0; u < kFoldIlp; ++u)
-        v[u] = i0 + u * stride < count ? members[i0 + u * stride] : 0;
-#pragma unroll
-      for (int u = 0; u < kFoldIlp; ++u)
-        if (i0 + u * stride < count) copy[i0 + u * stride] = v[u];
-    }
-    return;
-  }
-  int32_t* old_offsets = f.old_offsets + int64_t(slot) * (C + 1);
-  for (int c = threadIdx.x; c <= C; c += kFoldThreads) old_offsets[c] = offsets[c];
-  // Blocked arrangement (thread t holds items t * kFoldItems ..): the radix sort is stable
-  // in that order, which is token order. Padding sorts last (key C).
-  const int32_t* assign = st.assign + int64_t(slot) * st.max_tokens;
+__device__ void fold_slot(const IndexState& st, int b, int h, int csr, FoldSmem& sm) {
+  const int C = st.num_clusters, F = st.fold_every;
+  const int32_t* assign = st.assign_of(b, h);
+  int32_t* offsets = st.offsets_of(b, h);
+  int32_t* members = st.members_of(b, h);
+  // Blocked arrangement (thread t holds items t * kFoldItems ..): the radix sort is stable in
+  // that order, which is token order. Padding sorts last (key C), and so do the tokens of
+  // NaN keys (assigned -1, no cluster), which then stay out of the CSR.
   int key[kFoldItems], tok[kFoldItems];
 #pragma unroll
   for (int u = 0; u < kFoldItems; ++u) {
-    const int j = threadIdx.x * kFoldItems + u;
+    const int j = int(threadIdx.x) * kFoldItems + u;
     key[u] = j < F ? assign[csr + j] : C;
+    if (key[u] < 0) key[u] = C;
     tok[u] = csr + j;
   }
   int bits = 1;
   while ((1 << bits) <= C) ++bits;
-  Sort(smem.sort).Sort(key, tok, 0, bits);
-  __syncthreads();  // smem.sort becomes smem.keys
+  FoldSort(sm.sort).Sort(key, tok, 0, bits);
+  __syncthreads();  // sm.sort becomes sm.s
 #pragma unroll
   for (int u = 0; u < kFoldItems; ++u) {
-    const int j = threadIdx.x * kFoldItems + u;
-    if (j < F) {
-      smem.keys[j] = key[u];
-      f.clusters[int64_t(slot) * F + j] = key[u];
-      f.tokens[int64_t(slot) * F + j] = tok[u];
-    }
+    const int j = int(threadIdx.x) * kFoldItems + u;
+    if (j < F) sm.s.keys[j] = key[u];
   }
+  for (int c = threadIdx.x; c <= C; c += kCommitThreads) sm.s.off[c] = offsets[c];
   __syncthreads();
-  int32_t* shift = f.shift + int64_t(slot) * (C + 1);
-  for (int c = threadIdx.x; c <= C; c += kFoldThreads) {
-    int lo = 0, hi = F;  // the first sorted key >= c
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (smem.keys[mid] < c)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
-    shift[c] = lo;
-  }
-}
-
-// Moves every old member up by its cluster's shift (the cluster found by a search of the old
-// offsets, staged in shared memory), places the folded tokens, and in CTA 0 writes the new
-// offsets and csr_len. Shared memory: old offsets and shift, 2 (C + 1) ints.
-__global__ void __launch_bounds__(kFoldThreads) fold_scatter_kernel(IndexState st, FoldScratch f) {
-  extern __shared__ int32_t fold_s[];
-  const int slot = blockIdx.x, C = st.num_clusters, F = st.fold_every;
-  const int start = f.start[slot];
-  if (start < 0) return;
-  int32_t* off_s = fold_s;            // [C + 1]
-  int32_t* shift_s = fold_s + C + 1;  // [C + 1]
-  for (int c = threadIdx.x; c <= C; c += kFoldThreads) {
-    off_s[c] = f.old_offsets[int64_t(slot) * (C + 1) + c];
-    shift_s[c] = f.shift[int64_t(slot) * (C + 1) + c];
-  }
-  __syncthreads();
-  const int32_t* copy = f.copy + int64_t(slot) * f.copy_stride;
-  int32_t* members = st.members + int64_t(slot) * st.max_tokens;
-  const int count = off_s[C], stride = gridDim.y * kFoldThreads;
-  for (int i0 = blockIdx.y * kFoldThreads + threadIdx.x; i0 < count; i0 += stride * kFoldIlp) {
-    int v[kFoldIlp];
-#pragma unroll
-    for (int u = 0; u < kFoldIlp; ++u) v[u] = i0 + u * stride < count ? copy[i0 + u * stride] : 0;
+  const int count = sm.s.off[C];
+  constexpr int kRound = kCommitThreads * kFoldIlp;
+  for (int hi = count; hi > 0; hi -= kRound) {
+    const int lo = max(0, hi - kRound);
+    int v[kFoldIlp], to[kFoldIlp];
 #pragma unroll
     for (int u = 0; u < kFoldIlp; ++u) {
-      const int i = i0 + u * stride;
-      if (i >= count) break;
-      members[i + shift_s[last_at_most(off_s, C, i)]] = v[u];
+      const int i = lo + int(threadIdx.x) + u * kCommitThreads;
+      to[u] = -1;
+      if (i < hi) {
+        v[u] = members[i];
+        to[u] = i + lower_bound(sm.s.keys, F, last_at_most(sm.s.off, C, i));
+      }
     }
+    __syncthreads();  // the round's members are read
+#pragma unroll
+    for (int u = 0; u < kFoldIlp; ++u)
+      if (to[u] >= 0) members[to[u]] = v[u];
   }
-  for (int j = blockIdx.y * kFoldThreads + threadIdx.x; j < F; j += stride)
-    members[off_s[f.clusters[int64_t(slot) * F + j] + 1] + j] = f.tokens[int64_t(slot) * F + j];
-  if (blockIdx.y != 0) return;
-  int32_t* offsets = st.offsets + int64_t(slot) * (C + 1);
-  for (int c = threadIdx.x; c <= C; c += kFoldThreads) offsets[c] = off_s[c] + shift_s[c];
-  if (threadIdx.x == 0) st.csr_len[slot] = start + F;
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < kFoldItems; ++u) {
+    const int j = int(threadIdx.x) * kFoldItems + u;
+    if (j < F && key[u] < C) members[sm.s.off[key[u] + 1] + j] = tok[u];
+  }
+  for (int c = threadIdx.x; c <= C; c += kCommitThreads)
+    offsets[c] = sm.s.off[c] + lower_bound(sm.s.keys, F, c);
+  if (threadIdx.x == 0) st.csr_len[st.slot(b, h)] = csr + F;
+}
+
+// The merge kernel's CTA for slot (b, h), once every attention part has completed: the index
+// step's assignments and indexed_len (none on steps with nothing to index), then the fold
+// where due.
+__device__ void commit_index_step(const IndexState& st, int b, int h, int seq_len, int recent,
+                                  FoldSmem& sm) {
+  const int64_t slot = st.slot(b, h);
+  const int t0 = st.indexed_len[slot], csr = st.csr_len[slot];
+  const int n = index_step_count(seq_len, recent, t0, st.index_every);
+  if (int(threadIdx.x) < n) {
+    unsigned long long* best = st.step_best + slot * kMaxIndexStep + threadIdx.x;
+    const unsigned long long key = *best;
+    st.assign_of(b, h)[t0 + threadIdx.x] = key != 0ull ? int(~unsigned(key)) : -1;
+    *best = 0ull;
+  }
+  if (n > 0 && threadIdx.x == 0) st.indexed_len[slot] = t0 + n;
+  if (!fold_due(st.fold_every, t0 + n, csr)) return;
+  __syncthreads();  // the assignments just written are visible to the whole CTA
+  fold_slot(st, b, h, csr, sm);
 }
 
 // ---- decode: the token lists and the attention in one kernel --------------------------------
@@ -513,7 +346,6 @@ __global__ void __launch_bounds__(kFoldThreads) fold_scatter_kernel(IndexState s
 constexpr int kAttendRowsCap = 1024;  // KV rows staged in shared memory per attend_tiles pass
 constexpr int kMinAttendParts = 3;    // at least a member part, a window part and the scan part
 constexpr int kMaxAttendParts = 64;
-constexpr int kAttendMergeWarps = 8;
 using AttendCfg128 = tiles::TileConfig<128, 4, 3>;
 using AttendCfg64 = tiles::TileConfig<64, 4, 3>;
 
@@ -534,7 +366,104 @@ struct AttendParams {
   unsigned long long router_bytes;
   float* part_lse;  // [B * Hkv, parts, group]
   float* part_o;    // [B * Hkv, parts, group, D]
+  // The index step's (index_share): rope's inverse frequencies [D / 2], the kv heads'
+  // centroids [Hkv, C, D] and their squared norms [Hkv, C].
+  const float* inv_freq;
+  const float* centroids;
+  const float* centroid_norms;
 };
+
+// An attention part's share of the index step (see "decode: indexing" above): centroids
+// [c_begin, c_end) of kv head h scored against the n keys from token t0, each key's best over
+// the share to st.step_best by atomicMax. The keys are de-RoPE'd as rope_cuda rounds them, and
+// kStepKeys threads share a staged centroid row, each scoring it against one key with the same
+// sequential dot product as the CPU's, so a token's assignment does not depend on the share or
+// on how many are indexed together. Rows are staged kThreads / kStepKeys at a time by 16-byte
+// copies in flight with the keys' loads. s: the tile loop's rings, free here; ends with a
+// barrier. Not inlined: it runs on one step in index_every, and the attention's own code and
+// registers stay as they were without it.
+template <int D, int kThreads>
+__device__ __noinline__ void index_share(const AttendParams& p, int b, int h, int t0, int n,
+                                         int c_begin, int c_end, float* s) {
+  constexpr int kRows = kThreads / kStepKeys, kWarps = kThreads / 32, half = D / 2;
+  static_assert(D <= 128 && kRows * kStepKeys == kThreads, "a thread per (staged row, key)");
+  float* rows_s = s;                           // [kRows, kStepPitch]
+  float* key_s = rows_s + kRows * kStepPitch;  // [kMaxIndexStep, kStepPitch]
+  auto* red = reinterpret_cast<unsigned long long*>(key_s + kMaxIndexStep * kStepPitch);
+  const int C = p.st.num_clusters, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  auto stage = [&](int c0) {
+    const int rows = min(kRows, c_end - c0);
+    const float* src = p.centroids + (int64_t(h) * C + c0) * D;
+    for (int i = threadIdx.x; i < rows * (D / 4); i += kThreads)
+      ptx::cp_async_16(ptx::smem_addr(rows_s + (i / (D / 4)) * kStepPitch + (i % (D / 4)) * 4),
+                       src + int64_t(i) * 4, true);
+    ptx::cp_async_commit();
+  };
+  stage(c_begin);
+  // The keys, rows of a last, partial group of kStepKeys zero (their scores are never used).
+  const int n_pad = (n + kStepKeys - 1) / kStepKeys * kStepKeys;
+  const int32_t* table = p.page_table + int64_t(b) * p.max_pages_per_seq;
+  for (int i = threadIdx.x; i < n_pad * half; i += kThreads) {
+    const int e = i / half, j = i % half;
+    float x = 0.f, y = 0.f;
+    if (e < n) {
+      const int t = t0 + e;
+      const int64_t row =
+          (int64_t(table[t / p.page_size]) * p.page_size + t % p.page_size) * p.num_kv_heads + h;
+      const bf* key = p.k + row * D;
+      const __nv_bfloat162 r = rope_rotate_pair(
+          __bfloat162float(key[j]), __bfloat162float(key[j + half]), t, p.inv_freq[j], true);
+      x = __bfloat162float(r.x);
+      y = __bfloat162float(r.y);
+    }
+    key_s[e * kStepPitch + j] = x;
+    key_s[e * kStepPitch + j + half] = y;
+  }
+  for (int i = threadIdx.x; i < kMaxIndexStep * kWarps; i += kThreads) red[i] = 0ull;
+  const int row = threadIdx.x / kStepKeys, u = threadIdx.x % kStepKeys;
+  for (int c0 = c_begin; c0 < c_end; c0 += kRows) {
+    const int c = c0 + row;
+    const float norm = c < c_end ? p.centroid_norms[int64_t(h) * C + c] : 0.f;
+    ptx::cp_async_wait<0>();
+    __syncthreads();  // the rows and the keys are staged
+    const float4* row4 = reinterpret_cast<const float4*>(rows_s + row * kStepPitch);
+    for (int e0 = 0; e0 < n; e0 += kStepKeys) {
+      const float4* key4 = reinterpret_cast<const float4*>(key_s + (e0 + u) * kStepPitch);
+      float acc = 0.f;
+      if (c < c_end) {
+        for (int k = 0; k < D / 4; ++k) {
+          const float4 v = row4[k], q = key4[k];
+          acc = fmaf(v.x, q.x, acc);
+          acc = fmaf(v.y, q.y, acc);
+          acc = fmaf(v.z, q.z, acc);
+          acc = fmaf(v.w, q.w, acc);
+        }
+      }
+      // The best row for key e0 + u over the warp's lanes of the same u.
+      unsigned long long best = c < c_end ? index_best_key(centroid_score(acc, norm), c) : 0ull;
+      for (int off = 16; off >= kStepKeys; off /= 2)
+        best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
+      const int e = e0 + u;
+      if (lane < kStepKeys && e < n) red[e * kWarps + warp] = max(red[e * kWarps + warp], best);
+    }
+    __syncthreads();  // the rows are read: the next pass may restage them
+    if (c0 + kRows < c_end) stage(c0 + kRows);
+  }
+  if (int(threadIdx.x) < n) {
+    unsigned long long best = 0ull;
+    for (int w = 0; w < kWarps; ++w) best = max(best, red[threadIdx.x * kWarps + w]);
+    if (best != 0ull)
+      atomicMax(p.st.step_best + p.st.slot(b, h) * kMaxIndexStep + threadIdx.x, best);
+  }
+  __syncthreads();  // red and the rows are read: the caller may reuse s
+}
+
+// The floats of index_share's shared memory.
+template <int kThreads>
+constexpr size_t index_share_floats() {
+  return size_t(kThreads / kStepKeys + kMaxIndexStep) * kStepPitch +
+         2 * size_t(kMaxIndexStep) * (kThreads / 32);
+}
 
 template <int kThreads>
 constexpr size_t attend_scan_bytes() {
@@ -635,6 +564,18 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     }
     return running;
   };
+  // This part's share of the index step (index_share), on steps with tokens to index: before
+  // the wait in the member and scan parts, which have nothing to do until the route is done;
+  // after their rows in the window parts, which attend while the route runs.
+  const int n_index = index_step_count(n, p.w.recent, indexed, p.st.index_every);
+  const int share0 = int(int64_t(C) * part / gridDim.y);
+  const int share1 = int(int64_t(C) * (part + 1) / gridDim.y);
+  const bool shares = n_index > 0 && share0 < share1;
+  static_assert(index_share_floats<kThreads>() * sizeof(float) <= Cfg::smem_bytes(),
+                "the index step's share fits the rings");
+  if (shares && !window_part)
+    index_share<D, kThreads>(p, b, h, indexed, n_index, share0, share1,
+                             reinterpret_cast<float*>(smem));
   int M = 0;
   if (!window_part) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -757,6 +698,9 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     if (count > 0) attend_rows(count);
   }
   if (window_part) {
+    if (shares)
+      index_share<D, kThreads>(p, b, h, indexed, n_index, share0, share1,
+                               reinterpret_cast<float*>(smem));
     // The token-list entries of the window's rows: the tail's follow the members.
     asm volatile("griddepcontrol.wait;" ::: "memory");
     M = select();
@@ -787,16 +731,25 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   }
 }
 
-// One CTA per output row (b, query head): the row's part states merged (merge_row_states).
+// One CTA per output row (b, query head) of the `rows` = B * Hq: the row's part states merged
+// (merge_row_states); then one CTA per slot (b, kv head) that commits the index step and
+// folds (commit_index_step). Each waits for the whole attention grid.
 template <int D>
 __global__ void __launch_bounds__(kAttendMergeWarps * 32)
     attend_merge_kernel(const float* part_lse, const float* part_o, int parts, int hkv, int group,
-                        bf* o, float* lse) {
+                        int rows, bf* o, float* lse, const __grid_constant__ IndexState st,
+                        const int32_t* seq_lens, int recent) {
   __shared__ WarpAccumulators<kAttendMergeWarps, D> warp_acc;
+  __shared__ FoldSmem fold_sm;
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the parts' states are written
+  if (int(blockIdx.x) >= rows) {
+    const int slot = int(blockIdx.x) - rows, b = slot / hkv;
+    commit_index_step(st, b, slot % hkv, seq_lens[b], recent, fold_sm);
+    return;
+  }
   const int row = blockIdx.x, hq = hkv * group;
   const int b = row / hq, head = row % hq;
   const int sv = b * hkv + head / group, hg = head % group;
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the parts' states are written
   merge_row_states<D, kAttendMergeWarps>(part_lse, part_o, int64_t(sv) * parts * group + hg, group,
                                          parts, warp_acc, o + int64_t(row) * D,
                                          lse ? lse + row : nullptr);
@@ -1593,8 +1546,8 @@ struct RouteSmem {
 // index step used to be joined before the route, as a second predecessor: a kernel node with
 // two predecessors got resident only after both had completed, even with both edges
 // programmatic (the route entered 2 us after the GEMV's last CTA at 128K on an H200), and the
-// index branch beside the GEMVs cost the step 2.8 us in all (docs/gpu.md). It now runs after
-// the attention (index_step_cuda).
+// index branch beside the GEMVs cost the step 2.8 us in all (docs/gpu.md). It is now part of
+// the attention and its merge ("decode: indexing").
 __device__ __forceinline__ void route_wait_then_release() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -1760,21 +1713,6 @@ RouteLayout route_layout(int max_batch, int hq, int hidden, int C) {
   return l;
 }
 
-// The index step's scratch: the fold's (FoldScratch: start, old_offsets, shift, clusters,
-// tokens, then the copy of the old members, max_tokens per slot).
-struct IndexStepLayout {
-  size_t fold, copy, total;
-};
-
-IndexStepLayout index_step_layout(int max_batch, int hkv, int C, int fold_every, int max_tokens) {
-  IndexStepLayout l;
-  const size_t slots = size_t(max_batch) * hkv;
-  l.fold = align_up(slots * (1 + 2 * (size_t(C) + 1) + 2 * size_t(fold_every)) * sizeof(int32_t));
-  l.copy = fold_every > 0 ? align_up(slots * size_t(max_tokens) * sizeof(int32_t)) : 0;
-  l.total = l.fold + l.copy;
-  return l;
-}
-
 // The route kernels' shared memory for C rounded up to pow2 (the layout of RouteSmem).
 size_t route_smem_bytes(int pow2) { return RouteSmem::bytes(pow2); }
 
@@ -1879,11 +1817,6 @@ size_t route_workspace_bytes(int max_batch, int num_q_heads, int hidden, int num
   return route_layout(max_batch, num_q_heads, hidden, num_clusters).total;
 }
 
-size_t index_step_workspace_bytes(int max_batch, int num_kv_heads, int num_clusters,
-                                  int fold_every, int max_tokens) {
-  return index_step_layout(max_batch, num_kv_heads, num_clusters, fold_every, max_tokens).total;
-}
-
 namespace {
 
 // A device's SM figures, queried once per device (a process may drive several); attribute
@@ -1960,8 +1893,8 @@ cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>&
   if (e != cudaSuccess) return e;
   // The route, programmatic behind the MLP's last grid, waits for it before it releases the
   // attention (route_wait_then_release), whose code before its own wait reads the index: the
-  // index step of the call before has completed then (the engine joins it at the step's end,
-  // a full dependency of the first GEMV's launch). So has it when the route launches, and
+  // index step of the call before (its commit and fold, in that call's merge kernel, which
+  // releases nothing early) has completed then, and so has it when the route launches:
   // route_mlp_kernel reads the index's offsets before its own wait.
   if (!route_in_registers(r, pow2)) {
     e = launch_programmatic(route_kernel, dim3(unsigned(B * hkv)), dim3(kRouteThreads), route_smem,
@@ -1979,40 +1912,6 @@ cudaError_t decode_select_cuda(const bf16* q_pre, int batch, const Router<bf16>&
   return e;
 }
 
-cudaError_t index_step_cuda(const PagedKV& kv, const float* inv_freq, const Window& w,
-                            const Router<bf16>& r, const IndexState& st, void* workspace,
-                            size_t workspace_bytes, cudaStream_t stream) {
-  const int B = kv.batch, hkv = kv.num_kv_heads, d = kv.head_dim, C = r.num_clusters;
-  if (B > st.max_batch || hkv < 1 || hkv != st.num_kv_heads || hkv != r.num_kv_heads ||
-      d != r.head_dim || d % 8 != 0 || d > 128 || C != st.num_clusters || C > kMaxClustersCuda ||
-      st.fold_every < 0 || st.fold_every > kMaxFold || st.index_every < 1 ||
-      st.index_every > kMaxIndexStep || !inv_freq || !r.centroids || !r.centroid_norms)
-    return cudaErrorInvalidValue;
-  if (B == 0) return cudaSuccess;
-  const IndexStepLayout lay =
-      index_step_layout(st.max_batch, hkv, C, st.fold_every, st.max_tokens);
-  if (!workspace || workspace_bytes < lay.total) return cudaErrorInvalidValue;
-  const int64_t slots = int64_t(st.max_batch) * hkv;
-  FoldScratch fold;
-  fold.start = static_cast<int32_t*>(workspace);
-  fold.old_offsets = fold.start + slots;
-  fold.shift = fold.old_offsets + slots * (C + 1);
-  fold.clusters = fold.shift + slots * (C + 1);
-  fold.tokens = fold.clusters + slots * st.fold_every;
-  fold.copy = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + lay.fold);
-  fold.copy_stride = st.max_tokens;
-  step_index_kernel<<<dim3(unsigned(kStepRanks), unsigned(B * hkv)), kStepThreads,
-                      step_index_smem_bytes(), stream>>>(kv, w, inv_freq, r.centroids,
-                                                         r.centroid_norms, C, st);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess || st.fold_every == 0) return e;
-  fold_copy_kernel<<<dim3(unsigned(B * hkv), unsigned(1 + kFoldCopyParts)), kFoldThreads, 0,
-                     stream>>>(st, fold);
-  fold_scatter_kernel<<<dim3(unsigned(B * hkv), unsigned(kFoldMoveParts)), kFoldThreads,
-                        2 * (size_t(C) + 1) * sizeof(int32_t), stream>>>(st, fold);
-  return cudaGetLastError();
-}
-
 size_t attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim) {
   const size_t states = size_t(max_batch) * num_kv_heads * kMaxAttendParts *
                         size_t(num_q_heads / std::max(1, num_kv_heads));
@@ -2023,7 +1922,7 @@ namespace {
 
 template <class Cfg>
 cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, float* lse,
-                          cudaStream_t stream, const StreamFork* after_attention) {
+                          cudaStream_t stream) {
   // Per device (a process may drive several): the kernel's shared-memory limit as set.
   // Attribute and occupancy calls are not stream work, so a captured call may make them.
   static std::mutex mu;
@@ -2055,29 +1954,34 @@ cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, 
       std::min(kMaxAttendParts, std::max(kMinAttendParts, sms * std::max(1, per_sm) / subrequests));
   e = launch_programmatic(attend_kernel<Cfg>, dim3(unsigned(subrequests), unsigned(parts)),
                           dim3(Cfg::kThreads), smem, stream, p);
-  if (e == cudaSuccess && after_attention) e = fork_from(*after_attention, stream);
   if (e != cudaSuccess) return e;
   // Launched programmatically: the attention triggers at the end of each CTA's work, so the
-  // merge's launch overlaps the last parts and its CTAs cannot take their room early.
-  return launch_programmatic(
-      attend_merge_kernel<Cfg::kHeadDim>, dim3(unsigned(batch * p.num_q_heads)),
-      dim3(kAttendMergeWarps * 32), 0, stream, static_cast<const float*>(p.part_lse),
-      static_cast<const float*>(p.part_o), parts, p.num_kv_heads, p.group, o, lse);
+  // merge's launch overlaps the last parts and its CTAs cannot take their room early. Its
+  // rows, then a CTA per slot for the index step's commit and the fold.
+  const int rows = batch * p.num_q_heads;
+  return launch_programmatic(attend_merge_kernel<Cfg::kHeadDim>, dim3(unsigned(rows + subrequests)),
+                             dim3(kAttendMergeWarps * 32), 0, stream,
+                             static_cast<const float*>(p.part_lse),
+                             static_cast<const float*>(p.part_o), parts, p.num_kv_heads, p.group,
+                             rows, o, lse, p.st, p.seq_lens, p.w.recent);
 }
 
 }  // namespace
 
 cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Window& w,
-                        const IndexState& st, const int32_t* selected, int probes,
-                        const tactic::Selection& lists, unsigned long long* counters,
-                        unsigned long long router_bytes, int num_q_heads, bf16* o, float* lse,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                        const StreamFork* after_attention) {
-  const int B = kv.batch, hkv = kv.num_kv_heads, d = kv.head_dim;
+                        const IndexState& st, const Router<bf16>& router, const float* inv_freq,
+                        const int32_t* selected, int probes, const tactic::Selection& lists,
+                        unsigned long long* counters, unsigned long long router_bytes,
+                        int num_q_heads, bf16* o, float* lse, void* workspace,
+                        size_t workspace_bytes, cudaStream_t stream) {
+  const int B = kv.batch, hkv = kv.num_kv_heads, d = kv.head_dim, C = st.num_clusters;
   if ((d != 64 && d != 128) || hkv < 1 || num_q_heads % hkv != 0 ||
       num_q_heads / hkv > tiles::kMaxGroup || B > st.max_batch || hkv != st.num_kv_heads ||
-      probes < 1 || probes > st.num_clusters || !q || !o || !selected || !lists.tokens ||
-      !lists.counts || lists.max_tokens < st.max_tokens)
+      probes < 1 || probes > C || C > kMaxClustersCuda || !q || !o || !selected || !lists.tokens ||
+      !lists.counts || lists.max_tokens < st.max_tokens || !inv_freq ||
+      router.num_kv_heads != hkv || router.num_clusters != C || router.head_dim != d ||
+      !router.centroids || !router.centroid_norms || !st.step_best || st.fold_every < 0 ||
+      st.fold_every > kMaxFold || st.index_every < 1 || st.index_every > kMaxIndexStep)
     return cudaErrorInvalidValue;
   if (B == 0) return cudaSuccess;
   const size_t need = attend_workspace_bytes(B, num_q_heads, hkv, d);
@@ -2101,18 +2005,18 @@ cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Win
   p.lists = lists;
   p.counters = counters;
   p.router_bytes = router_bytes;
+  p.inv_freq = inv_freq;
+  p.centroids = router.centroids;
+  p.centroid_norms = router.centroid_norms;
   const size_t states = size_t(B) * hkv * kMaxAttendParts * p.group;
   char* ws = static_cast<char*>(workspace);
   p.part_lse = reinterpret_cast<float*>(ws);
   p.part_o = reinterpret_cast<float*>(ws + align_up(states * sizeof(float)));
   bf* out = reinterpret_cast<bf*>(o);
-  return d == 128
-             ? launch_attend<AttendCfg128>(
-                   p, B, attend_smem_bytes<AttendCfg128>(probes, st.num_clusters), out, lse, stream,
-                   after_attention)
-             : launch_attend<AttendCfg64>(
-                   p, B, attend_smem_bytes<AttendCfg64>(probes, st.num_clusters), out, lse, stream,
-                   after_attention);
+  return d == 128 ? launch_attend<AttendCfg128>(p, B, attend_smem_bytes<AttendCfg128>(probes, C),
+                                                out, lse, stream)
+                  : launch_attend<AttendCfg64>(p, B, attend_smem_bytes<AttendCfg64>(probes, C), out,
+                                               lse, stream);
 }
 
 cudaError_t prepare_cuda(int hidden) {
@@ -2140,9 +2044,6 @@ cudaError_t prepare_cuda(int hidden) {
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(gemv_nonzero_kernel<E4m3Columns>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, nonzero);
-  if (e != cudaSuccess) return e;
-  e = cudaFuncSetAttribute(step_index_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           int(step_index_smem_bytes()));
   if (e != cudaSuccess) return e;
   // The route's kernels may ask for up to the device's limit (route_alone_smem_bytes).
   SmInfo info;

@@ -49,7 +49,6 @@
 #include "kernels/common/bf16.h"
 #include "kernels/common/host_device.h"
 #include "kernels/common/paged_kv.h"
-#include "kernels/common/stream_fork.h"
 #include "kernels/tactic/tactic.h"
 
 namespace kvs::kernels::saap {
@@ -82,6 +81,9 @@ struct IndexState {
   int32_t* assign = nullptr;
   int32_t* indexed_len = nullptr;
   int32_t* csr_len = nullptr;
+  // CUDA: [max_batch, Hkv, kMaxIndexStep] each key's best centroid so far in a step that
+  // indexes (attend_cuda's index step), zero between steps; zeroed by its allocator.
+  unsigned long long* step_best = nullptr;
   int max_batch = 0;
   int num_kv_heads = 0;
   int num_clusters = 0;
@@ -229,25 +231,19 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
                                const IndexState& state, void* workspace, size_t workspace_bytes,
                                cudaStream_t stream);
 
-// Decode step, graph-capturable (fixed grids, device-side lengths, no host sync), three calls
+// Decode step, graph-capturable (fixed grids, device-side lengths, no host sync), two calls
 // in this order:
 // 1. route (decode_select_cuda): selected [batch * Hkv, l] cluster ids from q_pre [batch, Hq,
 //    d], by the MLP (mlp_logits_cuda) or the nearest centroids, then the top l. Workspace:
 //    route_workspace_bytes(max_batch, ...).
-// 2. attend (attend_cuda, below).
-// 3. index (index_step_cuda), once the attention has read the index: for every (b < kv.batch,
-//    h) with index_step_count(...) > 0, de-RoPE those tokens' keys and assign them (the decode
-//    half of the index); then fold where fold_due (two kernels that return at once on the
-//    other steps). Workspace: index_step_workspace_bytes(max_batch, ...), apart from 1.'s and
-//    2.'s, so that the step's index work may run on a branch beside the next layers' steps
-//    (the engine joins it at the step's last layer). A step therefore attends the tokens it
-//    indexes through the window, as every step before it did, and the next step through
-//    their clusters.
+// 2. attend (attend_cuda, below), which also does the decode half of the index: for every
+//    (b < kv.batch, h) with index_step_count(...) > 0 it de-RoPEs those tokens' keys and
+//    assigns them, once its attention has read the index, then folds where fold_due. A step
+//    therefore attends the tokens it indexes through the window, as every step before it did,
+//    and the next step through their clusters.
 // Each returns cudaErrorInvalidValue, before any launch, on shapes it cannot serve (among them
 // Hkv < 1 or Hq not a multiple of Hkv).
 size_t route_workspace_bytes(int max_batch, int num_q_heads, int hidden, int num_clusters);
-size_t index_step_workspace_bytes(int max_batch, int num_kv_heads, int num_clusters,
-                                  int fold_every, int max_tokens);
 
 // The router MLP's logits [batch, Hq, C] (before the softmax) for q_pre [batch, Hq, d]: the
 // route's two GEMVs, hidden [batch, Hq, router.hidden] = relu(w1 q_pre + b1) and logits = w2
@@ -284,10 +280,6 @@ inline size_t route_alone_smem_bytes(int route_ctas, int sms, size_t smem_per_sm
   return alone <= max_per_cta ? alone : 0;
 }
 
-cudaError_t index_step_cuda(const PagedKV& kv, const float* inv_freq, const Window& w,
-                            const Router<bf16>& router, const IndexState& state, void* workspace,
-                            size_t workspace_bytes, cudaStream_t stream);
-
 // 2. attend (directly after decode_select_cuda on the same stream, nothing between): the
 //    token lists and the attention in one kernel, then a merge kernel. It is launched
 //    programmatically behind the route and reads q, the lengths, the page table, the KV and
@@ -302,10 +294,11 @@ cudaError_t index_step_cuda(const PagedKV& kv, const float* inv_freq, const Wind
 //    counters[1] += router_bytes (the router's reads per (b, h), the caller's figure) plus the
 //    index reads (CSR offsets of the probed clusters and the scanned post-prefill
 //    assignments). q is post-RoPE; head_dim 64 or 128. Workspace:
-//    attend_workspace_bytes(max_batch, ...). after_attention (optional) is forked from
-//    `stream` right after the attention kernel, before the merge: what the caller queues on
-//    its side stream (the index step) runs beside the merge, once every part has read the
-//    index.
+//    attend_workspace_bytes(max_batch, ...).
+//    The index step (saap.cu, "decode: indexing"): the parts score shares of router's
+//    centroids against the keys to index (de-RoPE'd with inv_freq, d/2 floats on the device)
+//    into state.step_best, and a CTA per slot of the merge kernel commits them and folds. The
+//    router must be the index's: the same kv heads, C and head_dim.
 size_t attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim);
 
 // How attend_cuda splits a slot's shared_parts CTAs (all but the scan part) between the
@@ -326,13 +319,13 @@ KVS_HOST_DEVICE int attend_member_parts(int shared_parts, int probes, int num_cl
   return pm < 1 ? 1 : pm > shared_parts - 1 ? shared_parts - 1 : int(pm);
 }
 cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Window& w,
-                        const IndexState& st, const int32_t* selected, int probes,
-                        const tactic::Selection& lists, unsigned long long* counters,
-                        unsigned long long router_bytes, int num_q_heads, bf16* o, float* lse,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                        const StreamFork* after_attention = nullptr);
+                        const IndexState& st, const Router<bf16>& router, const float* inv_freq,
+                        const int32_t* selected, int probes, const tactic::Selection& lists,
+                        unsigned long long* counters, unsigned long long router_bytes,
+                        int num_q_heads, bf16* o, float* lse, void* workspace,
+                        size_t workspace_bytes, cudaStream_t stream);
 
-// Sets the router and index-step kernels' shared-memory limits for MLP width `hidden`, once per
+// Sets the router kernels' shared-memory limits for MLP width `hidden`, once per
 // process; engines call it at construction so that a captured decode step does nothing but
 // launches.
 cudaError_t prepare_cuda(int hidden);
