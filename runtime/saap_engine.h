@@ -28,7 +28,6 @@
 // read per kv head, the probed CSR offsets and the scanned post-prefill assignments.
 #pragma once
 
-#include <memory>
 #include <vector>
 
 #include "kernels/saap/saap.h"
