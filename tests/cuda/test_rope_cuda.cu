@@ -57,7 +57,8 @@ TEST_P(RopeCuda, MatchesCpuAndInverts) {
   const auto rotated = dx.download();
 
   // CPU on the same bf16 inputs in fp32; GPU rounds once to bf16 at the end, and its
-  // sincosf may differ from the C library's in the last fp32 bits, so allow one bf16 ulp.
+  // cos and sin (double, rounded to fp32) may differ from the C library's in the last fp32
+  // bits, so allow one bf16 ulp.
   std::vector<float> ref(size_t(r.tokens) * r.heads * dim);
   for (int t = 0; t < r.tokens; ++t)
     for (int i = 0; i < r.heads * dim; ++i)
