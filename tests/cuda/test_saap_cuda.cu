@@ -458,10 +458,11 @@ TEST(SaapCuda, Fp8RouterMatchesTheCpuEngineAtBatchTwo) {
 // expect_decode_matches (whose token lists must be equal where the assignments are).
 // C clusters, `probes` of them probed.
 void run_generation(int prefill, int steps, int fold_every, int check_every, int C = 64,
-                    int probes = 6, int index_every = SaapConfig().index_every) {
+                    int probes = 6, int index_every = SaapConfig().index_every,
+                    const ModelShape& shape = saap_test::scene_shape(2)) {
   constexpr int kRecent = 128, kSink = 4;
   Pair p(SaapRouter::Mlp, {prefill}, C, 32, probes, SaapWeights::Fp8, prefill + steps, fold_every,
-         index_every);
+         index_every, {}, shape);
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
   ASSERT_EQ(p.parts.num_clusters, C);
   p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
@@ -534,6 +535,13 @@ TEST(SaapCuda, FoldKeepsTheCsrEqualToTheCpuEngines) {
 TEST(SaapCuda, IndexStepOfThirtyTwoTokensMatchesTheCpuEngine) {
   KVS_SKIP_WITHOUT_CUDA();
   run_generation(200, 100, 90, 16, 64, 6, sk::kMaxIndexStep);
+}
+
+// The same at head dim 64: the index step's keys and centroid rows half as wide, the
+// attention's tiles of 64 columns.
+TEST(SaapCuda, IndexStepOfThirtyTwoTokensAtHeadDimSixtyFour) {
+  KVS_SKIP_WITHOUT_CUDA();
+  run_generation(200, 100, 90, 16, 64, 6, sk::kMaxIndexStep, saap_test::scene_shape(2, 8, 2, 64));
 }
 
 // One fold of an index of 150K members per kv head: the copy and the moves take more than
