@@ -1,6 +1,7 @@
 #include <cmath>
 
 #include "kernels/common/rope.h"
+#include "kernels/common/rope_math.h"
 
 namespace kvs::kernels {
 
@@ -10,8 +11,9 @@ void rope_cpu(float* x, int num_tokens, int num_heads, int head_dim, const int32
   for (int t = 0; t < num_tokens; ++t) {
     for (int i = 0; i < half; ++i) {
       const float angle = float(positions[t]) * inv_freq[i];
-      const float c = std::cos(angle);
-      const float s = inverse ? -std::sin(angle) : std::sin(angle);
+      float s, c;
+      rope_sincos(angle, s, c);
+      if (inverse) s = -s;
       for (int h = 0; h < num_heads; ++h) {
         float* row = x + (int64_t(t) * num_heads + h) * head_dim;
         const float a = row[i], b = row[i + half];
