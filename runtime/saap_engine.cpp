@@ -391,19 +391,34 @@ void SaapEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
     max_len = std::max(max_len, int(lens[size_t(b)]));
   }
   LayerIndex& li = allocate_index(layer);
+  sk::Unassigned none;
   if (config_.backend == Backend::Cpu) {
     const sk::Router<float> r = cpu_router(slot);
     for (int b = 0; b < kv.batch; ++b)
-      for (int h = 0; h < shape_.num_kv_heads; ++h)
-        sk::index_prefill_cpu(kv, b, h, inv_freq_.data(), window(), r, li.view);
-    return;
+      for (int h = 0; h < shape_.num_kv_heads; ++h) {
+        const sk::Unassigned u =
+            sk::index_prefill_cpu(kv, b, h, inv_freq_.data(), window(), r, li.view);
+        if (none.count == 0)
+          none = u;
+        else
+          none.count += u.count;
+      }
+  } else {
+    const size_t ws_bytes =
+        sk::index_prefill_workspace_bytes(max_len, shape_.num_kv_heads, shape_.head_dim);
+    with_temporary_workspace(ws_bytes, stream, [&](void* ws) {
+      return sk::index_prefill_cuda(kv, lens.data(), d_inv_freq_, window(), cuda_router(slot),
+                                    li.view, ws, ws_bytes, stream, &none);
+    });
   }
-  const size_t ws_bytes =
-      sk::index_prefill_workspace_bytes(max_len, shape_.num_kv_heads, shape_.head_dim);
-  with_temporary_workspace(ws_bytes, stream, [&](void* ws) {
-    return sk::index_prefill_cuda(kv, lens.data(), d_inv_freq_, window(), cuda_router(slot),
-                                  li.view, ws, ws_bytes, stream);
-  });
+  // The index is whole either way (those keys are in no cluster); the caller learns of them.
+  if (none.count > 0)
+    throw std::invalid_argument(
+        who + "layer " + str(layer) + ": " + str(none.count) +
+        " keys score NaN against every centroid (a NaN or inf in the KV cache), the first at "
+        "sequence " +
+        str(none.b) + ", kv head " + str(none.h) + ", token " + str(none.t) +
+        "; they are in no cluster and would be attended only inside the dense window");
 }
 
 void SaapEngine::decode(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv, bf16* out,

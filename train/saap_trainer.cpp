@@ -271,6 +271,13 @@ SaapTrainResult train_saap(const std::vector<std::string>& paths, const SaapTrai
           a[size_t(t)] = kernels::saap::nearest_centroid_cpu(
               s.k_pre.data() + (size_t(t) * hkv + kvh) * d, cent.data(), norms.data(), C, d);
         for (int t = o.sink; t < s.T; ++t) {
+          if (a[size_t(t)] < 0)
+            throw std::runtime_error(
+                "kvs-train saap: layer " + str(layer) + " kv head " + str(kvh) +
+                ": the key at "
+                "token " +
+                str(t) + " of sequence " + str(&s - seqs.data()) +
+                " scores NaN against every centroid (a NaN or inf in the capture's keys)");
           bucket[size_t(a[size_t(t)])] += 1.0;
           total += 1.0;
         }

@@ -81,12 +81,13 @@ __device__ __forceinline__ int last_at_most(const int* a, int n, int x) {
   return lo;
 }
 
-// The first j in [0, n) with a[j] >= x (n when none), for ascending a.
+// The first j in [0, n) with a[j] >= x (n when none), for a ascending as unsigned values: a
+// key with no cluster (-1) counts as above every cluster, where the prefill's sort puts it.
 __device__ __forceinline__ int lower_bound(const int* a, int n, int x) {
   int lo = 0, hi = n;
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
-    if (a[mid] < x)
+    if (unsigned(a[mid]) < unsigned(x))
       lo = mid + 1;
     else
       hi = mid;
@@ -113,10 +114,12 @@ __global__ void iota_kernel(int32_t* x, int n) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] = i;
 }
 
-// keys [n, Hkv, d] pre-RoPE bf16; assigns tokens [start, end) of head blockIdx.y.
+// keys [n, Hkv, d] pre-RoPE bf16; assigns tokens [start, end) of head blockIdx.y. A key that
+// no centroid may win (every score NaN or below -FLT_MAX) is assigned -1, counted in
+// none[1] and, the first by (b, h, t), packed into none[0] (when none is given).
 __global__ void __launch_bounds__(kAssignThreads)
     assign_tiled_kernel(const bf* keys, int hkv, int d, int start, int end, const float* centroids,
-                        const float* norms, int C, IndexState st, int b) {
+                        const float* norms, int C, IndexState st, int b, unsigned long long* none) {
   extern __shared__ float smem[];
   const int h = blockIdx.y;
   float* key_s = smem;                                    // [32][d + 1]
@@ -173,7 +176,14 @@ __global__ void __launch_bounds__(kAssignThreads)
         bc = best_c[w * 32 + lane];
       }
     const int t = t0 + lane;
-    if (t < end) st.assign_of(b, h)[t] = bc;
+    if (t < end) {
+      const int a = bc == 0x7fffffff ? -1 : bc;  // no score passed better(): no cluster
+      st.assign_of(b, h)[t] = a;
+      if (a < 0 && none) {
+        atomicAdd(none + 1, 1ull);
+        atomicMin(none, (static_cast<unsigned long long>(b * hkv + h) << 32) | unsigned(t));
+      }
+    }
   }
 }
 
@@ -193,7 +203,7 @@ __global__ void set_lens_kernel(IndexState st, int b, int end) {
 }
 
 struct PrefillLayout {
-  size_t keys, iota, sorted, temp, total;
+  size_t keys, iota, sorted, temp, none, total;
 };
 
 PrefillLayout prefill_layout(int max_len, int hkv, int d) {
@@ -206,7 +216,8 @@ PrefillLayout prefill_layout(int max_len, int hkv, int d) {
       nullptr, temp, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
       static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), std::max(max_len, 1));
   l.temp = align_up(temp);
-  l.total = l.keys + l.iota + l.sorted + l.temp;
+  l.none = align_up(2 * sizeof(unsigned long long));  // assign_tiled_kernel's none
+  l.total = l.keys + l.iota + l.sorted + l.temp + l.none;
   return l;
 }
 
@@ -1737,7 +1748,7 @@ size_t index_prefill_workspace_bytes(int max_len, int num_kv_heads, int head_dim
 cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
                                const float* inv_freq, const Window& w, const Router<bf16>& r,
                                const IndexState& st, void* workspace, size_t workspace_bytes,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, Unassigned* unassigned) {
   const int hkv = kv.num_kv_heads, d = kv.head_dim, C = st.num_clusters;
   if (d % 8 != 0 || d > 128 || hkv != st.num_kv_heads || C != r.num_clusters ||
       kv.batch > st.max_batch)
@@ -1754,12 +1765,23 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
   int32_t* iota = reinterpret_cast<int32_t*>(p + lay.keys);
   int32_t* sorted = reinterpret_cast<int32_t*>(p + lay.keys + lay.iota);
   void* temp = p + lay.keys + lay.iota + lay.sorted;
+  auto* none =
+      unassigned
+          ? reinterpret_cast<unsigned long long*>(p + lay.keys + lay.iota + lay.sorted + lay.temp)
+          : nullptr;
+  if (none) {
+    cudaError_t e = cudaMemsetAsync(none, 0xff, sizeof(unsigned long long), stream);  // first
+    if (e == cudaSuccess) e = cudaMemsetAsync(none + 1, 0, sizeof(unsigned long long), stream);
+    if (e != cudaSuccess) return e;
+  }
   iota_kernel<<<std::max(1, std::min(1024, (max_len + 255) / 256)), 256, 0, stream>>>(iota,
                                                                                       max_len);
   const size_t smem =
       (size_t(kAssignTokens) * (d + 1) + size_t(kAssignCents) * d + 2 * 8 * 32) * sizeof(float);
+  // Bits of the sort's keys: 2^bits > C, so that a key with no cluster (-1, all bits set)
+  // sorts after every cluster.
   int bits = 1;
-  while ((1 << bits) < C) ++bits;
+  while ((1 << bits) <= C) ++bits;
   for (int b = 0; b < kv.batch; ++b) {
     const int n = seq_lens_host[b];
     const int end = std::max(w.sink, n - w.recent);
@@ -1775,7 +1797,7 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
       dim3 grid((count + kAssignTokens - 1) / kAssignTokens, hkv);
       assign_tiled_kernel<<<grid, kAssignThreads, smem, stream>>>(reinterpret_cast<const bf*>(keys),
                                                                   hkv, d, w.sink, end, r.centroids,
-                                                                  r.centroid_norms, C, st, b);
+                                                                  r.centroid_norms, C, st, b, none);
     }
     for (int h = 0; h < hkv; ++h) {
       if (count > 0) {
@@ -1790,7 +1812,21 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
     }
     set_lens_kernel<<<1, std::max(32, hkv), 0, stream>>>(st, b, end);
   }
-  return cudaGetLastError();
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || !none) return e;
+  unsigned long long host[2];
+  e = cudaMemcpyAsync(host, none, sizeof(host), cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) return e;
+  *unassigned = Unassigned{};
+  unassigned->count = int(host[1]);
+  if (host[1] > 0) {
+    const int bh = int(host[0] >> 32);
+    unassigned->b = bh / hkv;
+    unassigned->h = bh % hkv;
+    unassigned->t = int(host[0] & 0xffffffffu);
+  }
+  return cudaSuccess;
 }
 
 namespace {

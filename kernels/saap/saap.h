@@ -181,16 +181,25 @@ void quantize_rows_e4m3(const float* w, int64_t rows, int K, uint8_t* q, float* 
 // ---- CPU reference ------------------------------------------------------------------------
 
 // The nearest centroid of x (d values) among C centroids [C, d] with norms |c|^2 [C]; fp64.
+// -1 when no centroid scores a number at least -FLT_MAX (a NaN or inf in x): such a key gets
+// no cluster, here and on the GPU, and stays out of the CSR (attended only in the dense window).
 int nearest_centroid_cpu(const float* x, const float* centroids, const float* norms, int C, int d);
+
+// The keys of a prefill that got no cluster (nearest_centroid_cpu's -1): how many, and the
+// first as (sequence b, kv head h, token t), for the engine's error.
+struct Unassigned {
+  int count = 0;
+  int b = -1, h = -1, t = -1;
+};
 
 // Key t of (b, h) taken back before RoPE (inverse rotation at position t, then rounded to
 // bf16 as rope_cuda rounds it): out gets d values.
 void deroped_key_cpu(const PagedKV& kv, int b, int h, int t, const float* inv_freq, float* out);
 
 // Prefill of slot (b, h) from the first n = kv.seq_lens[b] tokens: assigns [sink, n - recent)
-// and builds the CSR (replacing what the slot held).
-void index_prefill_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, const Window& w,
-                       const Router<float>& router, const IndexState& state);
+// and builds the CSR (replacing what the slot held). Returns the keys that got no cluster.
+Unassigned index_prefill_cpu(const PagedKV& kv, int b, int h, const float* inv_freq,
+                             const Window& w, const Router<float>& router, const IndexState& state);
 
 // Decode-time indexing of slot (b, h), after the step's attention: assigns the
 // index_step_count(...) tokens from indexed_len on (as the GPU does), then folds when
@@ -225,11 +234,14 @@ std::vector<int32_t> selected_tokens_cpu(const PagedKV& kv, int b, int h, const 
 // caller-owned device memory of index_prefill_workspace_bytes(max over b of seq_lens_host[b]).
 // Keys are gathered and de-RoPE'd with rope_cuda, assigned by a tiled kernel, and sorted
 // into the CSR with a stable radix sort (members ascending within a cluster, as on the CPU).
+// Keys that get no cluster (-1) sort after every cluster and stay out of it. With unassigned
+// given, counts them and synchronizes the stream to return that count and the first of them
+// (the first sequence, then kv head, then token).
 size_t index_prefill_workspace_bytes(int max_len, int num_kv_heads, int head_dim);
 cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
                                const float* inv_freq, const Window& w, const Router<bf16>& router,
                                const IndexState& state, void* workspace, size_t workspace_bytes,
-                               cudaStream_t stream);
+                               cudaStream_t stream, Unassigned* unassigned = nullptr);
 
 // Decode step, graph-capturable (fixed grids, device-side lengths, no host sync), two calls
 // in this order:

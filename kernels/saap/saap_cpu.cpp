@@ -4,6 +4,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -137,11 +138,12 @@ void quantize_rows_e4m3(const float* w, int64_t rows, int K, uint8_t* q, float* 
 }
 
 int nearest_centroid_cpu(const float* x, const float* centroids, const float* norms, int C, int d) {
-  int best = 0;
-  double best_score = -std::numeric_limits<double>::infinity();
+  int best = -1;
+  double best_score = 0.0;
   for (int c = 0; c < C; ++c) {
     const double s = 2.0 * dot(x, centroids + size_t(c) * d, d) - double(norms[c]);
-    if (s > best_score) {
+    // A score below -FLT_MAX (or NaN) wins no cluster: the GPU's rule (index_best_key).
+    if (s >= -double(FLT_MAX) && (best < 0 || s > best_score)) {
       best_score = s;
       best = c;
     }
@@ -157,8 +159,8 @@ void deroped_key_cpu(const PagedKV& kv, int b, int h, int t, const float* inv_fr
   for (int i = 0; i < kv.head_dim; ++i) out[i] = bf16_to_float(float_to_bf16(out[i]));
 }
 
-void index_prefill_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, const Window& w,
-                       const Router<float>& router, const IndexState& st) {
+Unassigned index_prefill_cpu(const PagedKV& kv, int b, int h, const float* inv_freq,
+                             const Window& w, const Router<float>& router, const IndexState& st) {
   check_slot(kv, b, h, st, "saap index_prefill_cpu");
   const int n = kv.seq_lens[b], d = kv.head_dim, C = st.num_clusters;
   const int end = std::max(w.sink, n - w.recent);
@@ -167,19 +169,26 @@ void index_prefill_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, c
   int32_t* assign = st.assign_of(b, h);
   std::vector<float> key(static_cast<size_t>(d));
   std::vector<int32_t> count(static_cast<size_t>(C) + 1, 0);
+  Unassigned none;
   for (int t = w.sink; t < end; ++t) {
     deroped_key_cpu(kv, b, h, t, inv_freq, key.data());
     assign[t] = nearest_centroid_cpu(key.data(), cent, norms, C, d);
-    ++count[size_t(assign[t]) + 1];
+    if (assign[t] >= 0) {
+      ++count[size_t(assign[t]) + 1];
+    } else if (none.count++ == 0) {
+      none.b = b, none.h = h, none.t = t;
+    }
   }
   // Stable counting sort: members ascending within a cluster.
   for (int c = 0; c < C; ++c) count[size_t(c) + 1] += count[size_t(c)];
   int32_t* offsets = st.offsets_of(b, h);
   std::copy(count.begin(), count.end(), offsets);
   int32_t* members = st.members_of(b, h);
-  for (int t = w.sink; t < end; ++t) members[count[size_t(assign[t])]++] = t;
+  for (int t = w.sink; t < end; ++t)
+    if (assign[t] >= 0) members[count[size_t(assign[t])]++] = t;
   st.indexed_len[st.slot(b, h)] = end;
   st.csr_len[st.slot(b, h)] = end;
+  return none;
 }
 
 bool index_step_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, const Window& w,
@@ -213,7 +222,8 @@ void fold_cpu(int b, int h, const IndexState& st) {
   const std::vector<int32_t> old_offsets(offsets, offsets + C + 1);
   const std::vector<int32_t> old_members(members, members + old_offsets[size_t(C)]);
   std::vector<std::vector<int32_t>> fresh(static_cast<size_t>(C));
-  for (int t = csr; t < csr + F; ++t) fresh[size_t(assign[t])].push_back(t);
+  for (int t = csr; t < csr + F; ++t)
+    if (assign[t] >= 0) fresh[size_t(assign[t])].push_back(t);
   int pos = 0;
   for (int c = 0; c < C; ++c) {
     offsets[c] = pos;
@@ -296,7 +306,7 @@ std::vector<int32_t> selected_tokens_cpu(const PagedKV& kv, int b, int h, const 
   }
   const int32_t* assign = st.assign_of(b, h);
   for (int t = csr; t < indexed; ++t)
-    if (chosen[size_t(assign[t])]) tokens.push_back(t);
+    if (assign[t] >= 0 && chosen[size_t(assign[t])]) tokens.push_back(t);
   for (int t = std::max(indexed, std::min(w.sink, n)); t < n; ++t) tokens.push_back(t);
   return tokens;
 }

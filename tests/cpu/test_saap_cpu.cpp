@@ -413,6 +413,67 @@ TEST(SaapEngineCpu, FoldMergesEveryFAssignmentsIntoTheCsrAndKeepsTheSelection) {
   EXPECT_EQ(knob.saap.fold_every, 64);
 }
 
+// A key with a NaN scores NaN against every centroid: it gets no cluster (-1, the GPU's rule),
+// stays out of the CSR at the prefill and at a fold, and the prefill names it in its error.
+TEST(SaapEngineCpu, KeysThatScoreNaNGetNoClusterAndThePrefillNamesThem) {
+  Scene s(700, 16, 60);
+  const int sink = 2, recent = 100, C = 16, hq = 8, hkv = 2, d = 128, F = 5;
+  const int bad_prefill = 50, bad_decode = 502;
+  for (const int t : {bad_prefill, bad_decode})
+    s.k[(size_t(t) * hkv + 1) * d + 7] = float_to_bf16(std::nanf(""));
+  EngineConfig cfg = cpu_config(3, sink, recent);
+  cfg.saap.index_every = 1;
+  cfg.saap.fold_every = F;
+  SaapEngine e(s.shape, cfg, s.parts);
+  s.len[0] = 600;
+  const std::string msg = message_of([&] { e.prefill(1, s.kv, nullptr); });
+  EXPECT_NE(msg.find("layer 1: 1 keys score NaN"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("sequence 0, kv head 1, token 50;"), std::string::npos) << msg;
+  const sk::IndexState& st = e.index_state(1);
+  // The index is whole without it: every other key in its nearest cluster, in token order.
+  auto expect_csr = [&](int h, const std::string& what) {
+    const int csr = st.csr_len[st.slot(0, h)];
+    const int32_t* a = st.assign_of(0, h);
+    std::vector<int32_t> offsets(size_t(C) + 1, 0), members;
+    for (int t = sink; t < csr; ++t)
+      if (a[t] >= 0) ++offsets[size_t(a[t]) + 1];
+    for (int c = 0; c < C; ++c) offsets[size_t(c) + 1] += offsets[size_t(c)];
+    members.resize(size_t(offsets[size_t(C)]));
+    std::vector<int32_t> at(offsets.begin(), offsets.end() - 1);
+    for (int t = sink; t < csr; ++t)
+      if (a[t] >= 0) members[size_t(at[size_t(a[t])]++)] = t;
+    ASSERT_EQ(std::vector<int32_t>(st.offsets_of(0, h), st.offsets_of(0, h) + C + 1), offsets)
+        << what;
+    ASSERT_EQ(std::vector<int32_t>(st.members_of(0, h), st.members_of(0, h) + members.size()),
+              members)
+        << what;
+  };
+  EXPECT_EQ(st.assign_of(0, 1)[bad_prefill], -1);
+  EXPECT_EQ(st.offsets_of(0, 1)[C], 500 - sink - 1);
+  EXPECT_EQ(st.offsets_of(0, 0)[C], 500 - sink);
+  for (int h = 0; h < hkv; ++h) expect_csr(h, "prefill h " + std::to_string(h));
+  // Decode: token 502 is attended (and makes kv head 1's rows NaN) while in the window and the
+  // tail not yet indexed, is assigned -1 by the third step's index step, and the fold of
+  // assignments 500..504 leaves it out. From the fourth step on, nothing reads it.
+  for (int step = 0; step < 2 * F; ++step) {
+    s.len[0] = 601 + step;
+    const std::vector<bf16> q = saap_test::random_bf16(size_t(hq) * d, 700 + step);
+    std::vector<bf16> out(size_t(hq) * d);
+    e.decode(1, q.data(), q.data(), s.kv, out.data(), nullptr, nullptr);
+    const std::vector<int32_t>& read = e.last_read(1, 0)[size_t(1) * (hq / hkv)];
+    EXPECT_EQ(std::count(read.begin(), read.end(), bad_prefill), 0) << "step " << step;
+    EXPECT_EQ(std::count(read.begin(), read.end(), bad_decode), step <= 2 ? 1 : 0)
+        << "step " << step;
+    if (step > 2) {
+      for (const bf16 x : out) ASSERT_TRUE(std::isfinite(bf16_to_float(x))) << "step " << step;
+    }
+  }
+  EXPECT_EQ(st.assign_of(0, 1)[bad_decode], -1);
+  EXPECT_EQ(st.csr_len[st.slot(0, 1)], 500 + 2 * F);
+  for (int h = 0; h < hkv; ++h) expect_csr(h, "after two folds h " + std::to_string(h));
+  EXPECT_EQ(st.offsets_of(0, 1)[C], 500 + 2 * F - sink - 2);
+}
+
 // Prefills layer 2 with the whole scene, then decodes one step with query q (q_pre = q).
 void decode_whole_scene(SaapEngine& e, Scene& s, const std::vector<bf16>& q) {
   s.len[0] = s.T;

@@ -544,6 +544,94 @@ TEST(SaapCuda, IndexStepOfThirtyTwoTokensAtHeadDimSixtyFour) {
   run_generation(200, 100, 90, 16, 64, 6, sk::kMaxIndexStep, saap_test::scene_shape(2, 8, 2, 64));
 }
 
+// SaapEngineCpu.KeysThatScoreNaNGetNoClusterAndThePrefillNamesThem on the GPU engine: a key
+// with a NaN in kv head 1 at token 50 (in the prefill's index) and at token 474 (indexed on
+// the third decode step, with index_every 1 and folds of 5): the prefill's error is the CPU
+// engine's, both assign them -1, and the GPU's CSR, at the prefill and after two folds, is
+// the counting sort of its own assignments without them.
+TEST(SaapCuda, KeysThatScoreNaNGetNoClusterAsOnTheCpu) {
+  KVS_SKIP_WITHOUT_CUDA();
+  constexpr int kPrefill = 600, kRecent = 128, kSink = 4, kF = 5, C = 64;
+  Pair p(SaapRouter::Mlp, {kPrefill}, C, 32, 6, SaapWeights::Fp8, 2048, kF, 1);
+  const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
+  const int bad_prefill = 50, bad_decode = kPrefill - kRecent + 2;
+  std::vector<bf16> k, v;
+  saap_test::clustered_kv(p.shape, p.parts, 0, kPrefill, 100, k, v);  // Pair's sequence 0
+  for (const int t : {bad_prefill, bad_decode}) {
+    const size_t row = size_t(t) * hkv * d;
+    k[row + size_t(d) + 7] = float_to_bf16(std::nanf(""));
+    p.cpu_cache->write(p.layer, 0, t, 1, k.data() + row, v.data() + row);
+    test::DeviceBuffer<bf16> kd(
+        std::vector<bf16>(k.begin() + long(row), k.begin() + long(row) + hkv * d));
+    test::DeviceBuffer<bf16> vd(
+        std::vector<bf16>(v.begin() + long(row), v.begin() + long(row) + hkv * d));
+    p.gpu_cache->write(p.layer, 0, t, 1, kd.get(), vd.get());
+  }
+  auto message = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  const std::string cpu_msg =
+      message([&] { p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr); });
+  const std::string gpu_msg =
+      message([&] { p.gpu->prefill(p.layer, p.gpu_cache->view(p.layer), nullptr); });
+  EXPECT_NE(cpu_msg.find("1 keys score NaN"), std::string::npos) << cpu_msg;
+  EXPECT_NE(cpu_msg.find("kv head 1, token 50;"), std::string::npos) << cpu_msg;
+  EXPECT_EQ(gpu_msg, cpu_msg);
+  const sk::IndexState& cs = p.cpu->index_state(p.layer);
+  const sk::IndexState& gs = p.gpu->index_state(p.layer);
+  auto expect_gpu_csr = [&](const std::string& at) {
+    const std::vector<int32_t> g_csr = download(gs.csr_len, size_t(hkv));
+    for (int h = 0; h < hkv; ++h) {
+      const int csr = g_csr[size_t(h)];
+      ASSERT_EQ(csr, cs.csr_len[cs.slot(0, h)]) << at;
+      const std::vector<int32_t> ga = download(gs.assign_of(0, h), size_t(csr));
+      int mismatches = 0;
+      for (int t = kSink; t < csr; ++t) mismatches += ga[size_t(t)] != cs.assign_of(0, h)[t];
+      EXPECT_LE(mismatches, csr / 100) << at << " h " << h;
+      std::vector<int32_t> offsets(size_t(C) + 1, 0), members;
+      for (int t = kSink; t < csr; ++t)
+        if (ga[size_t(t)] >= 0) ++offsets[size_t(ga[size_t(t)]) + 1];
+      for (int c = 0; c < C; ++c) offsets[size_t(c) + 1] += offsets[size_t(c)];
+      members.resize(size_t(offsets[size_t(C)]));
+      std::vector<int32_t> next(offsets.begin(), offsets.end() - 1);
+      for (int t = kSink; t < csr; ++t)
+        if (ga[size_t(t)] >= 0) members[size_t(next[size_t(ga[size_t(t)])]++)] = t;
+      ASSERT_EQ(download(gs.offsets_of(0, h), size_t(C) + 1), offsets) << at << " h " << h;
+      ASSERT_EQ(download(gs.members_of(0, h), members.size()), members) << at << " h " << h;
+    }
+  };
+  EXPECT_EQ(download(gs.assign_of(0, 1) + bad_prefill, 1)[0], -1);
+  EXPECT_EQ(cs.assign_of(0, 1)[bad_prefill], -1);
+  expect_gpu_csr("prefill");
+  cudaStream_t stream;
+  KVS_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (int step = 0; step < 2 * kF; ++step) {
+    const std::vector<bf16> kn = saap_test::random_bf16(size_t(hkv) * d, 50000 + step);
+    const std::vector<bf16> vn = saap_test::random_bf16(size_t(hkv) * d, 60000 + step);
+    const std::vector<bf16> q = saap_test::random_bf16(size_t(hq) * d, 70000 + step);
+    p.cpu_cache->begin_step(nullptr);
+    p.cpu_cache->append(p.layer, kn.data(), vn.data(), nullptr);
+    test::DeviceBuffer<bf16> knd(kn), vnd(vn), qd(q), outd(size_t(hq) * d);
+    p.gpu_cache->begin_step(stream);
+    p.gpu_cache->append(p.layer, knd.get(), vnd.get(), stream);
+    std::vector<bf16> out_cpu(size_t(hq) * d);
+    p.cpu->decode(p.layer, q.data(), q.data(), p.cpu_cache->view(p.layer), out_cpu.data(), nullptr,
+                  nullptr);
+    p.gpu->decode(p.layer, qd.get(), qd.get(), p.gpu_cache->view(p.layer), outd.get(), nullptr,
+                  stream);
+    KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  KVS_CUDA_CHECK(cudaStreamDestroy(stream));
+  EXPECT_EQ(download(gs.assign_of(0, 1) + bad_decode, 1)[0], -1);
+  EXPECT_EQ(cs.assign_of(0, 1)[bad_decode], -1);
+  expect_gpu_csr("after two folds");
+}
+
 // One fold of an index of 150K members per kv head: the copy and the moves take more than
 // one round of their grids (8 x 1024 x 8 and 16 x 1024 x 8 members).
 TEST(SaapCuda, FoldOfALongIndex) {
