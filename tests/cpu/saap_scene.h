@@ -102,4 +102,23 @@ inline std::vector<bf16> random_bf16(size_t n, uint64_t seed, float sd = 1.f) {
   return x;
 }
 
+// The cluster index a prefill builds from the assignments a[sink, end) of C clusters: offsets
+// [C + 1] and members, a stable counting sort (members ascending within a cluster), keys with
+// no cluster (-1) left out.
+struct Csr {
+  std::vector<int32_t> offsets, members;
+};
+inline Csr csr_of(const int32_t* a, int sink, int end, int C) {
+  Csr r;
+  r.offsets.assign(size_t(C) + 1, 0);
+  for (int t = sink; t < end; ++t)
+    if (a[t] >= 0) ++r.offsets[size_t(a[t]) + 1];
+  for (int c = 0; c < C; ++c) r.offsets[size_t(c) + 1] += r.offsets[size_t(c)];
+  r.members.resize(size_t(r.offsets[size_t(C)]));
+  std::vector<int32_t> next(r.offsets.begin(), r.offsets.end() - 1);
+  for (int t = sink; t < end; ++t)
+    if (a[t] >= 0) r.members[size_t(next[size_t(a[t])]++)] = t;
+  return r;
+}
+
 }  // namespace kvs::saap_test

@@ -379,16 +379,13 @@ TEST(SaapEngineCpu, FoldMergesEveryFAssignmentsIntoTheCsrAndKeepsTheSelection) {
       const int indexed = st.indexed_len[slot], csr = st.csr_len[slot];
       ASSERT_EQ(indexed, 201 + step) << what;
       ASSERT_EQ(csr, 200 + F * ((step + 1) / F)) << what;
-      const int32_t* a = st.assign_of(0, h);
-      std::vector<int32_t> offsets(size_t(C) + 1, 0), members(size_t(csr - sink));
-      for (int t = sink; t < csr; ++t) ++offsets[size_t(a[t]) + 1];
-      for (int c = 0; c < C; ++c) offsets[size_t(c) + 1] += offsets[size_t(c)];
-      std::vector<int32_t> at(offsets.begin(), offsets.end() - 1);
-      for (int t = sink; t < csr; ++t) members[size_t(at[size_t(a[t])]++)] = t;
-      ASSERT_EQ(std::vector<int32_t>(st.offsets_of(0, h), st.offsets_of(0, h) + C + 1), offsets)
+      const saap_test::Csr want = saap_test::csr_of(st.assign_of(0, h), sink, csr, C);
+      ASSERT_EQ(want.members.size(), size_t(csr - sink)) << what;
+      ASSERT_EQ(std::vector<int32_t>(st.offsets_of(0, h), st.offsets_of(0, h) + C + 1),
+                want.offsets)
           << what;
       ASSERT_EQ(std::vector<int32_t>(st.members_of(0, h), st.members_of(0, h) + csr - sink),
-                members)
+                want.members)
           << what;
       EXPECT_EQ(e.last_clusters(1, 0, h), never.last_clusters(1, 0, h)) << what;
       std::vector<int32_t> got = e.last_read(1, 0)[size_t(h) * g];
@@ -432,20 +429,12 @@ TEST(SaapEngineCpu, KeysThatScoreNaNGetNoClusterAndThePrefillNamesThem) {
   const sk::IndexState& st = e.index_state(1);
   // The index is whole without it: every other key in its nearest cluster, in token order.
   auto expect_csr = [&](int h, const std::string& what) {
-    const int csr = st.csr_len[st.slot(0, h)];
-    const int32_t* a = st.assign_of(0, h);
-    std::vector<int32_t> offsets(size_t(C) + 1, 0), members;
-    for (int t = sink; t < csr; ++t)
-      if (a[t] >= 0) ++offsets[size_t(a[t]) + 1];
-    for (int c = 0; c < C; ++c) offsets[size_t(c) + 1] += offsets[size_t(c)];
-    members.resize(size_t(offsets[size_t(C)]));
-    std::vector<int32_t> at(offsets.begin(), offsets.end() - 1);
-    for (int t = sink; t < csr; ++t)
-      if (a[t] >= 0) members[size_t(at[size_t(a[t])]++)] = t;
-    ASSERT_EQ(std::vector<int32_t>(st.offsets_of(0, h), st.offsets_of(0, h) + C + 1), offsets)
+    const saap_test::Csr want =
+        saap_test::csr_of(st.assign_of(0, h), sink, st.csr_len[st.slot(0, h)], C);
+    ASSERT_EQ(std::vector<int32_t>(st.offsets_of(0, h), st.offsets_of(0, h) + C + 1), want.offsets)
         << what;
-    ASSERT_EQ(std::vector<int32_t>(st.members_of(0, h), st.members_of(0, h) + members.size()),
-              members)
+    ASSERT_EQ(std::vector<int32_t>(st.members_of(0, h), st.members_of(0, h) + want.members.size()),
+              want.members)
         << what;
   };
   EXPECT_EQ(st.assign_of(0, 1)[bad_prefill], -1);

@@ -501,13 +501,10 @@ void run_generation(int prefill, int steps, int fold_every, int check_every, int
       ASSERT_EQ(g_csr[size_t(s)], csr) << at;
       const std::vector<int32_t> ga = download(gs.assign_of(0, h), size_t(indexed));
       for (int t = kSink; t < indexed; ++t) mismatches += ga[size_t(t)] != cs.assign_of(0, h)[t];
-      std::vector<int32_t> offsets(size_t(C) + 1, 0), members(size_t(csr - kSink));
-      for (int t = kSink; t < csr; ++t) ++offsets[size_t(ga[size_t(t)]) + 1];
-      for (int c = 0; c < C; ++c) offsets[size_t(c) + 1] += offsets[size_t(c)];
-      std::vector<int32_t> next(offsets.begin(), offsets.end() - 1);
-      for (int t = kSink; t < csr; ++t) members[size_t(next[size_t(ga[size_t(t)])]++)] = t;
-      ASSERT_EQ(download(gs.offsets_of(0, h), size_t(C) + 1), offsets) << at << " h " << h;
-      ASSERT_EQ(download(gs.members_of(0, h), members.size()), members) << at << " h " << h;
+      const saap_test::Csr want = saap_test::csr_of(ga.data(), kSink, csr, C);
+      ASSERT_EQ(download(gs.offsets_of(0, h), size_t(C) + 1), want.offsets) << at << " h " << h;
+      ASSERT_EQ(download(gs.members_of(0, h), want.members.size()), want.members)
+          << at << " h " << h;
     }
     EXPECT_LE(mismatches, (prefill + step) * hkv / 100) << at;
     expect_decode_matches(p, SaapRouter::Mlp, q, q_pre, outd.download(), mismatches == 0, at);
@@ -593,16 +590,10 @@ TEST(SaapCuda, KeysThatScoreNaNGetNoClusterAsOnTheCpu) {
       int mismatches = 0;
       for (int t = kSink; t < csr; ++t) mismatches += ga[size_t(t)] != cs.assign_of(0, h)[t];
       EXPECT_LE(mismatches, csr / 100) << at << " h " << h;
-      std::vector<int32_t> offsets(size_t(C) + 1, 0), members;
-      for (int t = kSink; t < csr; ++t)
-        if (ga[size_t(t)] >= 0) ++offsets[size_t(ga[size_t(t)]) + 1];
-      for (int c = 0; c < C; ++c) offsets[size_t(c) + 1] += offsets[size_t(c)];
-      members.resize(size_t(offsets[size_t(C)]));
-      std::vector<int32_t> next(offsets.begin(), offsets.end() - 1);
-      for (int t = kSink; t < csr; ++t)
-        if (ga[size_t(t)] >= 0) members[size_t(next[size_t(ga[size_t(t)])]++)] = t;
-      ASSERT_EQ(download(gs.offsets_of(0, h), size_t(C) + 1), offsets) << at << " h " << h;
-      ASSERT_EQ(download(gs.members_of(0, h), members.size()), members) << at << " h " << h;
+      const saap_test::Csr want = saap_test::csr_of(ga.data(), kSink, csr, C);
+      ASSERT_EQ(download(gs.offsets_of(0, h), size_t(C) + 1), want.offsets) << at << " h " << h;
+      ASSERT_EQ(download(gs.members_of(0, h), want.members.size()), want.members)
+          << at << " h " << h;
     }
   };
   EXPECT_EQ(download(gs.assign_of(0, 1) + bad_prefill, 1)[0], -1);
