@@ -407,36 +407,66 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
   float* rows_s = s;                           // [kRows, kStepPitch]
   float* key_s = rows_s + kRows * kStepPitch;  // [kMaxIndexStep, kStepPitch]
   auto* red = reinterpret_cast<unsigned long long*>(key_s + kMaxIndexStep * kStepPitch);
+  int64_t* key_row_s = reinterpret_cast<int64_t*>(red + kMaxIndexStep * kWarps);  // [kMaxIndexStep]
   const int C = p.st.num_clusters, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   auto stage = [&](int c0) {
     const int rows = min(kRows, c_end - c0);
     const float* src = p.centroids + (int64_t(h) * C + c0) * D;
+#pragma unroll 1
     for (int i = threadIdx.x; i < rows * (D / 4); i += kThreads)
       ptx::cp_async_16(ptx::smem_addr(rows_s + (i / (D / 4)) * kStepPitch + (i % (D / 4)) * 4),
                        src + int64_t(i) * 4, true);
     ptx::cp_async_commit();
   };
   stage(c_begin);
-  // The keys, rows of a last, partial group of kStepKeys zero (their scores are never used).
+  // The keys, in two round trips whatever n: each key's row offset through the page table to
+  // shared memory, then every piece of every key loaded together (kLoads per thread), de-RoPE'd
+  // and staged. A load of the page table and the key per pair, as before, cost two dependent
+  // round trips per kThreads pairs: 4 at n = 4 and 32 at n = 32. Rows of a last, partial group
+  // of kStepKeys are zero (their scores are never used).
   const int n_pad = (n + kStepKeys - 1) / kStepKeys * kStepKeys;
   const int32_t* table = p.page_table + int64_t(b) * p.max_pages_per_seq;
-  for (int i = threadIdx.x; i < n_pad * half; i += kThreads) {
-    const int e = i / half, j = i % half;
-    float x = 0.f, y = 0.f;
-    if (e < n) {
-      const int t = t0 + e;
-      const int64_t row =
-          (int64_t(table[t / p.page_size]) * p.page_size + t % p.page_size) * p.num_kv_heads + h;
-      const bf* key = p.k + row * D;
-      const __nv_bfloat162 r = rope_rotate_pair(
-          __bfloat162float(key[j]), __bfloat162float(key[j + half]), t, p.inv_freq[j], true);
-      x = __bfloat162float(r.x);
-      y = __bfloat162float(r.y);
-    }
-    key_s[e * kStepPitch + j] = x;
-    key_s[e * kStepPitch + j + half] = y;
+  if (int(threadIdx.x) < n) {
+    const int t = t0 + int(threadIdx.x);
+    key_row_s[threadIdx.x] =
+        ((int64_t(table[t / p.page_size]) * p.page_size + t % p.page_size) * p.num_kv_heads + h) *
+        D;
   }
+#pragma unroll 1
   for (int i = threadIdx.x; i < kMaxIndexStep * kWarps; i += kThreads) red[i] = 0ull;
+  __syncthreads();  // the keys' row offsets
+  // A piece: dims j, j + 1 and j + half, j + half + 1 of a key; a thread's pieces all have the
+  // same j, so one load of the inverse frequencies serves them.
+  constexpr int kPieces = half / 2, kLoads = (kMaxIndexStep * kPieces + kThreads - 1) / kThreads;
+  static_assert(half % 2 == 0 && kThreads % kPieces == 0, "a thread's pieces share their dims");
+  static_assert(kMaxIndexStep <= kThreads, "a thread per key's row offset");
+  const int j = 2 * (int(threadIdx.x) % kPieces);
+  const float2 freq = *reinterpret_cast<const float2*>(p.inv_freq + j);
+  // The loads together, unrolled; the pieces staged as they are, then de-RoPE'd in place by a
+  // rolled loop (rope's sin and cos are about 30 FP64 instructions: 16 copies of them took the
+  // share's code from 11.9 to 33.7 KB).
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    const int e = (int(threadIdx.x) + u * kThreads) / kPieces;
+    if (e >= n_pad) break;
+    float2 x = make_float2(0.f, 0.f), y = make_float2(0.f, 0.f);
+    if (e < n) {
+      const bf* key = p.k + key_row_s[e];
+      x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(key + j));
+      y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(key + j + half));
+    }
+    *reinterpret_cast<float2*>(key_s + e * kStepPitch + j) = x;
+    *reinterpret_cast<float2*>(key_s + e * kStepPitch + j + half) = y;
+  }
+#pragma unroll 1
+  for (int e = int(threadIdx.x) / kPieces; e < n; e += kThreads / kPieces) {
+    float2* x = reinterpret_cast<float2*>(key_s + e * kStepPitch + j);
+    float2* y = reinterpret_cast<float2*>(key_s + e * kStepPitch + j + half);
+    const __nv_bfloat162 r0 = rope_rotate_pair(x->x, y->x, t0 + e, freq.x, true);
+    const __nv_bfloat162 r1 = rope_rotate_pair(x->y, y->y, t0 + e, freq.y, true);
+    *x = make_float2(__low2float(r0), __low2float(r1));
+    *y = make_float2(__high2float(r0), __high2float(r1));
+  }
   const int row = threadIdx.x / kStepKeys, u = threadIdx.x % kStepKeys;
   for (int c0 = c_begin; c0 < c_end; c0 += kRows) {
     const int c = c0 + row;
@@ -444,10 +474,12 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
     ptx::cp_async_wait<0>();
     __syncthreads();  // the rows and the keys are staged
     const float4* row4 = reinterpret_cast<const float4*>(rows_s + row * kStepPitch);
+#pragma unroll 1
     for (int e0 = 0; e0 < n; e0 += kStepKeys) {
       const float4* key4 = reinterpret_cast<const float4*>(key_s + (e0 + u) * kStepPitch);
       float acc = 0.f;
       if (c < c_end) {
+#pragma unroll 4
         for (int k = 0; k < D / 4; ++k) {
           const float4 v = row4[k], q = key4[k];
           acc = fmaf(v.x, q.x, acc);
@@ -479,7 +511,7 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
 template <int kThreads>
 constexpr size_t index_share_floats() {
   return size_t(kThreads / kStepKeys + kMaxIndexStep) * kStepPitch +
-         2 * size_t(kMaxIndexStep) * (kThreads / 32);
+         2 * size_t(kMaxIndexStep) * (kThreads / 32 + 1);
 }
 
 template <int kThreads>
