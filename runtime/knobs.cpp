@@ -89,13 +89,18 @@ const Table& knob_table(Method m) {
   static const Table saap = {
       {"probes", [](EngineConfig& c, auto& k, auto& v) { c.saap.probes = to_int(k, v); }},
       {"sink_tokens", [](EngineConfig& c, auto& k, auto& v) { c.saap.sink_tokens = to_int(k, v); }},
-      {"recent_tokens", [](EngineConfig& c, auto& k, auto& v) { c.saap.recent_tokens = to_int(k, v); }},
-      {"dense_layers", [](EngineConfig& c, auto& k, auto& v) { c.saap.dense_layers = to_ints(k, v); }},
-      {"router", [](EngineConfig& c, auto&, auto& v) { c.saap.query_router = saap_router_from_string(v); }},
-      {"router_weights", [](EngineConfig& c, auto&, auto& v) { c.saap.router_weights = saap_weights_from_string(v); }},
+      {"recent_tokens",
+       [](EngineConfig& c, auto& k, auto& v) { c.saap.recent_tokens = to_int(k, v); }},
+      {"dense_layers",
+       [](EngineConfig& c, auto& k, auto& v) { c.saap.dense_layers = to_ints(k, v); }},
+      {"router",
+       [](EngineConfig& c, auto&, auto& v) { c.saap.query_router = saap_router_from_string(v); }},
+      {"router_weights", [](EngineConfig& c, auto&,
+                            auto& v) { c.saap.router_weights = saap_weights_from_string(v); }},
       {"max_context", [](EngineConfig& c, auto& k, auto& v) { c.saap.max_context = to_int(k, v); }},
       {"fold_every", [](EngineConfig& c, auto& k, auto& v) { c.saap.fold_every = to_int(k, v); }},
       {"index_every", [](EngineConfig& c, auto& k, auto& v) { c.saap.index_every = to_int(k, v); }},
+      {"index_phase", [](EngineConfig& c, auto& k, auto& v) { c.saap.index_phase = to_int(k, v); }},
   };
   static const Table magicpig = {
       {"bits", [](EngineConfig& c, auto& k, auto& v) { c.magicpig.bits = to_int(k, v); }},

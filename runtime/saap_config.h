@@ -45,9 +45,15 @@ struct SaapConfig {
   /// (kernels/saap/saap.h, index_step_count): the index step does its work on one decode step
   /// in index_every, and until then the dense part keeps up to index_every - 1 more tokens.
   /// 1 assigns every token as it leaves; at most 32 and at most fold_every (when it is not
-  /// 0). At 4, on an H200 at 128K batch 1, no
-  /// step is slower than with 1 and three in four skip the index work (docs/gpu.md).
+  /// 0). On an H200 at 128K batch 1 a layer's step that indexes took 5.9 us more than the
+  /// others at 4, 11.5 at 16 and 19 at 32 (docs/gpu.md).
   int index_every = 4;
+  /// The steps on which a layer indexes: those where (tokens past the window + phase) is a
+  /// multiple of index_every (kernels/saap/saap.h, index_step_count). -1: phase l %
+  /// index_every for layer l, so that the layers index on different decode steps and every
+  /// token costs about the same; 0 .. index_every - 1: every layer at that phase, on the same
+  /// steps (the benchmark's --timed-step, to time one kind of step alone).
+  int index_phase = -1;
   /// Longest sequence (tokens) the engine must serve; sizes the index and the workspace.
   /// 0: the model's max_position.
   int max_context = 0;

@@ -54,6 +54,9 @@ void validate(const SaapConfig& c, const SaapParts& p, const ModelShape& s) {
   need(c.max_context >= 0, "max_context must be >= 0, got " + str(c.max_context));
   need(c.index_every >= 1 && c.index_every <= sk::kMaxIndexStep,
        "index_every must be in [1, " + str(sk::kMaxIndexStep) + "], got " + str(c.index_every));
+  need(c.index_phase >= -1 && c.index_phase < c.index_every,
+       "index_phase must be -1 (a phase per layer) or in [0, index_every " + str(c.index_every) +
+           "), got " + str(c.index_phase));
   need(c.fold_every >= 0 && c.fold_every <= sk::kMaxFold,
        "fold_every must be in [0, " + str(sk::kMaxFold) + "] (0: never), got " + str(c.fold_every));
   // One fold a step then keeps the scanned assignments below fold_every (saap.h).
@@ -336,6 +339,11 @@ const sk::IndexState& SaapEngine::index_state(int layer) const {
   return index_[size_t(layer)].view;
 }
 
+int SaapEngine::index_phase(int layer) const {
+  const int every = config_.saap.index_every;
+  return config_.saap.index_phase < 0 ? layer % every : config_.saap.index_phase;
+}
+
 SaapEngine::LayerIndex& SaapEngine::allocate_index(int layer) {
   LayerIndex& li = index_[size_t(layer)];
   if (li.allocated) return li;
@@ -346,6 +354,7 @@ SaapEngine::LayerIndex& SaapEngine::allocate_index(int layer) {
   v.max_tokens = max_context_;
   v.fold_every = config_.saap.fold_every;
   v.index_every = config_.saap.index_every;
+  v.index_phase = index_phase(layer);
   const int64_t slots = int64_t(v.max_batch) * v.num_kv_heads;
   const int64_t n_off = slots * (int64_t(v.num_clusters) + 1);
   const int64_t n_tok = slots * v.max_tokens;

@@ -68,10 +68,13 @@ class SaapEngine : public Engine {
   // The clusters selected for (b, kv head h) by the last decode of `layer` (CPU) or by the
   // last decode call (CUDA: copies from the workspace and synchronizes), in rank order.
   std::vector<int32_t> last_clusters(int layer, int b, int h) const;
-  // The layer's index (host pointers on the CPU backend, device pointers on CUDA, after the
-  // branch's index steps have completed); throws std::logic_error before the layer's first
-  // prefill.
+  // The layer's index (host pointers on the CPU backend, device pointers on CUDA); throws
+  // std::logic_error before the layer's first prefill.
   const kernels::saap::IndexState& index_state(int layer) const;
+  // The phase of the layer's index steps (SaapConfig::index_phase; kernels/saap/saap.h,
+  // index_step_count): it indexes on the steps where the tokens past the window + phase are a
+  // multiple of index_every.
+  int index_phase(int layer) const;
 
  private:
   struct LayerRouter {

@@ -345,7 +345,7 @@ __device__ void commit_index_step(const IndexState& st, int b, int h, int seq_le
                                   FoldSmem& sm) {
   const int64_t slot = st.slot(b, h);
   const int t0 = st.indexed_len[slot], csr = st.csr_len[slot];
-  const int n = index_step_count(seq_len, recent, t0, st.index_every);
+  const int n = index_step_count(seq_len, recent, t0, st.index_every, st.index_phase);
   if (int(threadIdx.x) < n) {
     unsigned long long* best = st.step_best + slot * kMaxIndexStep + threadIdx.x;
     const unsigned long long key = *best;
@@ -616,7 +616,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   // This part's share of the index step (index_share), on steps with tokens to index: before
   // the wait in the member and scan parts, which have nothing to do until the route is done;
   // after their rows in the window parts, which attend while the route runs.
-  const int n_index = index_step_count(n, p.w.recent, indexed, p.st.index_every);
+  const int n_index = index_step_count(n, p.w.recent, indexed, p.st.index_every, p.st.index_phase);
   const int share0 = int(int64_t(C) * part / gridDim.y);
   const int share1 = int(int64_t(C) * (part + 1) / gridDim.y);
   const bool shares = n_index > 0 && share0 < share1;

@@ -67,11 +67,17 @@ struct Window {
 constexpr int kMaxIndexStep = 32;
 
 // How many tokens the decode-time index step assigns for a sequence of n tokens: the
-// pending ones, [indexed_len, n - recent), once there are index_every of them (at most
-// kMaxIndexStep), else none.
-KVS_HOST_DEVICE int index_step_count(int n, int recent, int indexed_len, int index_every) {
+// pending ones, [indexed_len, n - recent), on the steps where n - recent + phase is a
+// multiple of index_every or once index_every of them are pending (at most kMaxIndexStep),
+// else none. After the prefill's first such step that is every index_every steps, with
+// index_every tokens. phase (IndexState::index_phase, the layer's) puts the layers of a model
+// on different steps, so that no token's step pays every layer's index work at once.
+KVS_HOST_DEVICE int index_step_count(int n, int recent, int indexed_len, int index_every,
+                                     int phase) {
   const int pending = n - recent - indexed_len;
-  if (pending < (index_every > 1 ? index_every : 1)) return 0;
+  if (pending <= 0) return 0;
+  const int every = index_every > 1 ? index_every : 1;
+  if (pending < every && (n - recent + phase) % every != 0) return 0;
   return pending < kMaxIndexStep ? pending : kMaxIndexStep;
 }
 
@@ -90,6 +96,7 @@ struct IndexState {
   int max_tokens = 0;
   int fold_every = 0;   ///< see the fold above; 0 or up to kMaxFold
   int index_every = 1;  ///< see index_step_count; 1 to kMaxIndexStep
+  int index_phase = 0;  ///< see index_step_count; 0 to index_every - 1
 
   KVS_HOST_DEVICE int64_t slot(int b, int h) const { return int64_t(b) * num_kv_heads + h; }
   KVS_HOST_DEVICE int32_t* offsets_of(int b, int h) const {

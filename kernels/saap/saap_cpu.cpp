@@ -196,7 +196,7 @@ bool index_step_cpu(const PagedKV& kv, int b, int h, const float* inv_freq, cons
   check_slot(kv, b, h, st, "saap index_step_cpu");
   const int n = kv.seq_lens[b], d = kv.head_dim, C = st.num_clusters;
   int32_t& indexed = st.indexed_len[st.slot(b, h)];
-  const int count = index_step_count(n, w.recent, indexed, st.index_every);
+  const int count = index_step_count(n, w.recent, indexed, st.index_every, st.index_phase);
   std::vector<float> key(static_cast<size_t>(d));
   for (int e = 0; e < count; ++e) {
     deroped_key_cpu(kv, b, h, indexed + e, inv_freq, key.data());

@@ -121,4 +121,11 @@ inline Csr csr_of(const int32_t* a, int sink, int end, int C) {
   return r;
 }
 
+// The tokens past the recent window that a layer whose index steps have phase `phase`
+// (index_step_count) has indexed once m tokens have left the window, m0 at its prefill: up to
+// the last m' <= m where m' + phase is a multiple of index_every.
+inline int indexed_after(int m0, int m, int index_every, int phase) {
+  return std::max(m0, m - (m + phase) % index_every);
+}
+
 }  // namespace kvs::saap_test

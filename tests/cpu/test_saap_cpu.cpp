@@ -270,12 +270,14 @@ TEST(SaapEngineCpu, AttendsSinkWindowAndExactlyTheTopClustersThenIndexesLeavingT
   EXPECT_LT(stats.kv_rows_read, stats.kv_rows_context);
 }
 
-// index_every E: the tokens that leave the window are assigned E at a time (the step on which
-// the E-th is pending assigns all E, after its attention), each to the cluster a per-token
-// index gives it, and until the step after that they are attended in full. Against an engine
-// that indexes every token at once, fed the same steps: the same clusters chosen, and the
-// tokens read are that engine's plus exactly the ones it had indexed before the step and this
-// one had not, where its clusters were not chosen. With the fold (F 37) the CSR keeps up too.
+// index_every E: the tokens that leave the window are assigned on the steps where the tokens
+// past the window + the layer's phase (layer 1: 1) are a multiple of E, all pending at once
+// (E of them after the first such step), after the step's attention, each to the cluster a
+// per-token index gives it; until the step after that they are attended in full. Against an
+// engine that indexes every token at once, fed the same steps: the same clusters chosen, and
+// the tokens read are that engine's plus exactly the ones it had indexed before the step and
+// this one had not, where its clusters were not chosen. With the fold (F 37) the CSR keeps up
+// too.
 TEST(SaapEngineCpu, IndexesLeavingTokensInBatchesOfIndexEvery) {
   Scene s(700, 16, 60);
   const int sink = 2, recent = 100, E = 7, F = 37, hkv = 2, hq = 8, d = 128, g = 4;
@@ -291,6 +293,10 @@ TEST(SaapEngineCpu, IndexesLeavingTokensInBatchesOfIndexEvery) {
   each.prefill(1, s.kv, nullptr);
   const sk::IndexState& st = e.index_state(1);
   const sk::IndexState& ref = each.index_state(1);
+  const int phase = e.index_phase(1);
+  ASSERT_EQ(phase, 1);
+  ASSERT_EQ(st.index_phase, 1);
+  ASSERT_EQ(e.index_phase(2), 2);  // another layer, on other steps
   for (int step = 0; step < 120; ++step) {
     s.len[0] = 301 + step;
     const std::vector<bf16> q = saap_test::random_bf16(size_t(hq) * d, 700 + step);
@@ -298,7 +304,7 @@ TEST(SaapEngineCpu, IndexesLeavingTokensInBatchesOfIndexEvery) {
     std::vector<bf16> out(size_t(hq) * d);
     e.decode(1, q.data(), q_pre.data(), s.kv, out.data(), nullptr, nullptr);
     each.decode(1, q.data(), q_pre.data(), s.kv, out.data(), nullptr, nullptr);
-    const int assigned = (step + 1) / E * E;
+    const int assigned = saap_test::indexed_after(200, 201 + step, E, phase) - 200;
     for (int h = 0; h < hkv; ++h) {
       const std::string what = "step " + std::to_string(step) + " h " + std::to_string(h);
       const int64_t slot = st.slot(0, h);
@@ -314,7 +320,7 @@ TEST(SaapEngineCpu, IndexesLeavingTokensInBatchesOfIndexEvery) {
       std::vector<int32_t> got = e.last_read(1, 0)[size_t(h) * g];
       std::vector<int32_t> want = each.last_read(1, 0)[size_t(h) * g];
       // What each engine's attention had indexed: the steps before this one's assignments.
-      for (int t = 200 + step / E * E; t < 200 + step; ++t)
+      for (int t = saap_test::indexed_after(200, 200 + step, E, phase); t < 200 + step; ++t)
         if (!chosen.count(ref.assign_of(0, h)[t])) want.push_back(t);
       std::sort(got.begin(), got.end());
       std::sort(want.begin(), want.end());
@@ -332,6 +338,23 @@ TEST(SaapEngineCpu, IndexesLeavingTokensInBatchesOfIndexEvery) {
   EXPECT_NE(message_of([&] { SaapEngine x(s.shape, cfg, s.parts); })
                 .find("index_every (8) must not exceed fold_every (5)"),
             std::string::npos);
+  cfg.saap.fold_every = 64;
+  for (int bad : {-2, 8}) {
+    cfg.saap.index_phase = bad;
+    EXPECT_NE(
+        message_of([&] { SaapEngine x(s.shape, cfg, s.parts); })
+            .find("index_phase must be -1 (a phase per layer) or in [0, index_every 8), got " +
+                  std::to_string(bad)),
+        std::string::npos)
+        << bad;
+  }
+  cfg.saap.index_phase = 3;  // every layer on the same steps
+  const SaapEngine aligned(s.shape, cfg, s.parts);
+  EXPECT_EQ(aligned.index_phase(1), 3);
+  EXPECT_EQ(aligned.index_phase(2), 3);
+  EngineConfig knob = cpu_config(3, sink, recent);
+  set_knob(knob, Method::Saap, "index_phase", "2");
+  EXPECT_EQ(knob.saap.index_phase, 2);
 }
 
 // The CUDA engine refuses an MLP wider than its router GEMVs stage, before touching a device

@@ -451,8 +451,8 @@ TEST(SaapCuda, Fp8RouterMatchesTheCpuEngineAtBatchTwo) {
 
 // A generation of `steps` decode steps after a `prefill`-token prefill (sink 4, recent 128)
 // on both engines, checked every `check_every` steps and at the end: the same index lengths
-// (index_every tokens assigned on every index_every-th step, csr_len advanced by fold_every
-// at each fold); assignments equal up to rare near-ties of
+// (the pending tokens assigned on the layer's index steps, saap_test::indexed_after, csr_len
+// advanced by fold_every at each fold); assignments equal up to rare near-ties of
 // the GPU's fp32 and the CPU's fp64 scores; the GPU's CSR equal to the stable counting sort
 // of its own assignments [sink, csr_len) (what a prefill of them builds); and
 // expect_decode_matches (whose token lists must be equal where the assignments are).
@@ -489,7 +489,9 @@ void run_generation(int prefill, int steps, int fold_every, int check_every, int
     KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
     if (step % check_every != check_every - 1 && step != steps - 1) continue;
     const std::string at = "step " + std::to_string(step);
-    const int assigned = (step + 1) / index_every * index_every;  // since the prefill
+    const int m0 = prefill - kRecent;  // tokens past the window at the prefill
+    const int assigned =
+        saap_test::indexed_after(m0, m0 + step + 1, index_every, p.gpu->index_phase(p.layer)) - m0;
     const int csr = prefill - kRecent + (fold_every > 0 ? assigned / fold_every * fold_every : 0);
     const std::vector<int32_t> g_csr = download(gs.csr_len, size_t(hkv));
     int mismatches = 0;
@@ -526,19 +528,19 @@ TEST(SaapCuda, FoldKeepsTheCsrEqualToTheCpuEngines) {
   run_generation(200, 360, 90, 45, 64, 6, 1);
 }
 
-// The index step at its largest batch: 32 tokens assigned on steps 31, 63 and 95 (the last
-// also folds 90 of the 96 assignments), checked every 16 steps, so half the checks fall
-// between batches.
+// The index step at its largest batch: layer 1 (phase 1) assigns 23 tokens on step 22, the
+// first after the prefill, then 32 on steps 54, 86 and 118 (the last also folds 90 of the 119
+// assignments), checked every 16 steps, so most checks fall between batches.
 TEST(SaapCuda, IndexStepOfThirtyTwoTokensMatchesTheCpuEngine) {
   KVS_SKIP_WITHOUT_CUDA();
-  run_generation(200, 100, 90, 16, 64, 6, sk::kMaxIndexStep);
+  run_generation(200, 130, 90, 16, 64, 6, sk::kMaxIndexStep);
 }
 
 // The same at head dim 64: the index step's keys and centroid rows half as wide, the
 // attention's tiles of 64 columns.
 TEST(SaapCuda, IndexStepOfThirtyTwoTokensAtHeadDimSixtyFour) {
   KVS_SKIP_WITHOUT_CUDA();
-  run_generation(200, 100, 90, 16, 64, 6, sk::kMaxIndexStep, saap_test::scene_shape(2, 8, 2, 64));
+  run_generation(200, 130, 90, 16, 64, 6, sk::kMaxIndexStep, saap_test::scene_shape(2, 8, 2, 64));
 }
 
 // SaapEngineCpu.KeysThatScoreNaNGetNoClusterAndThePrefillNamesThem on the GPU engine: a key

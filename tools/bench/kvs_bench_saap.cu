@@ -81,6 +81,9 @@ struct Args {
   int fold_every = SaapConfig().fold_every;
   int index_every = SaapConfig().index_every;
   bool restore_index = false;  ///< restore the whole index per replay (see run())
+  /// mix: the layers index on the engine's staggered steps (SaapConfig::index_phase -1);
+  /// index / plain: every layer indexes on the timed step / on none.
+  std::string timed_step = "mix";
   std::string router = "mlp";
   std::string router_weights = "fp8";
   uint32_t seed = 7;
@@ -148,6 +151,18 @@ void run(const Args& a, bench::BenchReport& report) {
   cfg.saap.max_context = max_ctx;
   cfg.saap.fold_every = a.fold_every;
   cfg.saap.index_every = a.index_every;
+  // The timed step's tokens past the window, m = n - recent, is ctx - recent at every context
+  // (check_contexts keeps its residue mod index_every the same): "index" puts every layer's
+  // phase where that step indexes, "plain" where the step before it did.
+  const int m_mod = (a.contexts[0] - a.recent) % a.index_every, ie = a.index_every;
+  if (a.timed_step == "index") {
+    cfg.saap.index_phase = (ie - m_mod) % ie;
+  } else if (a.timed_step == "plain") {
+    if (ie == 1) throw std::invalid_argument("--timed-step plain needs --index-every > 1");
+    cfg.saap.index_phase = (ie - (m_mod + ie - 1) % ie) % ie;
+  } else if (a.timed_step != "mix") {
+    throw std::invalid_argument("--timed-step must be mix, index or plain, got " + a.timed_step);
+  }
   SaapEngine engine(shape, cfg, parts);
   parts = SaapParts{};  // the host copies are no longer needed
   Dev<char> ws(engine.workspace_bytes());
@@ -201,19 +216,26 @@ void run(const Args& a, bench::BenchReport& report) {
   KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const float scale = float(shape.scale());
 
-  // The timed step is step generated + 1 since the prefill; the index step assigns on the
-  // steps that are multiples of index_every (kernels/saap/saap.h, index_step_count).
-  const bool timed_indexes = (a.generated + 1) % a.index_every == 0;
-  std::printf("kvs-bench-saap: Hq %d Hkv %d d %d, batch %d, C %d, l %d, hidden %d, router %s "
-              "(%s weights, w2 %s), dense part %d + %d, %d tokens generated since the prefill (index "
-              "steps of %d tokens, the timed step %s; folded every %d), %d layers per graph, "
-              "median of %d replays\n",
-              a.hq, a.hkv, a.d, a.batch, a.clusters, a.probes, a.hidden, a.router.c_str(),
-              a.router_weights.c_str(),
-              saap_w2_in_column_blocks(cfg.max_batch) ? "in column blocks, zero hidden units skipped"
-                                                      : "in fragment order",
-              a.sink, a.recent, a.generated, a.index_every,
-              timed_indexes ? "indexes" : "does not index", a.fold_every, a.layers, a.iters);
+  // The timed step is step generated + 1 since the prefill. Layer l's phase, and with it the
+  // layers that index on the timed step (kernels/saap/saap.h, index_step_count).
+  const auto phase = [&](int l) { return engine.index_phase(l); };
+  std::string indexing;
+  for (int l = 1; l <= a.layers; ++l)
+    if ((m_mod + phase(l)) % ie == 0)
+      indexing += (indexing.empty() ? "" : ", ") + std::to_string(l);
+  const std::string timed = "the timed step indexes in " +
+                            (indexing.empty() ? std::string("no layer") : "layers " + indexing) +
+                            " of 1-" + std::to_string(a.layers);
+  std::printf(
+      "kvs-bench-saap: Hq %d Hkv %d d %d, batch %d, C %d, l %d, hidden %d, router %s "
+      "(%s weights, w2 %s), dense part %d + %d, %d tokens generated since the prefill (index "
+      "steps of up to %d tokens, %s; folded every %d), %d layers per graph, "
+      "median of %d replays\n",
+      a.hq, a.hkv, a.d, a.batch, a.clusters, a.probes, a.hidden, a.router.c_str(),
+      a.router_weights.c_str(),
+      saap_w2_in_column_blocks(cfg.max_batch) ? "in column blocks, zero hidden units skipped"
+                                              : "in fragment order",
+      a.sink, a.recent, a.generated, a.index_every, timed.c_str(), a.fold_every, a.layers, a.iters);
   const double weight_bytes = cfg.saap.router_weights == SaapWeights::Fp8 ? 1 : 2;
   const double mlp_mb = a.router == "mlp"
                             ? double(a.hq) * (double(a.hidden) * a.d + double(a.clusters) * a.hidden) * weight_bytes / 1e6
@@ -232,14 +254,18 @@ void run(const Args& a, bench::BenchReport& report) {
                                   std::to_string(ctx - 1 - a.sink - a.recent) + "] at context " +
                                   std::to_string(ctx) + " (the prefill must fill the window)");
     // A replay restores indexed_len, which undoes the step's assignment. A step that folds
-    // also rewrites the CSR: --restore-index restores the whole index.
-    const auto assigned_after = [&](int steps) { return steps / a.index_every * a.index_every; };
-    if (a.fold_every > 0 && !a.restore_index &&
-        assigned_after(a.generated + 1) / a.fold_every > assigned_after(a.generated) / a.fold_every)
-      throw std::invalid_argument("--generated " + std::to_string(a.generated) +
-                                  ": the timed step folds the index (--fold-every " +
-                                  std::to_string(a.fold_every) +
-                                  "); time it with --restore-index, or choose another count");
+    // also rewrites the CSR: --restore-index restores the whole index. Layer l has assigned
+    // indexed(m) - m0 tokens once m have left the window (m0 at the prefill).
+    const int m0 = ctx - 1 - a.generated - a.recent;
+    for (int l = 1; l <= a.layers; ++l) {
+      const auto assigned = [&](int m) { return std::max(0, m - (m + phase(l)) % ie - m0); };
+      if (a.fold_every > 0 && !a.restore_index &&
+          assigned(m0 + a.generated + 1) / a.fold_every > assigned(m0 + a.generated) / a.fold_every)
+        throw std::invalid_argument("--generated " + std::to_string(a.generated) +
+                                    ": the timed step folds layer " + std::to_string(l) +
+                                    "'s index (--fold-every " + std::to_string(a.fold_every) +
+                                    "); time it with --restore-index, or choose another count");
+    }
     cache.set_lengths(std::vector<int>(size_t(a.batch), ctx - 1 - a.generated));
     cudaEvent_t e0, e1;
     KVS_CUDA_CHECK(cudaEventCreate(&e0));
@@ -341,30 +367,48 @@ int main(int argc, char** argv) try {
   kvs::Args a;
   std::string contexts = "131072,524288", json_path;
   po::options_description opts("kvs-bench-saap: SAAP decode vs dense decode (CUDA graphs)");
-  opts.add_options()
-      ("help,h", "show this help")
-      ("contexts", po::value(&contexts)->default_value(contexts), "context lengths, comma-separated")
-      ("batch", po::value(&a.batch)->default_value(a.batch), "sequences")
-      ("hq", po::value(&a.hq)->default_value(a.hq), "query heads")
-      ("hkv", po::value(&a.hkv)->default_value(a.hkv), "kv heads")
-      ("head-dim", po::value(&a.d)->default_value(a.d), "head dim (64 or 128)")
-      ("clusters", po::value(&a.clusters)->default_value(a.clusters), "C")
-      ("probes", po::value(&a.probes)->default_value(a.probes), "l")
-      ("hidden", po::value(&a.hidden)->default_value(a.hidden), "MLP hidden width")
-      ("sink", po::value(&a.sink)->default_value(a.sink), "sink tokens")
-      ("recent", po::value(&a.recent)->default_value(a.recent), "recent window")
-      ("generated", po::value(&a.generated)->default_value(a.generated), "decode steps after the prefill, before the timed step (assignments it scans)")
-      ("fold-every", po::value(&a.fold_every)->default_value(a.fold_every), "assignments merged into the cluster index at a time (0: never)")
-      ("index-every", po::value(&a.index_every)->default_value(a.index_every), "tokens that left the window assigned per index step (the step on which that many are pending)")
-      ("restore-index", po::bool_switch(&a.restore_index), "restore the whole index before each replay and subtract the copies' own time (needed to time a step that folds: --generated k * fold_every - 1)")
-      ("router", po::value(&a.router)->default_value(a.router), "mlp or nearest_centroid")
-      ("router-weights", po::value(&a.router_weights)->default_value(a.router_weights), "the MLP's weights: bf16 or fp8")
-      ("layers", po::value(&a.layers)->default_value(a.layers), "layers decoded per graph (L2 rotation)")
-      ("iters", po::value(&a.iters)->default_value(a.iters), "timed replays (median)")
-      ("seed", po::value(&a.seed)->default_value(a.seed), "data seed")
-      ("json", po::value(&json_path), "also write the table as JSON to this path");
+  opts.add_options()("help,h", "show this help")("contexts",
+                                                 po::value(&contexts)->default_value(contexts),
+                                                 "context lengths, comma-separated")(
+      "batch", po::value(&a.batch)->default_value(a.batch), "sequences")(
+      "hq", po::value(&a.hq)->default_value(a.hq), "query heads")(
+      "hkv", po::value(&a.hkv)->default_value(a.hkv), "kv heads")(
+      "head-dim", po::value(&a.d)->default_value(a.d), "head dim (64 or 128)")(
+      "clusters", po::value(&a.clusters)->default_value(a.clusters), "C")(
+      "probes", po::value(&a.probes)->default_value(a.probes), "l")(
+      "hidden", po::value(&a.hidden)->default_value(a.hidden), "MLP hidden width")(
+      "sink", po::value(&a.sink)->default_value(a.sink), "sink tokens")(
+      "recent", po::value(&a.recent)->default_value(a.recent), "recent window")(
+      "generated", po::value(&a.generated)->default_value(a.generated),
+      "decode steps after the prefill, before the timed step (assignments it scans)")(
+      "fold-every", po::value(&a.fold_every)->default_value(a.fold_every),
+      "assignments merged into the cluster index at a time (0: never)")(
+      "index-every", po::value(&a.index_every)->default_value(a.index_every),
+      "tokens that left the window assigned per index step (the step on which that many are "
+      "pending)")(
+      "timed-step", po::value(&a.timed_step)->default_value(a.timed_step),
+      "mix: each layer indexes on its own steps (the engine's default), so that with --layers = "
+      "--index-every the time is the average step; index / plain: every layer indexes on the timed "
+      "step (index_every tokens when --generated is at least index_every - 1) / on none")(
+      "restore-index", po::bool_switch(&a.restore_index),
+      "restore the whole index before each replay and subtract the copies' own time (needed to "
+      "time a step that folds: --generated k * fold_every - 1)")(
+      "router", po::value(&a.router)->default_value(a.router), "mlp or nearest_centroid")(
+      "router-weights", po::value(&a.router_weights)->default_value(a.router_weights),
+      "the MLP's weights: bf16 or fp8")("layers", po::value(&a.layers)->default_value(a.layers),
+                                        "layers decoded per graph (L2 rotation)")(
+      "iters", po::value(&a.iters)->default_value(a.iters), "timed replays (median)")(
+      "seed", po::value(&a.seed)->default_value(a.seed), "data seed")(
+      "json", po::value(&json_path), "also write the table as JSON to this path");
   if (!kvs::cli::parse_options(argc, argv, opts)) return 0;
   a.contexts = kvs::bench::parse_counts(contexts, "contexts");
+  if (a.index_every < 1) throw std::invalid_argument("--index-every must be >= 1");
+  for (int ctx : a.contexts)
+    if ((ctx - a.recent) % a.index_every != (a.contexts[0] - a.recent) % a.index_every)
+      throw std::invalid_argument("--contexts: " + std::to_string(ctx) + " and " +
+                                  std::to_string(a.contexts[0]) +
+                                  " leave the timed step at different index phases (their "
+                                  "difference is not a multiple of --index-every)");
   if (!kvs::cuda_device_available()) throw std::runtime_error("no CUDA device");
   if (a.layers < 1 || a.iters < 1 || a.batch < 1)
     throw std::invalid_argument("--layers, --iters and --batch must be >= 1");
@@ -383,6 +427,7 @@ int main(int argc, char** argv) try {
                      {"fold_every", a.fold_every},
                      {"index_every", a.index_every},
                      {"restore_index", a.restore_index},
+                     {"timed_step", a.timed_step},
                      {"router", a.router},
                      {"router_weights", a.router_weights},
                      {"layers", a.layers},
