@@ -43,11 +43,13 @@ struct SaapConfig {
   int fold_every = 2048;
   /// Tokens that leave the recent window are assigned to clusters in batches of this many
   /// (kernels/saap/saap.h, index_step_count): the index step does its work on one decode step
-  /// in index_every, and until then the dense part keeps up to index_every - 1 more tokens.
-  /// 1 assigns every token as it leaves; at most 32 and at most fold_every (when it is not
-  /// 0). On an H200 at 128K batch 1 a layer's step that indexes took 5.9 us more than the
-  /// others at 4, 11.5 at 16 and 19 at 32 (docs/gpu.md).
-  int index_every = 4;
+  /// in index_every, and until then the dense part keeps up to index_every - 1 more tokens, so
+  /// a larger batch reads a few more rows but never fewer. 1 assigns every token as it leaves;
+  /// at most 32 and at most fold_every (when it is not 0). On an H200 at 128K batch 1 a
+  /// layer's step that indexes took 5.2 us more than the others at 4, 8.9 at 16 and 14 at
+  /// 32, so a step cost 33.2 us on average at 4 and 32.4 at 32 (docs/gpu.md); with the
+  /// layers' phases (index_phase) every token pays about the average.
+  int index_every = 32;
   /// The steps on which a layer indexes: those where (tokens past the window + phase) is a
   /// multiple of index_every (kernels/saap/saap.h, index_step_count). -1: phase l %
   /// index_every for layer l, so that the layers index on different decode steps and every

@@ -112,11 +112,11 @@ if [ "${KVS_GPU_METHODS:-1}" = 1 ]; then
     "$tests_cuda" --gtest_filter="$methods_filter"
   fi
   # Each line: the JSON's name (scripts/results.py reads it by that name), program, arguments.
-  # SAAP: its 4 layers index on their own steps (index_every 4), so the timed step is the
-  # average one: one layer assigns the 4 tokens that left the window since its last.
+  # SAAP: its 32 layers index on their own steps (index_every 32), so the timed step is the
+  # average one: one layer assigns the 32 tokens that left the window since its last.
   for b in "kvs_bench_tactic kvs-bench --method tactic --contexts 128K --batches 1,8" \
            "kvs_bench_mac kvs-bench-mac" "kvs_bench_magicpig kvs-bench-magicpig ${KVS_MAGICPIG_ARGS:-}" \
-           "kvs_bench_saap kvs-bench-saap --generated 3" "kvs_bench_attnpred kvs-bench-attnpred" \
+           "kvs_bench_saap kvs-bench-saap --generated 31 --layers 32" "kvs_bench_attnpred kvs-bench-attnpred" \
            "kvs_bench_attnpred_p4 kvs-bench-attnpred --predict-interval 4 --steps 20" \
            "kvs_bench_attnpred_grouped kvs-bench-attnpred --group-history --steps 20" \
            "kvs_bench_attnpred_grouped_p4 kvs-bench-attnpred --group-history --predict-interval 4 --steps 20"; do

@@ -515,10 +515,11 @@ void run_generation(int prefill, int steps, int fold_every, int check_every, int
 }
 
 // Without the fold, 2300 steps leave about 2300 assignments outside the CSR: the last steps
-// scan more than one round of the token lists' scan (256 threads x 8).
+// scan more than one round of the token lists' scan (256 threads x 8). Index steps of 4
+// tokens, where the others take the default.
 TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAfterALongGeneration) {
   KVS_SKIP_WITHOUT_CUDA();
-  run_generation(200, 2300, 0, 512);
+  run_generation(200, 2300, 0, 512, 64, 6, 4);
 }
 
 // Folds every 90 assignments (steps 89, 179, 269, 359), checked around each, with every
