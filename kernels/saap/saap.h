@@ -31,9 +31,9 @@
 // where prefill sets indexed_len = max(sink, n - recent) and each decode call, after its
 // attention, indexes index_step_count(...) tokens from indexed_len on: none until index_every
 // tokens have left the window unindexed, then all of them (at most kMaxIndexStep). So the
-// index step's kernel does its work on one step in index_every and returns at once on the
-// others, and the dense part holds up to index_every more tokens than the window (the
-// attention of the step that indexes them still reads them there).
+// index step does its work on one step in index_every (on CUDA, inside the attention's and
+// the merge's kernels), and the dense part holds up to index_every more tokens than the
+// window (the attention of the step that indexes them still reads them there).
 //
 // Assignment score of centroid c for a vector x: 2 x.c - |c|^2; its argmax is the nearest
 // centroid in L2 and, for the unit-norm centroids of spherical k-means, the largest inner
