@@ -101,6 +101,8 @@ const Table& knob_table(Method m) {
       {"fold_every", [](EngineConfig& c, auto& k, auto& v) { c.saap.fold_every = to_int(k, v); }},
       {"index_every", [](EngineConfig& c, auto& k, auto& v) { c.saap.index_every = to_int(k, v); }},
       {"index_phase", [](EngineConfig& c, auto& k, auto& v) { c.saap.index_phase = to_int(k, v); }},
+      {"member_rows",
+       [](EngineConfig& c, auto& k, auto& v) { c.saap.member_rows = to_bool(k, v); }},
   };
   static const Table magicpig = {
       {"bits", [](EngineConfig& c, auto& k, auto& v) { c.magicpig.bits = to_int(k, v); }},

@@ -56,6 +56,13 @@ struct SaapConfig {
   /// token costs about the same; 0 .. index_every - 1: every layer at that phase, on the same
   /// steps (the benchmark's --timed-step, to time one kind of step alone).
   int index_phase = -1;
+  /// CUDA: keep each cluster member's KV page row beside its token id (IndexState::
+  /// member_rows), written by the prefill, the index steps and the folds from the page table
+  /// of their call, so that the attention skips a round trip through the page table. Needs
+  /// the pages of a sequence's tokens to stay where they were once written (pages appended,
+  /// never moved, as paged KV caches do); a cache that moves pages of a live sequence must
+  /// turn this off, or prefill again after the move.
+  bool member_rows = true;
   /// Longest sequence (tokens) the engine must serve; sizes the index and the workspace.
   /// 0: the model's max_position.
   int max_context = 0;

@@ -207,6 +207,7 @@ SaapEngine::~SaapEngine() {
     cudaFree(li.view.assign);
     cudaFree(li.view.indexed_len);
     cudaFree(li.view.csr_len);
+    cudaFree(li.view.member_rows);
     cudaFree(li.view.step_best);
   }
   cudaFree(d_inv_freq_);
@@ -375,6 +376,7 @@ SaapEngine::LayerIndex& SaapEngine::allocate_index(int layer) {
     v.assign = device_alloc<int32_t>(n_tok);
     v.indexed_len = device_alloc<int32_t>(slots);
     v.csr_len = device_alloc<int32_t>(slots);
+    if (config_.saap.member_rows) v.member_rows = device_alloc<int32_t>(n_tok);
     zero_on_device(v.offsets, size_t(n_off) * sizeof(int32_t));
     zero_on_device(v.indexed_len, size_t(slots) * sizeof(int32_t));
     zero_on_device(v.csr_len, size_t(slots) * sizeof(int32_t));

@@ -187,6 +187,19 @@ __global__ void __launch_bounds__(kAssignThreads)
   }
 }
 
+// Token t's KV page row, page * page_size + t % page_size, through the sequence's page table:
+// what IndexState::member_rows keeps per member (times Hkv plus the head is its KV row).
+__device__ __forceinline__ int32_t page_row(const int32_t* table, int page_size, int t) {
+  return int32_t(int64_t(table[t / page_size]) * page_size + t % page_size);
+}
+
+// rows[i] = page_row(members[i]) for the count members of a slot just sorted.
+__global__ void member_rows_kernel(const int32_t* members, int count, const int32_t* table,
+                                   int page_size, int32_t* rows) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x)
+    rows[i] = page_row(table, page_size, members[i]);
+}
+
 // offsets[c] = first position of cluster c in the sorted labels (binary search).
 __global__ void csr_offsets_kernel(const int32_t* sorted, int count, int C, int32_t* offsets) {
   for (int c = blockIdx.x * blockDim.x + threadIdx.x; c <= C; c += gridDim.x * blockDim.x) {
@@ -276,11 +289,14 @@ union FoldSmem {
   } s;
 };
 
-__device__ void fold_slot(const IndexState& st, int b, int h, int csr, FoldSmem& sm) {
+// table: sequence b's page table, for the folded tokens' member_rows (when kept).
+__device__ void fold_slot(const IndexState& st, int b, int h, int csr, const int32_t* table,
+                          int page_size, FoldSmem& sm) {
   const int C = st.num_clusters, F = st.fold_every;
   const int32_t* assign = st.assign_of(b, h);
   int32_t* offsets = st.offsets_of(b, h);
   int32_t* members = st.members_of(b, h);
+  int32_t* rows = st.member_rows ? st.member_rows_of(b, h) : nullptr;  // moved with members
   // Blocked arrangement (thread t holds items t * kFoldItems ..): the radix sort is stable in
   // that order, which is token order. Padding sorts last (key C), and so do the tokens of
   // NaN keys (assigned -1, no cluster), which then stay out of the CSR.
@@ -309,7 +325,7 @@ __device__ void fold_slot(const IndexState& st, int b, int h, int csr, FoldSmem&
   constexpr int kRound = kCommitThreads * kFoldIlp;
   for (int hi = count; hi > 0; hi -= kRound) {
     const int first = hi - kRound + int(threadIdx.x) * kFoldIlp;
-    int v[kFoldIlp], to[kFoldIlp];
+    int v[kFoldIlp], r[kFoldIlp], to[kFoldIlp];
     int c = last_at_most(sm.s.off, C, max(first, 0));
     int shift = lower_bound(sm.s.keys, F, c);
 #pragma unroll
@@ -318,6 +334,7 @@ __device__ void fold_slot(const IndexState& st, int b, int h, int csr, FoldSmem&
       to[u] = -1;
       if (i >= 0 && i < hi) {
         v[u] = members[i];
+        if (rows) r[u] = rows[i];
         while (sm.s.off[c + 1] <= i) shift = lower_bound(sm.s.keys, F, ++c);
         to[u] = i + shift;
       }
@@ -325,13 +342,19 @@ __device__ void fold_slot(const IndexState& st, int b, int h, int csr, FoldSmem&
     __syncthreads();  // the round's members are read
 #pragma unroll
     for (int u = 0; u < kFoldIlp; ++u)
-      if (to[u] >= 0) members[to[u]] = v[u];
+      if (to[u] >= 0) {
+        members[to[u]] = v[u];
+        if (rows) rows[to[u]] = r[u];
+      }
   }
   __syncthreads();
 #pragma unroll
   for (int u = 0; u < kFoldItems; ++u) {
     const int j = int(threadIdx.x) * kFoldItems + u;
-    if (j < F && key[u] < C) members[sm.s.off[key[u] + 1] + j] = tok[u];
+    if (j < F && key[u] < C) {
+      members[sm.s.off[key[u] + 1] + j] = tok[u];
+      if (rows) rows[sm.s.off[key[u] + 1] + j] = page_row(table, page_size, tok[u]);
+    }
   }
   for (int c = threadIdx.x; c <= C; c += kCommitThreads)
     offsets[c] = sm.s.off[c] + lower_bound(sm.s.keys, F, c);
@@ -342,7 +365,7 @@ __device__ void fold_slot(const IndexState& st, int b, int h, int csr, FoldSmem&
 // step's assignments and indexed_len (none on steps with nothing to index), then the fold
 // where due.
 __device__ void commit_index_step(const IndexState& st, int b, int h, int seq_len, int recent,
-                                  FoldSmem& sm) {
+                                  const int32_t* table, int page_size, FoldSmem& sm) {
   const int64_t slot = st.slot(b, h);
   const int t0 = st.indexed_len[slot], csr = st.csr_len[slot];
   const int n = index_step_count(seq_len, recent, t0, st.index_every, st.index_phase);
@@ -355,7 +378,7 @@ __device__ void commit_index_step(const IndexState& st, int b, int h, int seq_le
   if (n > 0 && threadIdx.x == 0) st.indexed_len[slot] = t0 + n;
   if (!fold_due(st.fold_every, t0 + n, csr)) return;
   __syncthreads();  // the assignments just written are visible to the whole CTA
-  fold_slot(st, b, h, csr, sm);
+  fold_slot(st, b, h, csr, table, page_size, sm);
 }
 
 // ---- decode: the token lists and the attention in one kernel --------------------------------
@@ -701,19 +724,28 @@ __global__ void __launch_bounds__(Cfg::kThreads)
           }
         }
       }
+      // A member's KV row: kept with the index (member_rows, loaded with the token), or
+      // through the page table (a round trip after the token's).
+      int pr[kKvIlp];  // page rows
+      const bool kept = !window_part && p.st.member_rows;
       if (!window_part) {
         const int32_t* members = p.st.members_of(b, h);
+        const int32_t* member_rows = p.st.member_rows_of(b, h);
 #pragma unroll
-        for (int u = 0; u < kKvIlp; ++u) t[u] = t[u] >= 0 ? members[t[u]] : -1;
+        for (int u = 0; u < kKvIlp; ++u) {
+          pr[u] = kept && t[u] >= 0 ? member_rows[t[u]] : 0;
+          t[u] = t[u] >= 0 ? members[t[u]] : -1;
+        }
       }
-      int page[kKvIlp];
+      if (!kept) {
 #pragma unroll
-      for (int u = 0; u < kKvIlp; ++u) page[u] = t[u] >= 0 ? table[t[u] / p.page_size] : 0;
+        for (int u = 0; u < kKvIlp; ++u) pr[u] = t[u] >= 0 ? page_row(table, p.page_size, t[u]) : 0;
+      }
 #pragma unroll
       for (int u = 0; u < kKvIlp; ++u) {
         if (t[u] < 0) continue;
         const int i = c0 + int(threadIdx.x) + u * kThreads;
-        rows_s[i - c0] = row_of(t[u], page[u]);
+        rows_s[i - c0] = pr[u] * hkv + h;
         if (!window_part) tokens[sink + i] = t[u];
       }
       count = c1 - c0;
@@ -787,13 +819,15 @@ template <int D>
 __global__ void __launch_bounds__(kAttendMergeWarps * 32)
     attend_merge_kernel(const float* part_lse, const float* part_o, int parts, int hkv, int group,
                         int rows, bf* o, float* lse, const __grid_constant__ IndexState st,
-                        const int32_t* seq_lens, int recent) {
+                        const int32_t* seq_lens, int recent, const int32_t* page_table,
+                        int page_size, int max_pages_per_seq) {
   __shared__ WarpAccumulators<kAttendMergeWarps, D> warp_acc;
   __shared__ FoldSmem fold_sm;
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the parts' states are written
   if (int(blockIdx.x) >= rows) {
     const int slot = int(blockIdx.x) - rows, b = slot / hkv;
-    commit_index_step(st, b, slot % hkv, seq_lens[b], recent, fold_sm);
+    commit_index_step(st, b, slot % hkv, seq_lens[b], recent,
+                      page_table + int64_t(b) * max_pages_per_seq, page_size, fold_sm);
     return;
   }
   const int row = blockIdx.x, hq = hkv * group;
@@ -1650,15 +1684,19 @@ __global__ void __launch_bounds__(kRouteThreads)
   // the wait to their first rows). With the bound above, the 128K step on an H200 was 0.3 us
   // shorter with this than without, though the timeline's members step was not (docs/gpu.md).
   // The route ends without waiting for these requests.
+  // Their KV page rows too where the index keeps them (member_rows), loaded beside them.
   if (prefetch) {
-    const int32_t* members = st.members_of(b, h);
-    for (int k = tid / 32; k < probes; k += kRouteThreads / 32) {
-      const int c = sm.sel[k];
-      const uintptr_t lo = reinterpret_cast<uintptr_t>(members + sm.off[c]) & ~uintptr_t(127);
-      const uintptr_t hi = reinterpret_cast<uintptr_t>(members + sm.off[c + 1]);
-      for (uintptr_t line = lo + 128 * (tid % 32); line < hi; line += 32 * 128)
-        ptx::prefetch_l2(reinterpret_cast<const void*>(line));
-    }
+    const auto request = [&](const int32_t* list) {
+      for (int k = tid / 32; k < probes; k += kRouteThreads / 32) {
+        const int c = sm.sel[k];
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(list + sm.off[c]) & ~uintptr_t(127);
+        const uintptr_t hi = reinterpret_cast<uintptr_t>(list + sm.off[c + 1]);
+        for (uintptr_t line = lo + 128 * (tid % 32); line < hi; line += 32 * 128)
+          ptx::prefetch_l2(reinterpret_cast<const void*>(line));
+      }
+    };
+    request(st.members_of(b, h));
+    if (st.member_rows) request(st.member_rows_of(b, h));
   }
 }
 
@@ -1838,6 +1876,10 @@ cudaError_t index_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host,
             temp, temp_bytes, st.assign_of(b, h) + w.sink, sorted, iota + w.sink,
             st.members_of(b, h), count, 0, bits, stream);
         if (e != cudaSuccess) return e;
+        if (st.member_rows)
+          member_rows_kernel<<<std::min(1024, (count + 255) / 256), 256, 0, stream>>>(
+              st.members_of(b, h), count, kv.page_table + int64_t(b) * kv.max_pages_per_seq,
+              kv.page_size, st.member_rows_of(b, h));
       }
       csr_offsets_kernel<<<(C + 256) / 256, 256, 0, stream>>>(sorted, std::max(count, 0), C,
                                                               st.offsets_of(b, h));
@@ -2033,11 +2075,11 @@ cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, 
   // merge's launch overlaps the last parts and its CTAs cannot take their room early. Its
   // rows, then a CTA per slot for the index step's commit and the fold.
   const int rows = batch * p.num_q_heads;
-  return launch_programmatic(attend_merge_kernel<Cfg::kHeadDim>, dim3(unsigned(rows + subrequests)),
-                             dim3(kAttendMergeWarps * 32), 0, stream,
-                             static_cast<const float*>(p.part_lse),
-                             static_cast<const float*>(p.part_o), parts, p.num_kv_heads, p.group,
-                             rows, o, lse, p.st, p.seq_lens, p.w.recent);
+  return launch_programmatic(
+      attend_merge_kernel<Cfg::kHeadDim>, dim3(unsigned(rows + subrequests)),
+      dim3(kAttendMergeWarps * 32), 0, stream, static_cast<const float*>(p.part_lse),
+      static_cast<const float*>(p.part_o), parts, p.num_kv_heads, p.group, rows, o, lse, p.st,
+      p.seq_lens, p.w.recent, p.page_table, p.page_size, p.max_pages_per_seq);
 }
 
 }  // namespace

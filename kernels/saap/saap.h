@@ -16,6 +16,12 @@
 //               [sink, indexed_len); tokens [csr_len, indexed_len) are only here (they left
 //               the recent window after prefill) and the decode scans them
 //   indexed_len, csr_len [max_batch, Hkv] int32
+//   member_rows [max_batch, Hkv, max_tokens] int32, CUDA only and optional: the KV page row
+//               (page * page_size + t % page_size) of each member, written with the members
+//               from the page table of the call that wrote them, so that the attention
+//               reads a member's KV row without a round trip through the page table. It
+//               holds while the pages of a sequence's indexed tokens stay where they were:
+//               pages appended, never moved (SaapConfig::member_rows says how to opt out).
 // The fold: once fold_every post-prefill assignments have piled up (indexed_len - csr_len >=
 // fold_every), the oldest fold_every of them, tokens [csr_len, csr_len + fold_every), are
 // merged into the CSR (each after its cluster's members, so members stay ascending within a
@@ -87,6 +93,7 @@ struct IndexState {
   int32_t* assign = nullptr;
   int32_t* indexed_len = nullptr;
   int32_t* csr_len = nullptr;
+  int32_t* member_rows = nullptr;  ///< CUDA, optional (above); null: through the page table
   // CUDA: [max_batch, Hkv, kMaxIndexStep] each key's best centroid so far in a step that
   // indexes (attend_cuda's index step), zero between steps; zeroed by its allocator.
   unsigned long long* step_best = nullptr;
@@ -104,6 +111,9 @@ struct IndexState {
   }
   KVS_HOST_DEVICE int32_t* members_of(int b, int h) const {
     return members + slot(b, h) * max_tokens;
+  }
+  KVS_HOST_DEVICE int32_t* member_rows_of(int b, int h) const {
+    return member_rows + slot(b, h) * max_tokens;
   }
   KVS_HOST_DEVICE int32_t* assign_of(int b, int h) const {
     return assign + slot(b, h) * max_tokens;

@@ -355,6 +355,9 @@ TEST(SaapEngineCpu, IndexesLeavingTokensInBatchesOfIndexEvery) {
   EngineConfig knob = cpu_config(3, sink, recent);
   set_knob(knob, Method::Saap, "index_phase", "2");
   EXPECT_EQ(knob.saap.index_phase, 2);
+  EXPECT_TRUE(knob.saap.member_rows);
+  set_knob(knob, Method::Saap, "member_rows", "0");
+  EXPECT_FALSE(knob.saap.member_rows);
 }
 
 // The CUDA engine refuses an MLP wider than its router GEMVs stage, before touching a device

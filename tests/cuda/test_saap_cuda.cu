@@ -38,6 +38,7 @@ struct Pair {
   std::unique_ptr<SaapEngine> cpu, gpu;
   std::unique_ptr<test::DeviceBuffer<char>> ws;
   int layer = 1;
+  bool member_rows;
 
   SaapWeights weights;
 
@@ -45,8 +46,8 @@ struct Pair {
   Pair(SaapRouter router, const std::vector<int>& lens, int C, int hidden, int probes,
        SaapWeights weights_, int max_context = 2048, int fold_every = SaapConfig().fold_every,
        int index_every = SaapConfig().index_every, const std::function<void(SaapParts&)>& edit = {},
-       const ModelShape& shape_ = saap_test::scene_shape(2))
-      : shape(shape_), weights(weights_) {
+       const ModelShape& shape_ = saap_test::scene_shape(2), bool member_rows_ = true)
+      : shape(shape_), member_rows(member_rows_), weights(weights_) {
     const int batch = int(lens.size());
     parts = saap_test::random_parts(shape, C, hidden, 11);
     if (edit) edit(parts);
@@ -58,6 +59,7 @@ struct Pair {
     cfg.saap.max_context = max_context;
     cfg.saap.fold_every = fold_every;
     cfg.saap.index_every = index_every;
+    cfg.saap.member_rows = member_rows;
     cfg.saap.query_router = router;
     cfg.saap.router_weights = weights;
     cfg.collect_stats = true;
@@ -213,6 +215,28 @@ void expect_decode_matches(Pair& p, SaapRouter router, const std::vector<bf16>& 
   }
 }
 
+// The GPU index's member_rows (SaapConfig::member_rows, on by default) against the page rows
+// of its members through the GPU cache's page table: sequence b, kv head h, the first n.
+void expect_member_rows(Pair& p, int b, int h, int n, const std::string& at) {
+  const sk::IndexState& gs = p.gpu->index_state(p.layer);
+  if (!p.member_rows) {
+    ASSERT_EQ(gs.member_rows, nullptr) << "the engine keeps member rows it was told not to";
+    return;
+  }
+  ASSERT_NE(gs.member_rows, nullptr) << "the engine keeps no member rows";
+  const PagedKV kv = p.gpu_cache->view(p.layer);
+  const std::vector<int32_t> table =
+      download(kv.page_table + int64_t(b) * kv.max_pages_per_seq, size_t(kv.max_pages_per_seq));
+  const std::vector<int32_t> members = download(gs.members_of(b, h), size_t(n));
+  const std::vector<int32_t> rows = download(gs.member_rows_of(b, h), size_t(n));
+  for (int i = 0; i < n; ++i) {
+    const int t = members[size_t(i)];
+    ASSERT_EQ(rows[size_t(i)], table[size_t(t / kv.page_size)] * kv.page_size + t % kv.page_size)
+        << at << ": sequence " << b << " kv head " << h << " member " << i << " (token " << t
+        << ")";
+  }
+}
+
 // lens: one sequence per entry; hidden: the MLP router's width (the GEMVs' K and rows); C
 // clusters, of which probes are taken (the route ranks the best 32 among its threshold
 // candidates, or by merging sorted warp lists when they overflow; more by a full sort);
@@ -250,6 +274,7 @@ void run_pair(SaapRouter router, const std::vector<int>& lens, int hidden, int C
       if (mismatches == 0)
         for (int i = 0; i < cs.indexed_len[s] - 4; ++i)
           ASSERT_EQ(g_mem[size_t(s) * 2048 + i], cs.members_of(b, h)[i]) << "member " << i;
+      expect_member_rows(p, b, h, cs.indexed_len[s] - 4, "prefill");
     }
   EXPECT_LE(mismatches, total / 200) << "assignments differing between CPU and CUDA";
 
@@ -459,10 +484,10 @@ TEST(SaapCuda, Fp8RouterMatchesTheCpuEngineAtBatchTwo) {
 // C clusters, `probes` of them probed.
 void run_generation(int prefill, int steps, int fold_every, int check_every, int C = 64,
                     int probes = 6, int index_every = SaapConfig().index_every,
-                    const ModelShape& shape = saap_test::scene_shape(2)) {
+                    const ModelShape& shape = saap_test::scene_shape(2), bool member_rows = true) {
   constexpr int kRecent = 128, kSink = 4;
   Pair p(SaapRouter::Mlp, {prefill}, C, 32, probes, SaapWeights::Fp8, prefill + steps, fold_every,
-         index_every, {}, shape);
+         index_every, {}, shape, member_rows);
   const int hq = p.shape.num_q_heads, hkv = p.shape.num_kv_heads, d = p.shape.head_dim;
   ASSERT_EQ(p.parts.num_clusters, C);
   p.cpu->prefill(p.layer, p.cpu_cache->view(p.layer), nullptr);
@@ -507,6 +532,7 @@ void run_generation(int prefill, int steps, int fold_every, int check_every, int
       ASSERT_EQ(download(gs.offsets_of(0, h), size_t(C) + 1), want.offsets) << at << " h " << h;
       ASSERT_EQ(download(gs.members_of(0, h), want.members.size()), want.members)
           << at << " h " << h;
+      expect_member_rows(p, 0, h, int(want.members.size()), at);
     }
     EXPECT_LE(mismatches, (prefill + step) * hkv / 100) << at;
     expect_decode_matches(p, SaapRouter::Mlp, q, q_pre, outd.download(), mismatches == 0, at);
@@ -527,6 +553,13 @@ TEST(SaapCuda, MlpRouterMatchesTheCpuEngineAfterALongGeneration) {
 TEST(SaapCuda, FoldKeepsTheCsrEqualToTheCpuEngines) {
   KVS_SKIP_WITHOUT_CUDA();
   run_generation(200, 360, 90, 45, 64, 6, 1);
+}
+
+// The same with SaapConfig::member_rows off: the attention resolves the members through the
+// page table, and the prefill and the folds keep no rows.
+TEST(SaapCuda, FoldKeepsTheCsrEqualToTheCpuEnginesWithoutMemberRows) {
+  KVS_SKIP_WITHOUT_CUDA();
+  run_generation(200, 360, 90, 45, 64, 6, 1, saap_test::scene_shape(2), false);
 }
 
 // The index step at its largest batch: layer 1 (phase 1) assigns 23 tokens on step 22, the

@@ -81,6 +81,7 @@ struct Args {
   int fold_every = SaapConfig().fold_every;
   int index_every = SaapConfig().index_every;
   bool restore_index = false;  ///< restore the whole index per replay (see run())
+  bool no_member_rows = false;  ///< SaapConfig::member_rows off: members through the page table
   /// mix: the layers index on the engine's staggered steps (SaapConfig::index_phase -1);
   /// index / plain: every layer indexes on the timed step / on none.
   std::string timed_step = "mix";
@@ -151,6 +152,7 @@ void run(const Args& a, bench::BenchReport& report) {
   cfg.saap.max_context = max_ctx;
   cfg.saap.fold_every = a.fold_every;
   cfg.saap.index_every = a.index_every;
+  cfg.saap.member_rows = !a.no_member_rows;
   // The timed step's tokens past the window, m = n - recent, is ctx - recent at every context
   // (check_contexts keeps its residue mod index_every the same): "index" puts every layer's
   // phase where that step indexes, "plain" where the step before it did.
@@ -229,13 +231,14 @@ void run(const Args& a, bench::BenchReport& report) {
   std::printf(
       "kvs-bench-saap: Hq %d Hkv %d d %d, batch %d, C %d, l %d, hidden %d, router %s "
       "(%s weights, w2 %s), dense part %d + %d, %d tokens generated since the prefill (index "
-      "steps of up to %d tokens, %s; folded every %d), %d layers per graph, "
-      "median of %d replays\n",
+      "steps of up to %d tokens, %s; folded every %d), members' KV rows %s, %d layers per "
+      "graph, median of %d replays\n",
       a.hq, a.hkv, a.d, a.batch, a.clusters, a.probes, a.hidden, a.router.c_str(),
       a.router_weights.c_str(),
       saap_w2_in_column_blocks(cfg.max_batch) ? "in column blocks, zero hidden units skipped"
                                               : "in fragment order",
-      a.sink, a.recent, a.generated, a.index_every, timed.c_str(), a.fold_every, a.layers, a.iters);
+      a.sink, a.recent, a.generated, a.index_every, timed.c_str(), a.fold_every,
+      a.no_member_rows ? "through the page table" : "kept with the index", a.layers, a.iters);
   const double weight_bytes = cfg.saap.router_weights == SaapWeights::Fp8 ? 1 : 2;
   const double mlp_mb = a.router == "mlp"
                             ? double(a.hq) * (double(a.hidden) * a.d + double(a.clusters) * a.hidden) * weight_bytes / 1e6
@@ -286,7 +289,7 @@ void run(const Args& a, bench::BenchReport& report) {
     KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
     cache.set_lengths(std::vector<int>(size_t(a.batch), ctx));
     // The index arrays a replay restores, as they were before the timed step: indexed_len
-    // always; with --restore-index also csr_len, the offsets and the members.
+    // always; with --restore-index also csr_len, the offsets and the members (and their rows).
     std::vector<std::vector<std::pair<int32_t*, std::unique_ptr<Dev<int32_t>>>>> saved;
     for (int l = 1; l <= a.layers; ++l) {
       const kernels::saap::IndexState& st = engine.index_state(l);
@@ -296,6 +299,7 @@ void run(const Args& a, bench::BenchReport& report) {
         arrays.push_back({st.csr_len, slots});
         arrays.push_back({st.offsets, slots * (size_t(a.clusters) + 1)});
         arrays.push_back({st.members, slots * size_t(st.max_tokens)});
+        if (st.member_rows) arrays.push_back({st.member_rows, slots * size_t(st.max_tokens)});
       }
       saved.emplace_back();
       for (auto [ptr, n] : arrays) {
@@ -393,7 +397,9 @@ int main(int argc, char** argv) try {
       "restore-index", po::bool_switch(&a.restore_index),
       "restore the whole index before each replay and subtract the copies' own time (needed to "
       "time a step that folds: --generated k * fold_every - 1)")(
-      "router", po::value(&a.router)->default_value(a.router), "mlp or nearest_centroid")(
+      "no-member-rows", po::bool_switch(&a.no_member_rows),
+      "resolve the clusters' members to KV rows through the page table (SaapConfig::member_rows "
+      "off)")("router", po::value(&a.router)->default_value(a.router), "mlp or nearest_centroid")(
       "router-weights", po::value(&a.router_weights)->default_value(a.router_weights),
       "the MLP's weights: bf16 or fp8")("layers", po::value(&a.layers)->default_value(a.layers),
                                         "layers decoded per graph (L2 rotation)")(
@@ -427,6 +433,7 @@ int main(int argc, char** argv) try {
                      {"fold_every", a.fold_every},
                      {"index_every", a.index_every},
                      {"restore_index", a.restore_index},
+                     {"member_rows", !a.no_member_rows},
                      {"timed_step", a.timed_step},
                      {"router", a.router},
                      {"router_weights", a.router_weights},
