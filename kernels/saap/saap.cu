@@ -187,10 +187,14 @@ __global__ void __launch_bounds__(kAssignThreads)
   }
 }
 
-// Token t's KV page row, page * page_size + t % page_size, through the sequence's page table:
-// what IndexState::member_rows keeps per member (times Hkv plus the head is its KV row).
+// Token t's KV page row on page `page`, page * page_size + t % page_size: what
+// IndexState::member_rows keeps per member; times Hkv plus the kv head, its KV row.
+__device__ __forceinline__ int32_t page_row_on(int32_t page, int page_size, int t) {
+  return int32_t(int64_t(page) * page_size + t % page_size);
+}
+// The same through the sequence's page table.
 __device__ __forceinline__ int32_t page_row(const int32_t* table, int page_size, int t) {
-  return int32_t(int64_t(table[t / page_size]) * page_size + t % page_size);
+  return page_row_on(table[t / page_size], page_size, t);
 }
 
 // rows[i] = page_row(members[i]) for the count members of a slot just sorted.
@@ -451,9 +455,7 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
   const int32_t* table = p.page_table + int64_t(b) * p.max_pages_per_seq;
   if (int(threadIdx.x) < n) {
     const int t = t0 + int(threadIdx.x);
-    key_row_s[threadIdx.x] =
-        ((int64_t(table[t / p.page_size]) * p.page_size + t % p.page_size) * p.num_kv_heads + h) *
-        D;
+    key_row_s[threadIdx.x] = (int64_t(page_row(table, p.page_size, t)) * p.num_kv_heads + h) * D;
   }
 #pragma unroll 1
   for (int i = threadIdx.x; i < kMaxIndexStep * kWarps; i += kThreads) red[i] = 0ull;
@@ -689,9 +691,6 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     });
     __syncthreads();
   };
-  auto row_of = [&](int t, int page) {
-    return int32_t((int64_t(page) * p.page_size + t % p.page_size) * hkv + h);
-  };
   // Window position i (of [sink tokens | tail tokens]) as a token.
   auto window_token = [&](int i) { return i < sink ? i : tail0 + (i - sink); };
   // The part's rows, a round of at most kAttendRowsCap at a time into rows_s, all attended at
@@ -768,7 +767,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
       for (int u = 0; u < kScanIlp; ++u) {
         if (!((flags >> u) & 1u)) continue;
-        rows_s[excl] = row_of(tb + u, page[u]);
+        rows_s[excl] = page_row_on(page[u], p.page_size, tb + u) * hkv + h;
         tokens[sink + M + T + hits + excl] = tb + u;
         ++excl;
       }
