@@ -57,8 +57,8 @@ struct SaapConfig {
   /// steps (the benchmark's --timed-step, to time one kind of step alone).
   int index_phase = -1;
   /// CUDA: keep each cluster member's KV page row beside its token id (IndexState::
-  /// member_rows), written by the prefill, the index steps and the folds from the page table
-  /// of their call, so that the attention skips a round trip through the page table. Needs
+  /// member_rows), written by the prefill and the folds from the page table of their call,
+  /// so that the attention skips a round trip through the page table. Needs
   /// the pages of a sequence's tokens to stay where they were once written (pages appended,
   /// never moved, as paged KV caches do); a cache that moves pages of a live sequence must
   /// turn this off, or prefill again after the move.
