@@ -92,8 +92,9 @@ struct Args {
   uint32_t seed = 7;
 };
 
-// Layer l's arrays come from their own generator, seeded by (seed, l), so that the layers are
-// drawn in parallel (about 1 s a layer on one core at the default shapes).
+// Each indexed layer's arrays (slot i of per_layer) come from their own generator, seeded by
+// (seed, i), so that the layers are drawn in parallel (about 1 s a layer on one core at the
+// default shapes).
 SaapParts random_parts(const Args& a) {
   SaapParts p;
   p.num_clusters = a.clusters;
