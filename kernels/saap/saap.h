@@ -346,7 +346,8 @@ size_t attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, 
 // route and their own round trips, all together, and share DRAM, so their end follows the
 // members' total more than their count. Fewer, longer member parts and more, shorter window
 // parts end the step sooner, up to a point. 128K batch 1 on an H200 (docs/gpu.md, "the
-// split of the attention's parts"), the step that does not index, against weight 1 (32.1 us):
+// attention's parts split by weighted rows"), the step that does not index, against weight 1
+// (32.1 us):
 // 0.25 39.9, 0.6 34.9, 1.3 31.8-31.9, 1.7 31.7-31.8, 2.5 32.0-32.1 us; at batch 8 2.5 left a
 // slot's three shared parts one member part (99.5 -> 127 us), 1.7 changes nothing there.
 constexpr int kWindowRowWeightTenths = 17;
