@@ -284,7 +284,7 @@ MagicPigEngine::MagicPigEngine(const ModelShape& shape, const EngineConfig& conf
     mp::check_projection(projection_, shape_.head_dim, c.bits, c.tables);
   }
   isa_ = mp::resolve_isa(isa_from_string(c.cpu_isa), shape_.head_dim);
-  pool_ = std::make_unique<mp::ThreadPool>(c.threads);
+  pool_ = std::make_unique<kernels::ThreadPool>(c.threads);
   scratch_.resize(size_t(pool_->size()));
   layers_.resize(size_t(shape_.num_layers));
 

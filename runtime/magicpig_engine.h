@@ -86,8 +86,8 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/common/thread_pool.h"
 #include "kernels/magicpig/magicpig.h"
-#include "kernels/magicpig/thread_pool.h"
 #include "runtime/engine.h"
 #include "runtime/engine_support.h"
 
@@ -164,7 +164,7 @@ class MagicPigEngine : public Engine {
   std::vector<int> dense_layers_;
   int max_context_ = 0;
   std::vector<std::unique_ptr<Layer>> layers_;
-  std::unique_ptr<kernels::magicpig::ThreadPool> pool_;
+  std::unique_ptr<kernels::ThreadPool> pool_;
   std::vector<kernels::magicpig::HeadScratch> scratch_;  // one per pool worker
   struct Staging;
   std::unique_ptr<Staging> staging_;  // cpu_offload pinned buffers, side stream, events

@@ -1,11 +1,14 @@
 #include "runtime/saap_engine.h"
 
 #include <algorithm>
+#include <exception>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/kv_update.h"
+#include "kernels/common/thread_pool.h"
 #include "kernels/dense/dense_decode.h"
 
 namespace kvs {
@@ -38,6 +41,70 @@ RowsE4m3 quantize(const std::vector<float>& w, int K) {
   r.scale.resize(size_t(rows));
   r.dequantized.resize(w.size());
   sk::quantize_rows_e4m3(w.data(), rows, K, r.q.data(), r.scale.data(), r.dequantized.data());
+  return r;
+}
+
+// One layer's router as a backend takes it, built on the host: the centroids and their squared
+// norms, and the MLP with batch norm folded into its first layer. With fp8 the weights are
+// rounded to e4m3 (the CPU multiplies with their dequantized values); for CUDA they are packed
+// in the GEMVs' orders (w1 in the first GEMV's fragment order, w2 in column blocks or in
+// fragment order).
+struct HostRouter {
+  std::vector<float> centroids, norms, b1, b2;
+  std::vector<float> w1, w2;              // CPU
+  std::vector<uint8_t> w1_e4m3, w2_e4m3;  // CUDA, fp8
+  std::vector<float> w1_scale, w2_scale;  // CUDA, fp8
+  std::vector<bf16> w1_bf16, w2_bf16;     // CUDA, bf16
+};
+
+HostRouter prepare_router(const SaapParts& parts, int slot, bool fp8, bool cuda,
+                          bool w2_column_blocks) {
+  const int C = parts.num_clusters, d = parts.head_dim, hq = parts.num_q_heads,
+            H = parts.hidden_dim;
+  HostRouter r;
+  r.centroids = parts.per_layer[size_t(slot)].centroids;
+  r.norms.resize(size_t(parts.num_kv_heads) * C);
+  for (size_t c = 0; c < r.norms.size(); ++c) {
+    double s = 0.0;
+    for (int k = 0; k < d; ++k) s += double(r.centroids[c * d + k]) * r.centroids[c * d + k];
+    r.norms[c] = float(s);
+  }
+  FoldedMlp mlp = fold_batch_norm(parts, slot);
+  // fp8: both backends multiply with the dequantized e4m3 weights.
+  RowsE4m3 q1, q2;
+  if (fp8) {
+    q1 = quantize(mlp.w1, d);
+    q2 = quantize(mlp.w2, H);
+    mlp.w1 = std::move(q1.dequantized);
+    mlp.w2 = std::move(q2.dequantized);
+  }
+  r.b1 = std::move(mlp.b1);
+  r.b2 = std::move(mlp.b2);
+  if (!cuda) {
+    r.w1 = std::move(mlp.w1);
+    r.w2 = std::move(mlp.w2);
+  } else if (fp8) {
+    r.w1_e4m3.resize(sk::mma_rows_bytes(hq, H, d, true));
+    r.w2_e4m3.resize(w2_column_blocks ? sk::column_blocks_bytes(hq, C, H, true)
+                                      : sk::mma_rows_bytes(hq, C, H, true));
+    sk::pack_mma_rows_e4m3(q1.q.data(), hq, H, d, r.w1_e4m3.data());
+    if (w2_column_blocks)
+      sk::pack_column_blocks_e4m3(q2.q.data(), hq, C, H, r.w2_e4m3.data());
+    else
+      sk::pack_mma_rows_e4m3(q2.q.data(), hq, C, H, r.w2_e4m3.data());
+    r.w1_scale = std::move(q1.scale);
+    r.w2_scale = std::move(q2.scale);
+  } else {
+    r.w1_bf16.resize(sk::mma_rows_bytes(hq, H, d, false) / 2);
+    r.w2_bf16.resize((w2_column_blocks ? sk::column_blocks_bytes(hq, C, H, false)
+                                       : sk::mma_rows_bytes(hq, C, H, false)) /
+                     2);
+    sk::pack_mma_rows(mlp.w1.data(), hq, H, d, r.w1_bf16.data());
+    if (w2_column_blocks)
+      sk::pack_column_blocks(mlp.w2.data(), hq, C, H, r.w2_bf16.data());
+    else
+      sk::pack_mma_rows(mlp.w2.data(), hq, C, H, r.w2_bf16.data());
+  }
   return r;
 }
 
@@ -116,70 +183,55 @@ SaapEngine::SaapEngine(const ModelShape& shape, const EngineConfig& config, Saap
     d_inv_freq_ = device_upload(inv_freq_.data(), inv_freq_.size());
     if (config_.collect_stats) device_counters_ = DeviceCounters(3);
   }
-  const int C = parts_.num_clusters, d = parts_.head_dim;
   const bool fp8 = c.router_weights == SaapWeights::Fp8;
-  for (size_t i = 0; i < parts_.layers.size(); ++i) {
-    const SaapLayerParts& lp = parts_.per_layer[i];
-    FoldedMlp mlp = fold_batch_norm(parts_, int(i));
-    LayerRouter r;
-    r.centroids = lp.centroids;
-    r.norms.resize(size_t(parts_.num_kv_heads) * C);
-    for (size_t c = 0; c < r.norms.size(); ++c) {
-      double s = 0.0;
-      for (int k = 0; k < d; ++k) s += double(r.centroids[c * d + k]) * r.centroids[c * d + k];
-      r.norms[c] = float(s);
-    }
-    // fp8: both backends multiply with the dequantized e4m3 weights.
-    RowsE4m3 q1, q2;
-    if (fp8) {
-      q1 = quantize(mlp.w1, parts_.head_dim);
-      q2 = quantize(mlp.w2, parts_.hidden_dim);
-      mlp.w1 = std::move(q1.dequantized);
-      mlp.w2 = std::move(q2.dequantized);
-    }
-    if (cuda) {
-      r.d_centroids = device_upload(r.centroids.data(), r.centroids.size());
-      r.d_norms = device_upload(r.norms.data(), r.norms.size());
-      const int hq = parts_.num_q_heads, H = parts_.hidden_dim;
-      // w1 in the first GEMV's fragment order, w2 by saap_w2_in_column_blocks.
-      r.w2_column_blocks = saap_w2_in_column_blocks(config_.max_batch);
-      if (fp8) {
-        std::vector<uint8_t> w1(sk::mma_rows_bytes(hq, H, d, true)),
-            w2(r.w2_column_blocks ? sk::column_blocks_bytes(hq, C, H, true)
-                                  : sk::mma_rows_bytes(hq, C, H, true));
-        sk::pack_mma_rows_e4m3(q1.q.data(), hq, H, d, w1.data());
-        if (r.w2_column_blocks)
-          sk::pack_column_blocks_e4m3(q2.q.data(), hq, C, H, w2.data());
-        else
-          sk::pack_mma_rows_e4m3(q2.q.data(), hq, C, H, w2.data());
-        r.d_w1_e4m3 = device_upload(w1.data(), w1.size());
-        r.d_w1_scale = device_upload(q1.scale.data(), q1.scale.size());
-        r.d_w2_e4m3 = device_upload(w2.data(), w2.size());
-        r.d_w2_scale = device_upload(q2.scale.data(), q2.scale.size());
-      } else {
-        std::vector<bf16> w1(sk::mma_rows_bytes(hq, H, d, false) / 2),
-            w2((r.w2_column_blocks ? sk::column_blocks_bytes(hq, C, H, false)
-                                   : sk::mma_rows_bytes(hq, C, H, false)) /
-               2);
-        sk::pack_mma_rows(mlp.w1.data(), hq, H, d, w1.data());
-        if (r.w2_column_blocks)
-          sk::pack_column_blocks(mlp.w2.data(), hq, C, H, w2.data());
-        else
-          sk::pack_mma_rows(mlp.w2.data(), hq, C, H, w2.data());
-        r.d_w1 = device_upload(w1.data(), w1.size());
-        r.d_w2 = device_upload(w2.data(), w2.size());
+  // w1 in the first GEMV's fragment order, w2 by saap_w2_in_column_blocks.
+  const bool w2_column_blocks = cuda && saap_w2_in_column_blocks(config_.max_batch);
+  // The layers' host work (prepare_router: about 2 s a layer at C 1024, hidden 1024 and 32
+  // query heads on one core) is independent, so it runs on a pool of the machine's threads;
+  // the uploads follow in layer order. An error is the lowest failing layer's.
+  std::vector<HostRouter> host(parts_.layers.size());
+  {
+    const int threads =
+        std::max(1, std::min(int(host.size()), int(std::thread::hardware_concurrency())));
+    kernels::ThreadPool pool(threads);
+    std::vector<std::exception_ptr> errors(host.size());
+    pool.parallel_for(int64_t(host.size()), [&](int64_t i, int) {
+      try {
+        host[size_t(i)] = prepare_router(parts_, int(i), fp8, cuda, w2_column_blocks);
+      } catch (...) {
+        errors[size_t(i)] = std::current_exception();
       }
-      r.d_b1 = device_upload(mlp.b1.data(), mlp.b1.size());
-      r.d_b2 = device_upload(mlp.b2.data(), mlp.b2.size());
-      r.centroids.clear();
-      r.norms.clear();
+    });
+    for (const std::exception_ptr& e : errors)
+      if (e) std::rethrow_exception(e);
+  }
+  for (HostRouter& h : host) {
+    LayerRouter r;
+    if (cuda) {
+      r.d_centroids = device_upload(h.centroids.data(), h.centroids.size());
+      r.d_norms = device_upload(h.norms.data(), h.norms.size());
+      r.w2_column_blocks = w2_column_blocks;
+      if (fp8) {
+        r.d_w1_e4m3 = device_upload(h.w1_e4m3.data(), h.w1_e4m3.size());
+        r.d_w1_scale = device_upload(h.w1_scale.data(), h.w1_scale.size());
+        r.d_w2_e4m3 = device_upload(h.w2_e4m3.data(), h.w2_e4m3.size());
+        r.d_w2_scale = device_upload(h.w2_scale.data(), h.w2_scale.size());
+      } else {
+        r.d_w1 = device_upload(h.w1_bf16.data(), h.w1_bf16.size());
+        r.d_w2 = device_upload(h.w2_bf16.data(), h.w2_bf16.size());
+      }
+      r.d_b1 = device_upload(h.b1.data(), h.b1.size());
+      r.d_b2 = device_upload(h.b2.data(), h.b2.size());
     } else {
-      r.w1 = std::move(mlp.w1);
-      r.b1 = std::move(mlp.b1);
-      r.w2 = std::move(mlp.w2);
-      r.b2 = std::move(mlp.b2);
+      r.centroids = std::move(h.centroids);
+      r.norms = std::move(h.norms);
+      r.w1 = std::move(h.w1);
+      r.b1 = std::move(h.b1);
+      r.w2 = std::move(h.w2);
+      r.b2 = std::move(h.b2);
     }
     routers_.push_back(std::move(r));
+    h = HostRouter{};  // its host copies are no longer needed
   }
   index_.resize(size_t(shape_.num_layers));
   last_tokens_.resize(size_t(shape_.num_layers));

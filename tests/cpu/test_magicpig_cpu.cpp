@@ -18,7 +18,6 @@
 #include "kernels/dense/dense_decode.h"
 #include "kernels/magicpig/magicpig.h"
 #include "kernels/magicpig/magicpig_math.h"
-#include "kernels/magicpig/thread_pool.h"
 #include "runtime/engine.h"
 #include "runtime/magicpig_engine.h"
 
@@ -679,22 +678,6 @@ TEST(MagicPigEngineCpu, RejectsBadKnobsAndUnpreparedLayers) {
   EXPECT_EQ(method_from_string("magicpig"), Method::MagicPig);
   EXPECT_EQ(magicpig_mode_from_string("gpu"), MagicPigMode::Gpu);
   EXPECT_THROW(magicpig_mode_from_string("tpu"), std::invalid_argument);
-}
-
-TEST(MagicPigThreadPool, RunsEveryIndexOnceAndForwardsErrors) {
-  mp::ThreadPool pool(4);
-  std::vector<std::atomic<int>> seen(1000);
-  for (int rep = 0; rep < 3; ++rep)
-    pool.parallel_for(1000, [&](int64_t i, int w) {
-      ASSERT_LT(w, pool.size());
-      seen[size_t(i)]++;
-    });
-  for (auto& s : seen) EXPECT_EQ(s.load(), 3);
-  EXPECT_THROW(pool.parallel_for(100,
-                                 [](int64_t i, int) {
-                                   if (i == 37) throw std::runtime_error("boom");
-                                 }),
-               std::runtime_error);
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
-// KV cache bookkeeping and the dense engine on the CPU backend.
+// KV cache bookkeeping, the dense engine on the CPU backend, and the engines' thread pool.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
+#include "kernels/common/thread_pool.h"
 #include "kernels/dense/dense_decode.h"
 #include "runtime/engine.h"
 #include "runtime/kv_cache.h"
@@ -27,6 +30,22 @@ ModelShape tiny_shape() {
 
 KVCacheConfig cpu_cache(const ModelShape& s, int page_size, int max_batch, int max_len) {
   return test::cache_config(s, page_size, max_batch, max_len, Device::Cpu);
+}
+
+TEST(ThreadPool, RunsEveryIndexOnceAndForwardsErrors) {
+  kernels::ThreadPool pool(4);
+  std::vector<std::atomic<int>> seen(1000);
+  for (int rep = 0; rep < 3; ++rep)
+    pool.parallel_for(1000, [&](int64_t i, int w) {
+      ASSERT_LT(w, pool.size());
+      seen[size_t(i)]++;
+    });
+  for (auto& s : seen) EXPECT_EQ(s.load(), 3);
+  EXPECT_THROW(pool.parallel_for(100,
+                                 [](int64_t i, int) {
+                                   if (i == 37) throw std::runtime_error("boom");
+                                 }),
+               std::runtime_error);
 }
 
 TEST(KVCache, WriteThenViewReadsBackThroughInterleavedPages) {

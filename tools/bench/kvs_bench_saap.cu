@@ -29,10 +29,12 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/rope.h"
+#include "kernels/common/thread_pool.h"
 #include "kernels/dense/dense_decode.h"
 #include "runtime/kv_cache.h"
 #include "runtime/saap_engine.h"
@@ -90,7 +92,9 @@ struct Args {
   uint32_t seed = 7;
 };
 
-SaapParts random_parts(const Args& a, std::mt19937_64& rng) {
+// Layer l's arrays come from their own generator, seeded by (seed, l), so that the layers are
+// drawn in parallel (about 1 s a layer on one core at the default shapes).
+SaapParts random_parts(const Args& a) {
   SaapParts p;
   p.num_clusters = a.clusters;
   p.hidden_dim = a.hidden;
@@ -103,8 +107,12 @@ SaapParts random_parts(const Args& a, std::mt19937_64& rng) {
   p.dense_layers = {0};
   for (int l = 1; l <= a.layers; ++l) p.layers.push_back(l);
   p.allocate();
-  std::normal_distribution<float> normal(0.f, 1.f);
-  for (SaapLayerParts& l : p.per_layer) {
+  kernels::ThreadPool pool(0);
+  pool.parallel_for(int64_t(p.per_layer.size()), [&](int64_t i, int) {
+    SaapLayerParts& l = p.per_layer[size_t(i)];
+    std::seed_seq seq{a.seed, uint32_t(i)};
+    std::mt19937_64 rng(seq);
+    std::normal_distribution<float> normal(0.f, 1.f);
     for (size_t c = 0; c < l.centroids.size() / size_t(a.d); ++c) {
       double s = 0.0;
       float* row = l.centroids.data() + c * a.d;
@@ -119,7 +127,7 @@ SaapParts random_parts(const Args& a, std::mt19937_64& rng) {
     for (float& w : l.w2) w = normal(rng) * s2;
     for (float& b : l.b1) b = 0.1f * normal(rng);
     for (float& b : l.b2) b = 0.1f * normal(rng);
-  }
+  });
   return p;
 }
 
@@ -133,8 +141,7 @@ void run(const Args& a, bench::BenchReport& report) {
   shape.head_dim = a.d;
   shape.max_position = max_ctx;
   shape.rope.theta = 500000.0;
-  std::mt19937_64 rng(a.seed);
-  SaapParts parts = random_parts(a, rng);
+  SaapParts parts = random_parts(a);
   std::vector<std::unique_ptr<Dev<float>>> cent_dev;
   for (const SaapLayerParts& l : parts.per_layer) {
     cent_dev.push_back(std::make_unique<Dev<float>>(l.centroids.size()));
@@ -165,8 +172,7 @@ void run(const Args& a, bench::BenchReport& report) {
   } else if (a.timed_step != "mix") {
     throw std::invalid_argument("--timed-step must be mix, index or plain, got " + a.timed_step);
   }
-  SaapEngine engine(shape, cfg, parts);
-  parts = SaapParts{};  // the host copies are no longer needed
+  SaapEngine engine(shape, cfg, std::move(parts));  // the engine keeps the host copies
   Dev<char> ws(engine.workspace_bytes());
   engine.bind_workspace({ws.p, engine.workspace_bytes()});
 

@@ -1,8 +1,8 @@
-#include "kernels/magicpig/thread_pool.h"
+#include "kernels/common/thread_pool.h"
 
 #include <algorithm>
 
-namespace kvs::kernels::magicpig {
+namespace kvs::kernels {
 
 ThreadPool::ThreadPool(int threads) {
   if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
@@ -73,4 +73,4 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int)>
   if (error) std::rethrow_exception(error);
 }
 
-}  // namespace kvs::kernels::magicpig
+}  // namespace kvs::kernels

@@ -1,6 +1,7 @@
-// A fixed pool of worker threads for the CPU half of MagicPIG: parallel_for over query
-// heads with dynamic scheduling (heads retrieve very different candidate counts). The
-// calling thread works too, as worker 0, so a pool of 1 runs everything inline.
+// A fixed pool of worker threads: parallel_for with dynamic scheduling. MagicPIG's CPU half
+// runs its query heads on it (heads retrieve very different candidate counts), and the SAAP
+// engine its layers' router preparation. The calling thread works too, as worker 0, so a
+// pool of 1 runs everything inline.
 #pragma once
 
 #include <atomic>
@@ -11,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-namespace kvs::kernels::magicpig {
+namespace kvs::kernels {
 
 class ThreadPool {
  public:
@@ -44,4 +45,4 @@ class ThreadPool {
   std::exception_ptr error_;
 };
 
-}  // namespace kvs::kernels::magicpig
+}  // namespace kvs::kernels
