@@ -334,17 +334,31 @@ size_t attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, 
 // members and the window (W rows: the sink and the unindexed tail): returns the member parts,
 // the window gets the rest. The split follows the sizes, with the members estimated from the
 // index alone (probes clusters of the CSR's average size, in_csr / C tokens), so that the
-// window parts know their rows before the route has chosen the clusters. The estimate is at
+// window parts know their rows before the route has chosen the clusters, and a window row
+// weighted as kWindowRowWeightTenths / 10 member rows (below). The estimate is at
 // least one member while the CSR holds any (in_csr > 0): the clusters the route chooses may
 // have members however small the average, and they need a part. Each side that has rows gets
 // at least one part.
+//
+// Why a window row weighs more: the window parts resolve and attend their rows before the
+// route ends, while the router's GEMVs and the route leave DRAM idle, so each goes at one
+// CTA's streaming rate and its time follows its rows; the member parts start only after the
+// route and their own round trips, all together, and share DRAM, so their end follows the
+// members' total more than their count. Fewer, longer member parts and more, shorter window
+// parts end the step sooner, up to a point. 128K batch 1 on an H200 (docs/gpu.md, "the
+// attention's parts split by weighted rows"), the step that does not index, against weight 1
+// (32.1 us):
+// 0.25 39.9, 0.6 34.9, 1.3 31.8-31.9, 1.7 31.7-31.8, 2.5 32.0-32.1 us; at batch 8 2.5 left a
+// slot's three shared parts one member part (99.5 -> 127 us), 1.7 changes nothing there.
+constexpr int kWindowRowWeightTenths = 17;
 KVS_HOST_DEVICE int attend_member_parts(int shared_parts, int probes, int num_clusters, int in_csr,
                                         int W) {
   if (in_csr <= 0) return 0;
   if (W <= 0) return shared_parts;
   int64_t m = int64_t(probes) * in_csr / num_clusters;
   if (m < 1) m = 1;
-  const int64_t pm = (int64_t(shared_parts) * m + (m + W) / 2) / (m + W);
+  const int64_t w = int64_t(W) * kWindowRowWeightTenths / 10;  // >= 1: W >= 1
+  const int64_t pm = (int64_t(shared_parts) * m + (m + w) / 2) / (m + w);
   return pm < 1 ? 1 : pm > shared_parts - 1 ? shared_parts - 1 : int(pm);
 }
 cudaError_t attend_cuda(const bf16* q, const PagedKV& kv, float scale, const Window& w,

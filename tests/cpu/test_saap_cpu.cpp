@@ -536,8 +536,11 @@ TEST(SaapEngineCpu, NearestCentroidRouterProbesTheCentroidsNearestTheMeanQuery) 
 // rounds to, and the split follows the sizes.
 TEST(SaapAttendSplit, EverySideWithRowsGetsAPartAndTheSplitFollowsTheSizes) {
   // The benchmark's 128K slot: 32 of 1024 clusters over 129023 indexed tokens (about 4031
-  // members) and a window of 2048, over 32 parts: round(32 * 4031 / 6079) = 21.
-  EXPECT_EQ(sk::attend_member_parts(32, 32, 1024, 129023, 2048), 21);
+  // members) and a window of 2048 rows weighing 1.7 members' each, over 32 parts:
+  // round(32 * 4031 / (4031 + 3481)) = 17.
+  EXPECT_EQ(sk::attend_member_parts(32, 32, 1024, 129023, 2048), 17);
+  // Batch 8's three shared parts a slot keep two member parts: round(3 * 4031 / 7512) = 2.
+  EXPECT_EQ(sk::attend_member_parts(3, 32, 1024, 129023, 2048), 2);
   // A short prompt: 32 probes x 8 tokens / 1024 clusters rounds to no member, yet the
   // clusters the route chooses may hold some of the 8.
   EXPECT_EQ(sk::attend_member_parts(32, 32, 1024, 8, 129), 1);
