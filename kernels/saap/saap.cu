@@ -496,47 +496,53 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
     *x = make_float2(__low2float(r0), __low2float(r1));
     *y = make_float2(__high2float(r0), __high2float(r1));
   }
-  // A thread's keys: u, u + kStepKeys, .. (groups of them, at most kGroups).
-  constexpr int kGroups = kMaxIndexStep / kStepKeys;
+  // A thread's keys: u, u + kStepKeys, .., scored kChunk at a time.
+  constexpr int kChunk = 4;
+  static_assert(kMaxIndexStep % (kChunk * kStepKeys) == 0, "a chunk's keys are staged rows");
   const int groups = n_pad / kStepKeys;
   for (int c0 = c_begin; c0 < c_end; c0 += kRows) {
     const int c = c0 + row, c_next = c + kRows;
     ptx::cp_async_wait<0>();
     __syncthreads();  // the rows and the keys are staged
     const float next_norm = c_next < c_end ? p.centroid_norms[int64_t(h) * C + c_next] : 0.f;
-    // The row against each of the thread's keys, one accumulator a key: the chains are
-    // independent, so their FMAs and shared loads overlap. With one chain at a time (a key
-    // after the other) the step that indexes 32 tokens spent 7.3 us of its 14.3 in these
-    // dot products at 128K batch 1, and 51 us at batch 8, on an H200 (docs/gpu.md).
     const float4* row4 = reinterpret_cast<const float4*>(rows_s + row * kStepPitch);
-    float acc[kGroups];
+#pragma unroll 1
+    for (int g0 = 0; g0 < groups; g0 += kChunk) {
+      // The row against kChunk keys, an accumulator each and no branch between them, so that
+      // the chains' shared loads and FMAs overlap. One chain at a time (a key after the
+      // other) spent 7.3 us of the 14.5 that the step that indexes 32 tokens costs at 128K
+      // batch 1, and 51 us at batch 8, on an H200; with a branch per key between the chains
+      // (a chunk of n / kStepKeys) it spent more (docs/gpu.md). A chunk past the last key
+      // scores rows of key_s that no key was staged to; those scores are dropped below.
+      float acc[kChunk];
 #pragma unroll
-    for (int j = 0; j < kGroups; ++j) acc[j] = 0.f;
-    if (c < c_end) {
-#pragma unroll 2
-      for (int k = 0; k < D / 4; ++k) {
-        const float4 v = row4[k];
+      for (int x = 0; x < kChunk; ++x) acc[x] = 0.f;
+      if (c < c_end) {
+        const float4* key4 =
+            reinterpret_cast<const float4*>(key_s + (g0 * kStepKeys + u) * kStepPitch);
+#pragma unroll 4
+        for (int k = 0; k < D / 4; ++k) {
+          const float4 v = row4[k];
 #pragma unroll
-        for (int j = 0; j < kGroups; ++j) {
-          if (j >= groups) break;
-          const float4 q =
-              reinterpret_cast<const float4*>(key_s + (j * kStepKeys + u) * kStepPitch)[k];
-          acc[j] = fmaf(v.x, q.x, acc[j]);
-          acc[j] = fmaf(v.y, q.y, acc[j]);
-          acc[j] = fmaf(v.z, q.z, acc[j]);
-          acc[j] = fmaf(v.w, q.w, acc[j]);
+          for (int x = 0; x < kChunk; ++x) {
+            const float4 q = key4[x * kStepKeys * (kStepPitch / 4) + k];
+            acc[x] = fmaf(v.x, q.x, acc[x]);
+            acc[x] = fmaf(v.y, q.y, acc[x]);
+            acc[x] = fmaf(v.z, q.z, acc[x]);
+            acc[x] = fmaf(v.w, q.w, acc[x]);
+          }
         }
       }
-    }
 #pragma unroll
-    for (int j = 0; j < kGroups; ++j) {
-      if (j >= groups) break;
-      // The best row for key j * kStepKeys + u over the warp's lanes of the same u.
-      unsigned long long best = c < c_end ? index_best_key(centroid_score(acc[j], norm), c) : 0ull;
-      for (int off = 16; off >= kStepKeys; off /= 2)
-        best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
-      const int e = j * kStepKeys + u;
-      if (lane < kStepKeys && e < n) red[e * kWarps + warp] = max(red[e * kWarps + warp], best);
+      for (int x = 0; x < kChunk; ++x) {
+        // The best row for key e over the warp's lanes of the same u.
+        const int e = (g0 + x) * kStepKeys + u;
+        unsigned long long best =
+            c < c_end ? index_best_key(centroid_score(acc[x], norm), c) : 0ull;
+        for (int off = 16; off >= kStepKeys; off /= 2)
+          best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
+        if (lane < kStepKeys && e < n) red[e * kWarps + warp] = max(red[e * kWarps + warp], best);
+      }
     }
     __syncthreads();  // the rows are read: the next pass may restage them
     if (c0 + kRows < c_end) stage(c0 + kRows);
