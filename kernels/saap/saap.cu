@@ -446,10 +446,6 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
     ptx::cp_async_commit();
   };
   stage(c_begin);
-  const int row = threadIdx.x / kStepKeys, u = threadIdx.x % kStepKeys;
-  // The row's squared norm, loaded a pass ahead: loaded after the keys it cost the step that
-  // indexes a round trip of its own.
-  float norm = c_begin + row < c_end ? p.centroid_norms[int64_t(h) * C + c_begin + row] : 0.f;
   // The keys, in two round trips whatever n: each key's row offset through the page table to
   // shared memory, then every piece of every key loaded together (kLoads per thread), de-RoPE'd
   // and staged. A load of the page table and the key per pair, as before, cost two dependent
@@ -500,11 +496,12 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
   constexpr int kChunk = 4;
   static_assert(kMaxIndexStep % (kChunk * kStepKeys) == 0, "a chunk's keys are staged rows");
   const int groups = n_pad / kStepKeys;
+  const int row = threadIdx.x / kStepKeys, u = threadIdx.x % kStepKeys;
   for (int c0 = c_begin; c0 < c_end; c0 += kRows) {
-    const int c = c0 + row, c_next = c + kRows;
+    const int c = c0 + row;
+    const float norm = c < c_end ? p.centroid_norms[int64_t(h) * C + c] : 0.f;
     ptx::cp_async_wait<0>();
     __syncthreads();  // the rows and the keys are staged
-    const float next_norm = c_next < c_end ? p.centroid_norms[int64_t(h) * C + c_next] : 0.f;
     const float4* row4 = reinterpret_cast<const float4*>(rows_s + row * kStepPitch);
 #pragma unroll 1
     for (int g0 = 0; g0 < groups; g0 += kChunk) {
@@ -546,7 +543,6 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
     }
     __syncthreads();  // the rows are read: the next pass may restage them
     if (c0 + kRows < c_end) stage(c0 + kRows);
-    norm = next_norm;
   }
   if (int(threadIdx.x) < n) {
     unsigned long long best = 0ull;
