@@ -420,12 +420,12 @@ struct AttendParams {
 // An attention part's share of the index step (see "decode: indexing" above): centroids
 // [c_begin, c_end) of kv head h scored against the n keys from token t0, each key's best over
 // the share to st.step_best by atomicMax. The keys are de-RoPE'd as rope_cuda rounds them, and
-// kStepKeys threads share a staged centroid row, each scoring it against one key with the same
-// sequential dot product as the CPU's, so a token's assignment does not depend on the share or
-// on how many are indexed together. Rows are staged kThreads / kStepKeys at a time by 16-byte
-// copies in flight with the keys' loads. s: the tile loop's rings, free here; ends with a
-// barrier. Not inlined: it runs on one step in index_every, and the attention's own code and
-// registers stay as they were without it.
+// kStepKeys threads share a staged centroid row, each scoring it against every kStepKeys-th
+// key, each key with the same sequential dot product as the CPU's, so a token's assignment
+// does not depend on the share or on how many are indexed together. Rows are staged
+// kThreads / kStepKeys at a time by 16-byte copies in flight with the keys' loads. s: the tile
+// loop's rings, free here; ends with a barrier. Not inlined: it runs on one step in index_every,
+// and the attention's own code and registers stay as they were without it.
 template <int D, int kThreads>
 __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, int t0, int n,
                                          int c_begin, int c_end, float* s) {
@@ -492,6 +492,10 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
     *x = make_float2(__low2float(r0), __low2float(r1));
     *y = make_float2(__high2float(r0), __high2float(r1));
   }
+  // A thread's keys: u, u + kStepKeys, .., scored kChunk at a time.
+  constexpr int kChunk = 4;
+  static_assert(kMaxIndexStep % (kChunk * kStepKeys) == 0, "a chunk's keys are staged rows");
+  const int groups = n_pad / kStepKeys;
   const int row = threadIdx.x / kStepKeys, u = threadIdx.x % kStepKeys;
   for (int c0 = c_begin; c0 < c_end; c0 += kRows) {
     const int c = c0 + row;
@@ -500,25 +504,45 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
     __syncthreads();  // the rows and the keys are staged
     const float4* row4 = reinterpret_cast<const float4*>(rows_s + row * kStepPitch);
 #pragma unroll 1
-    for (int e0 = 0; e0 < n; e0 += kStepKeys) {
-      const float4* key4 = reinterpret_cast<const float4*>(key_s + (e0 + u) * kStepPitch);
-      float acc = 0.f;
+    for (int g0 = 0; g0 < groups; g0 += kChunk) {
+      // The row against kChunk keys, an accumulator each and no branch between them: one
+      // load of the row serves four keys, and the chains' FMAs overlap. The dot products are
+      // bound by shared-memory loads (a 16-byte load per warp takes the SM's shared memory
+      // 4 cycles, broadcast or not); one key at a time, two loads per 4 FMAs, they took 7.3
+      // us of the 14.5 that the step that indexes 32 tokens costs at 128K batch 1 on an H200,
+      // and 51 us at batch 8. In chunks: 1.5 and 13 us less; a branch per key between the
+      // chains lost 2.7 us instead. A chunk past the last key scores rows of key_s that no
+      // key was staged to (scores dropped below): with index_every 4 (one group of keys)
+      // that costs the step that indexes 2 us (docs/gpu.md).
+      float acc[kChunk];
+#pragma unroll
+      for (int x = 0; x < kChunk; ++x) acc[x] = 0.f;
       if (c < c_end) {
+        const float4* key4 =
+            reinterpret_cast<const float4*>(key_s + (g0 * kStepKeys + u) * kStepPitch);
 #pragma unroll 4
         for (int k = 0; k < D / 4; ++k) {
-          const float4 v = row4[k], q = key4[k];
-          acc = fmaf(v.x, q.x, acc);
-          acc = fmaf(v.y, q.y, acc);
-          acc = fmaf(v.z, q.z, acc);
-          acc = fmaf(v.w, q.w, acc);
+          const float4 v = row4[k];
+#pragma unroll
+          for (int x = 0; x < kChunk; ++x) {
+            const float4 q = key4[x * kStepKeys * (kStepPitch / 4) + k];
+            acc[x] = fmaf(v.x, q.x, acc[x]);
+            acc[x] = fmaf(v.y, q.y, acc[x]);
+            acc[x] = fmaf(v.z, q.z, acc[x]);
+            acc[x] = fmaf(v.w, q.w, acc[x]);
+          }
         }
       }
-      // The best row for key e0 + u over the warp's lanes of the same u.
-      unsigned long long best = c < c_end ? index_best_key(centroid_score(acc, norm), c) : 0ull;
-      for (int off = 16; off >= kStepKeys; off /= 2)
-        best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
-      const int e = e0 + u;
-      if (lane < kStepKeys && e < n) red[e * kWarps + warp] = max(red[e * kWarps + warp], best);
+#pragma unroll
+      for (int x = 0; x < kChunk; ++x) {
+        // The best row for key e over the warp's lanes of the same u.
+        const int e = (g0 + x) * kStepKeys + u;
+        unsigned long long best =
+            c < c_end ? index_best_key(centroid_score(acc[x], norm), c) : 0ull;
+        for (int off = 16; off >= kStepKeys; off /= 2)
+          best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
+        if (lane < kStepKeys && e < n) red[e * kWarps + warp] = max(red[e * kWarps + warp], best);
+      }
     }
     __syncthreads();  // the rows are read: the next pass may restage them
     if (c0 + kRows < c_end) stage(c0 + kRows);
