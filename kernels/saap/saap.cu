@@ -506,11 +506,11 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
 #pragma unroll 1
     for (int g0 = 0; g0 < groups; g0 += kChunk) {
       // The row against kChunk keys, an accumulator each and no branch between them: one
-      // load of the row serves four keys, and the chains' FMAs overlap. The dot products are
-      // bound by shared-memory loads (a 16-byte load per warp takes the SM's shared memory
-      // 4 cycles, broadcast or not); one key at a time, two loads per 4 FMAs, they took 7.3
-      // us of the 14.5 that the step that indexes 32 tokens costs at 128K batch 1 on an H200,
-      // and 51 us at batch 8. In chunks: 1.5 and 13 us less; a branch per key between the
+      // load of the row serves four keys, and the chains' FMAs overlap. The dot products look
+      // bound by shared-memory loads (if a warp's 16-byte load takes the SM's shared memory 4
+      // cycles, broadcast or not, the counts fit); one key at a time, two loads per 4 FMAs, they
+      // took 7.3 us of the 14.5 that the step that indexes 32 tokens costs at 128K batch 1 on an
+      // H200, and 51 us at batch 8. In chunks: 1.5 and 13 us less; a branch per key between the
       // chains lost 2.7 us instead. A chunk past the last key scores rows of key_s that no
       // key was staged to (scores dropped below): with index_every 4 (one group of keys)
       // that costs the step that indexes 2 us (docs/gpu.md).
