@@ -46,9 +46,9 @@ struct SaapConfig {
   /// in index_every, and until then the dense part keeps up to index_every - 1 more tokens, so
   /// a larger batch reads a few more rows but never fewer. 1 assigns every token as it leaves;
   /// at most 32 and at most fold_every (when it is not 0). On an H200 at 128K batch 1 a
-  /// layer's step that indexes took 5.2 us more than the others at 4, 8.9 at 16 and 14 at
-  /// 32, so a step cost 33.2 us on average at 4 and 32.4 at 32 (docs/gpu.md); with the
-  /// layers' phases (index_phase) every token pays about the average.
+  /// layer's step that indexes took 7.0 us more than the others (31.8) at 4 and 12.6 at 32,
+  /// so a step cost 33.6 us on average at 4 and 32.2 at 32 (docs/gpu.md, 2026-11-29); with
+  /// the layers' phases (index_phase) every token pays about the average.
   int index_every = 32;
   /// The steps on which a layer indexes: those where (tokens past the window + phase) is a
   /// multiple of index_every (kernels/saap/saap.h, index_step_count). -1: phase l %
