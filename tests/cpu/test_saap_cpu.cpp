@@ -527,10 +527,6 @@ TEST(SaapEngineCpu, NearestCentroidRouterProbesTheCentroidsNearestTheMeanQuery) 
   }
 }
 
-// fp8 router weights: every weight within e4m3's rounding (half a unit in the last of its 3
-// mantissa bits, or half the smallest subnormal step) of the original, each row's largest
-// magnitude kept, a zero row exact, a value on the e4m3 grid exact, and a non-finite weight
-// refused naming its row.
 // attend_cuda's split of a slot's parts between members and window, on the host (the same
 // function runs on the device): every side with rows gets a part, whatever the estimate
 // rounds to, and the split follows the sizes.
@@ -595,6 +591,10 @@ TEST(SaapRouteAlone, AskedOnlyForFewRouteCtasAndJustKeepsTheAttentionOut) {
   EXPECT_EQ(sk::route_alone_smem_bytes(8, 132, sm, reserved, 100000, 50000), 0u);
 }
 
+// fp8 router weights: every weight within e4m3's rounding (half a unit in the last of its 3
+// mantissa bits, or half the smallest subnormal step) of the original, each row's largest
+// magnitude kept, a zero row exact, a value on the e4m3 grid exact, and a non-finite weight
+// refused naming its row.
 TEST(SaapRouterWeights, E4m3RowsRoundWithinHalfAStepAndKeepEachRowsMaximum) {
   constexpr int kRows = 5, K = 48;
   std::vector<float> w(size_t(kRows) * K);
