@@ -39,6 +39,7 @@
 #include <cub/cub.cuh>
 #include <map>
 #include <mutex>
+#include <type_traits>
 
 #include "kernels/common/attend_tiles.cuh"
 #include "kernels/common/float_key.cuh"
@@ -492,7 +493,8 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
     *x = make_float2(__low2float(r0), __low2float(r1));
     *y = make_float2(__high2float(r0), __high2float(r1));
   }
-  // A thread's keys: u, u + kStepKeys, .., scored kChunk at a time.
+  // A thread's keys: u, u + kStepKeys, .., scored kChunk at a time where there are that many
+  // groups of them, else one at a time.
   constexpr int kChunk = 4;
   static_assert(kMaxIndexStep % (kChunk * kStepKeys) == 0, "a chunk's keys are staged rows");
   const int groups = n_pad / kStepKeys;
@@ -503,47 +505,54 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
     ptx::cp_async_wait<0>();
     __syncthreads();  // the rows and the keys are staged
     const float4* row4 = reinterpret_cast<const float4*>(rows_s + row * kStepPitch);
+    const auto score = [&](auto chunk) {
+      constexpr int kC = decltype(chunk)::value;
 #pragma unroll 1
-    for (int g0 = 0; g0 < groups; g0 += kChunk) {
-      // The row against kChunk keys, an accumulator each and no branch between them: one
-      // load of the row serves four keys, and the chains' FMAs overlap. The dot products look
-      // bound by shared-memory loads (if a warp's 16-byte load takes the SM's shared memory 4
-      // cycles, broadcast or not, the counts fit); one key at a time, two loads per 4 FMAs, they
-      // took 7.3 us of the 14.5 that the step that indexes 32 tokens costs at 128K batch 1 on an
-      // H200, and 51 us at batch 8. In chunks: 1.5 and 13 us less; a branch per key between the
-      // chains lost 2.7 us instead. A chunk past the last key scores rows of key_s that no
-      // key was staged to (scores dropped below): with index_every 4 (one group of keys)
-      // that costs the step that indexes 2 us (docs/gpu.md).
-      float acc[kChunk];
+      for (int g0 = 0; g0 < groups; g0 += kC) {
+        // The row against kC keys, an accumulator each and no branch between them: one
+        // load of the row serves kC keys, and the chains' FMAs overlap. The dot products look
+        // bound by shared-memory loads (if a warp's 16-byte load takes the SM's shared memory 4
+        // cycles, broadcast or not, the counts fit); one key at a time, two loads per 4 FMAs, they
+        // took 7.3 us of the 14.5 that the step that indexes 32 tokens costs at 128K batch 1 on an
+        // H200, and 51 us at batch 8. In chunks: 1.5 and 13 us less; a branch per key between the
+        // chains lost 2.7 us instead. A chunk past the last key scores rows of key_s that no
+        // key was staged to (scores dropped below): with index_every 4 (one group of keys)
+        // that cost the step that indexes 2 us (docs/gpu.md), hence one at a time there.
+        float acc[kC];
 #pragma unroll
-      for (int x = 0; x < kChunk; ++x) acc[x] = 0.f;
-      if (c < c_end) {
-        const float4* key4 =
-            reinterpret_cast<const float4*>(key_s + (g0 * kStepKeys + u) * kStepPitch);
+        for (int x = 0; x < kC; ++x) acc[x] = 0.f;
+        if (c < c_end) {
+          const float4* key4 =
+              reinterpret_cast<const float4*>(key_s + (g0 * kStepKeys + u) * kStepPitch);
 #pragma unroll 4
-        for (int k = 0; k < D / 4; ++k) {
-          const float4 v = row4[k];
+          for (int k = 0; k < D / 4; ++k) {
+            const float4 v = row4[k];
 #pragma unroll
-          for (int x = 0; x < kChunk; ++x) {
-            const float4 q = key4[x * kStepKeys * (kStepPitch / 4) + k];
-            acc[x] = fmaf(v.x, q.x, acc[x]);
-            acc[x] = fmaf(v.y, q.y, acc[x]);
-            acc[x] = fmaf(v.z, q.z, acc[x]);
-            acc[x] = fmaf(v.w, q.w, acc[x]);
+            for (int x = 0; x < kC; ++x) {
+              const float4 q = key4[x * kStepKeys * (kStepPitch / 4) + k];
+              acc[x] = fmaf(v.x, q.x, acc[x]);
+              acc[x] = fmaf(v.y, q.y, acc[x]);
+              acc[x] = fmaf(v.z, q.z, acc[x]);
+              acc[x] = fmaf(v.w, q.w, acc[x]);
+            }
           }
         }
-      }
 #pragma unroll
-      for (int x = 0; x < kChunk; ++x) {
-        // The best row for key e over the warp's lanes of the same u.
-        const int e = (g0 + x) * kStepKeys + u;
-        unsigned long long best =
-            c < c_end ? index_best_key(centroid_score(acc[x], norm), c) : 0ull;
-        for (int off = 16; off >= kStepKeys; off /= 2)
-          best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
-        if (lane < kStepKeys && e < n) red[e * kWarps + warp] = max(red[e * kWarps + warp], best);
+        for (int x = 0; x < kC; ++x) {
+          // The best row for key e over the warp's lanes of the same u.
+          const int e = (g0 + x) * kStepKeys + u;
+          unsigned long long best =
+              c < c_end ? index_best_key(centroid_score(acc[x], norm), c) : 0ull;
+          for (int off = 16; off >= kStepKeys; off /= 2)
+            best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
+          if (lane < kStepKeys && e < n) red[e * kWarps + warp] = max(red[e * kWarps + warp], best);
+        }
       }
-    }
+    };
+    if (groups >= kChunk)
+      score(std::integral_constant<int, kChunk>{});
+    else
+      score(std::integral_constant<int, 1>{});
     __syncthreads();  // the rows are read: the next pass may restage them
     if (c0 + kRows < c_end) stage(c0 + kRows);
   }
