@@ -549,7 +549,53 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
         }
       }
     };
-    if (groups >= kChunk)
+    // Every key row staged (n_pad = kMaxIndexStep: each step of index_every 32 once the
+    // first has passed): a thread takes two rows and four keys, 6 shared loads per 32 FMAs
+    // against a chunk's 5 per 16, with the rows' norms loaded here, behind the dot products.
+    const auto score_blocked = [&]() {
+      constexpr int kLanes = 8, kKeys = kMaxIndexStep / kLanes;
+      static_assert(kRows / 2 * kLanes == kThreads, "a thread per (pair of rows, key lane)");
+      const int ra = 2 * (int(threadIdx.x) / kLanes), ul = int(threadIdx.x) % kLanes;
+      const int ca = c0 + ra, cb = ca + 1;
+      const float na = ca < c_end ? p.centroid_norms[int64_t(h) * C + ca] : 0.f;
+      const float nb = cb < c_end ? p.centroid_norms[int64_t(h) * C + cb] : 0.f;
+      const float4* a4 = reinterpret_cast<const float4*>(rows_s + ra * kStepPitch);
+      const float4* b4 = reinterpret_cast<const float4*>(rows_s + (ra + 1) * kStepPitch);
+      const float4* key4 = reinterpret_cast<const float4*>(key_s + ul * kStepPitch);
+      float acc_a[kKeys], acc_b[kKeys];
+#pragma unroll
+      for (int x = 0; x < kKeys; ++x) acc_a[x] = acc_b[x] = 0.f;
+#pragma unroll 2
+      for (int k = 0; k < D / 4; ++k) {
+        const float4 va = a4[k], vb = b4[k];
+#pragma unroll
+        for (int x = 0; x < kKeys; ++x) {
+          const float4 q = key4[x * kLanes * (kStepPitch / 4) + k];
+          acc_a[x] = fmaf(va.x, q.x, acc_a[x]);
+          acc_a[x] = fmaf(va.y, q.y, acc_a[x]);
+          acc_a[x] = fmaf(va.z, q.z, acc_a[x]);
+          acc_a[x] = fmaf(va.w, q.w, acc_a[x]);
+          acc_b[x] = fmaf(vb.x, q.x, acc_b[x]);
+          acc_b[x] = fmaf(vb.y, q.y, acc_b[x]);
+          acc_b[x] = fmaf(vb.z, q.z, acc_b[x]);
+          acc_b[x] = fmaf(vb.w, q.w, acc_b[x]);
+        }
+      }
+#pragma unroll
+      for (int x = 0; x < kKeys; ++x) {
+        // The best of the two rows for key e, then over the warp's lanes of the same key.
+        const int e = x * kLanes + ul;
+        unsigned long long best =
+            max(ca < c_end ? index_best_key(centroid_score(acc_a[x], na), ca) : 0ull,
+                cb < c_end ? index_best_key(centroid_score(acc_b[x], nb), cb) : 0ull);
+        for (int off = 16; off >= kLanes; off /= 2)
+          best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
+        if (lane < kLanes && e < n) red[e * kWarps + warp] = max(red[e * kWarps + warp], best);
+      }
+    };
+    if (n_pad == kMaxIndexStep)
+      score_blocked();
+    else if (groups >= kChunk)
       score(std::integral_constant<int, kChunk>{});
     else
       score(std::integral_constant<int, 1>{});
