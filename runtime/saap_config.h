@@ -46,8 +46,8 @@ struct SaapConfig {
   /// in index_every, and until then the dense part keeps up to index_every - 1 more tokens, so
   /// a larger batch reads a few more rows but never fewer. 1 assigns every token as it leaves;
   /// at most 32 and at most fold_every (when it is not 0). On an H200 at 128K batch 1 a
-  /// layer's step that indexes took 7.0 us more than the others (31.8) at 4 and 12.6 at 32,
-  /// so a step cost 33.6 us on average at 4 and 32.2 at 32 (docs/gpu.md, 2026-11-29); with
+  /// layer's step that indexes took 5.9 us more than the others (31.9) at 4 and 10.7 at 32,
+  /// so a step cost 33.4 us on average at 4 and 32.2 at 32 (docs/gpu.md, 2026-11-30); with
   /// the layers' phases (index_phase) every token pays about the average.
   int index_every = 32;
   /// The steps on which a layer indexes: those where (tokens past the window + phase) is a
