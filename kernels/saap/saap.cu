@@ -1134,18 +1134,36 @@ cudaError_t launch_gemv(const In* x, const void* w, const float* scale, const fl
 }
 
 // The second GEMV's weight formats, in column blocks (pack_column_blocks, saap.h): a lane's
-// load is 8 consecutive rows of one column, and `unpack` gives them as 4 words of the mma's
-// 16-bit type, word i holding rows 2i (low half) and 2i + 1.
+// load is 8 consecutive rows of one column, and `fragments` turns the loads of a tile's 4
+// columns (k rows 2c, 2c + 1, 2c + 8, 2c + 9 of the mma) into the B fragments of its 8
+// n-tiles: n-tile nt, column g, is row 8g + nt of each column, its first word the columns
+// 2c and 2c + 1 (low half the first), its second 2c + 8 and 2c + 9.
+//
+// e4m3: one byte permute puts rows nt and nt + 1 of two columns side by side, and each half
+// of it converts to one fragment word: 16 conversions and 8 permutes a tile. (Converting
+// each column's pairs of rows first and pairing the fp16 halves after took 16 permutes;
+// four integer operations a word in place of the conversion cost the 128K step 1.3 us on an
+// H200, so the step is sensitive to this loop's instruction count; docs/gpu.md.)
 struct E4m3Columns : E4m3Mma {
   using Load = uint2;
   static constexpr int kInFlight = 4;  // k-tiles per warp whose loads are in flight together
-  __device__ __forceinline__ static void unpack(const Load& v, uint32_t (&h)[4]) {
-    const uint32_t words[2] = {v.x, v.y};
+  __device__ __forceinline__ static uint32_t to_half2(uint32_t e4m3x2) {
+    const __half2_raw x = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(e4m3x2), __NV_E4M3);
+    return uint32_t(x.x) | (uint32_t(x.y) << 16);
+  }
+  __device__ __forceinline__ static void fragments(const Load (&v)[4], uint32_t (&b)[8][2]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const __half2_raw x = __nv_cvt_fp8x2_to_halfraw2(
-          __nv_fp8x2_storage_t((words[i / 2] >> (16 * (i % 2))) & 0xffffu), __NV_E4M3);
-      h[i] = uint32_t(x.x) | (uint32_t(x.y) << 16);
+    for (int nt = 0; nt < 8; nt += 2) {
+      // Bytes j, j + 1 of the lo and hi columns' words: rows nt, nt + 1.
+      const uint32_t j = nt % 4, sel = j | (4u + j) << 4 | (j + 1u) << 8 | (5u + j) << 12;
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        const uint32_t lo = nt < 4 ? v[2 * w].x : v[2 * w].y;
+        const uint32_t hi = nt < 4 ? v[2 * w + 1].x : v[2 * w + 1].y;
+        const uint32_t p = __byte_perm(lo, hi, sel);
+        b[nt][w] = to_half2(p & 0xffffu);
+        b[nt + 1][w] = to_half2(p >> 16);
+      }
     }
   }
   __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4],
@@ -1156,11 +1174,18 @@ struct E4m3Columns : E4m3Mma {
 struct Bf16Columns : Bf16Mma {
   using Load = uint4;
   static constexpr int kInFlight = 2;  // the same bytes in flight as E4m3Columns
-  __device__ __forceinline__ static void unpack(const Load& v, uint32_t (&h)[4]) {
-    h[0] = v.x;
-    h[1] = v.y;
-    h[2] = v.z;
-    h[3] = v.w;
+  // A load is 4 words of bf16 pairs, word i rows 2i (low half) and 2i + 1.
+  __device__ __forceinline__ static void fragments(const Load (&v)[4], uint32_t (&b)[8][2]) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const uint32_t sel = nt % 2 ? 0x7632u : 0x5410u;
+      const auto word = [&](const Load& x) {
+        const int i = nt / 2;
+        return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
+      };
+      b[nt][0] = __byte_perm(word(v[0]), word(v[1]), sel);
+      b[nt][1] = __byte_perm(word(v[2]), word(v[3]), sel);
+    }
   }
   __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4],
                                              const uint32_t (&b)[2]) {
@@ -1324,17 +1349,10 @@ __global__ void __launch_bounds__(kNzWarps * 32, 4)
         const uint32_t a[4] = {g < nb ? xa[g * stride] : 0u, g + 8 < nb ? xa[(g + 8) * stride] : 0u,
                                g < nb ? xa[g * stride + 4] : 0u,
                                g + 8 < nb ? xa[(g + 8) * stride + 4] : 0u};
-        uint32_t h[4][4];  // the 4 columns' rows, as pairs
+        uint32_t b[8][2];
+        Fmt::fragments(v[u], b);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) Fmt::unpack(v[u][i], h[i]);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          // n-tile nt, column g: row 8g + nt of each column; k rows 2c, 2c + 1 | 2c + 8, 2c + 9.
-          const uint32_t sel = nt % 2 ? 0x7632u : 0x5410u;
-          const uint32_t b[2] = {__byte_perm(h[0][nt / 2], h[1][nt / 2], sel),
-                                 __byte_perm(h[2][nt / 2], h[3][nt / 2], sel)};
-          Fmt::mma(d[nt], a, b);
-        }
+        for (int nt = 0; nt < 8; ++nt) Fmt::mma(d[nt], a, b[nt]);
       }
     }
     // 4. d[nt][q]: batch row g + 8 (q / 2), n-tile column 2c + q % 2, i.e. block row
