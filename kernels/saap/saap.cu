@@ -1140,10 +1140,11 @@ cudaError_t launch_gemv(const In* x, const void* w, const float* scale, const fl
 // 2c and 2c + 1 (low half the first), its second 2c + 8 and 2c + 9.
 //
 // e4m3: one byte permute puts rows nt and nt + 1 of two columns side by side, and each half
-// of it converts to one fragment word: 16 conversions and 8 permutes a tile. (Converting
-// each column's pairs of rows first and pairing the fp16 halves after took 16 permutes;
-// four integer operations a word in place of the conversion cost the 128K step 1.3 us on an
-// H200, so the step is sensitive to this loop's instruction count; docs/gpu.md.)
+// of it converts to one fragment word: 16 conversions and 8 permutes a tile. At batch 1 the
+// step is sensitive to this loop's instruction count (an H200 at 128K, docs/gpu.md,
+// 2026-11-30): converting each column's pairs of rows first and pairing the fp16 halves after
+// (16 permutes) took 0.1 us more, and four integer operations a word in place of the
+// conversion 1.3 us more.
 struct E4m3Columns : E4m3Mma {
   using Load = uint2;
   static constexpr int kInFlight = 4;  // k-tiles per warp whose loads are in flight together
