@@ -1134,10 +1134,11 @@ cudaError_t launch_gemv(const In* x, const void* w, const float* scale, const fl
 }
 
 // The second GEMV's weight formats, in column blocks (pack_column_blocks, saap.h): a lane's
-// load is 8 consecutive rows of one column, and `fragments` turns the loads of a tile's 4
-// columns (k rows 2c, 2c + 1, 2c + 8, 2c + 9 of the mma) into the B fragments of its 8
-// n-tiles: n-tile nt, column g, is row 8g + nt of each column, its first word the columns
-// 2c and 2c + 1 (low half the first), its second 2c + 8 and 2c + 9.
+// load is 8 rows of one column, g + 8e for e = 0 .. 7 (column_block_row), and `fragments`
+// turns the loads of a tile's 4 columns (k 2c, 2c + 1, 2c + 8, 2c + 9 of the mma) into 8
+// pairs of A fragment words: pair e is row g + 8e of each column, its first word the columns
+// 2c and 2c + 1 (low half the first), its second 2c + 8 and 2c + 9. m-tile mt takes pairs
+// 2 mt (rows 16 mt + g) and 2 mt + 1 (16 mt + g + 8).
 //
 // e4m3: one byte permute puts rows nt and nt + 1 of two columns side by side, and each half
 // of it converts to one fragment word: 16 conversions and 8 permutes a tile. At batch 1 the
@@ -1155,7 +1156,7 @@ struct E4m3Columns : E4m3Mma {
   __device__ __forceinline__ static void fragments(const Load (&v)[4], uint32_t (&b)[8][2]) {
 #pragma unroll
     for (int nt = 0; nt < 8; nt += 2) {
-      // Bytes j, j + 1 of the lo and hi columns' words: rows nt, nt + 1.
+      // Bytes j, j + 1 of the lo and hi columns' words: pairs nt, nt + 1.
       const uint32_t j = nt % 4, sel = j | (4u + j) << 4 | (j + 1u) << 8 | (5u + j) << 12;
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
@@ -1175,7 +1176,7 @@ struct E4m3Columns : E4m3Mma {
 struct Bf16Columns : Bf16Mma {
   using Load = uint4;
   static constexpr int kInFlight = 2;  // the same bytes in flight as E4m3Columns
-  // A load is 4 words of bf16 pairs, word i rows 2i (low half) and 2i + 1.
+  // A load is 4 words of bf16 pairs, word i pairs 2i (low half) and 2i + 1.
   __device__ __forceinline__ static void fragments(const Load (&v)[4], uint32_t (&b)[8][2]) {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -1198,23 +1199,26 @@ struct Bf16Columns : Bf16Mma {
 // bias[head, r], reading only the columns k where x[b, head, k] is nonzero for some b of the
 // pass. x is the ReLU of the first GEMV: at batch 1 about half of it is zero, so about half of
 // the 32 MB of fp8 weights per layer (hidden 1024, C 1024, 32 heads) need not be read. A CTA
-// owns one column block (kColumnBlock rows of one head) and takes up to kNzRows batch rows
-// per pass as the mma's M (the rows past the pass are zero registers, not loaded). Each warp
-// owns a quarter of the columns, and lists and reads them without the other warps:
+// owns one column block (kColumnBlock rows of one head) as the mma's M, 4 m-tiles, and takes
+// up to kNzRows batch rows per pass as its N, one n-tile of 8 up to 8 rows and two above (the
+// rows past the pass are zero registers, not loaded). Each warp owns a quarter of the
+// columns, and lists and reads them without the other warps:
 // 1. Before griddepcontrol.wait, the first Fmt::kInFlight tiles of 16 columns of its range are
 //    requested, whatever x holds: the dense prefix. The weights' latency then overlaps the
 //    first GEMV, as in gemv_kernel, and the prefix costs at most its own bytes.
 // 2. After the wait, it lists its columns in order (a warp scan of per-lane counts): every
 //    column of the prefix, then the nonzero ones. x at them goes to shared memory in 16-bit
 //    pairs, and the list is padded to whole tiles with column 0 at x = 0.
-// 3. Tile by tile: lane (g, c) loads rows 8g .. 8g + 7 of listed columns 2c, 2c + 1, 2c + 8,
-//    2c + 9 (a warp's load is four 64-byte pieces in e4m3), Fmt::kInFlight tiles' loads in
-//    flight together, and pairs the columns' words by byte permutes into the B fragments of 8
-//    n-tiles (n-tile t, column g: block row 8g + t).
+// 3. Tile by tile: lane (g, c) loads rows g, g + 8, .., g + 56 of listed columns 2c, 2c + 1,
+//    2c + 8, 2c + 9 (a warp's load is four 64-byte pieces in e4m3), Fmt::kInFlight tiles'
+//    loads in flight together, and pairs the columns' words by byte permutes into the A
+//    fragments of the block's 4 m-tiles; x at the tile is the B fragment. With the block's
+//    rows as M, a batch-1 tile takes 4 mma where the batch rows as M took 8 (15 of 16 of
+//    their rows zero).
 // 4. The warps' accumulators are added in warp order through shared memory.
 // Launched programmatically behind the first GEMV, whose CTAs trigger at their start.
 constexpr int kNzWarps = 4;
-constexpr int kNzRows = 16;                     // batch rows per pass: the mma's M
+constexpr int kNzRows = 16;                     // batch rows per pass: the mma's N, two n-tiles
 constexpr int kNzColsPerLane = 8;               // columns a lane lists per round of the scan
 constexpr int kNzScanRows = 4;                  // batch rows whose x a lane loads together
 constexpr int kNzRedStride = kColumnBlock + 4;  // floats per batch row of the warp partials
@@ -1330,7 +1334,7 @@ __global__ void __launch_bounds__(kNzWarps * 32, 4)
     }
     __syncwarp();
     // 3. The warp's tiles; the first pass's first round is the prefix, in flight already.
-    float d[8][4] = {};
+    float d[4][2][4] = {};  // [m-tile][n-tile][fragment]
     for (int t0 = 0; t0 < tiles; t0 += kInFlight) {
       if (t0 > 0 || b0 > 0) {
 #pragma unroll
@@ -1345,27 +1349,34 @@ __global__ void __launch_bounds__(kNzWarps * 32, 4)
       for (int u = 0; u < kInFlight; ++u) {
         const int t = t0 + u;
         if (t >= tiles) break;
-        // A: batch rows g and g + 8 at list positions 16t + 2c, + 1 and 16t + 2c + 8, + 9.
-        const uint32_t* xa = x_s + t * 8 + c;
-        const uint32_t a[4] = {g < nb ? xa[g * stride] : 0u, g + 8 < nb ? xa[(g + 8) * stride] : 0u,
-                               g < nb ? xa[g * stride + 4] : 0u,
-                               g + 8 < nb ? xa[(g + 8) * stride + 4] : 0u};
-        uint32_t b[8][2];
-        Fmt::fragments(v[u], b);
+        // B: batch rows g (n-tile 0) and 8 + g (n-tile 1) at list positions 16t + 2c, + 1
+        // and 16t + 2c + 8, + 9.
+        const uint32_t* xb = x_s + t * 8 + c;
+        const uint32_t b[2][2] = {
+            {g < nb ? xb[g * stride] : 0u, g < nb ? xb[g * stride + 4] : 0u},
+            {g + 8 < nb ? xb[(g + 8) * stride] : 0u, g + 8 < nb ? xb[(g + 8) * stride + 4] : 0u}};
+        uint32_t w[8][2];
+        Fmt::fragments(v[u], w);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) Fmt::mma(d[nt], a, b[nt]);
+        for (int mt = 0; mt < 4; ++mt) {
+          const uint32_t a[4] = {w[2 * mt][0], w[2 * mt + 1][0], w[2 * mt][1], w[2 * mt + 1][1]};
+          Fmt::mma(d[mt][0], a, b[0]);
+          if (nb > 8) Fmt::mma(d[mt][1], a, b[1]);
+        }
       }
     }
-    // 4. d[nt][q]: batch row g + 8 (q / 2), n-tile column 2c + q % 2, i.e. block row
-    // 8 (2c + q % 2) + nt. The warps' partials are added in warp order.
+    // 4. d[mt][nt][q]: block row 16 mt + g + 8 (q / 2), batch row 8 nt + 2c + q % 2. The
+    // warps' partials are added in warp order.
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int n = g + 8 * (q / 2);
-        if (n < nb)
-          red[(warp * pass_rows + n) * kNzRedStride + 8 * (2 * c + q % 2) + nt] = d[nt][q];
-      }
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int n = 8 * nt + 2 * c + q % 2;
+          if (n < nb)
+            red[(warp * pass_rows + n) * kNzRedStride + 16 * mt + g + 8 * (q / 2)] = d[mt][nt][q];
+        }
     __syncthreads();
     for (int i = tid; i < nb * kColumnBlock; i += kThreads) {
       const int n = i / kColumnBlock;

@@ -179,8 +179,11 @@ void pack_mma_rows_e4m3(const uint8_t* q, int heads, int rows, int K, uint8_t* o
 // kColumnBlock rows, each block column by column: [heads, ceil(rows / 64), K, 64] (rows
 // padded with zeros), one hidden unit's weights for the block's 64 outputs contiguous
 // (64 bytes in e4m3: two DRAM sectors). The CUDA GEMV gathers the columns of the hidden
-// units that are nonzero in any of its batch rows (docs/gpu.md).
+// units that are nonzero in any of its batch rows (docs/gpu.md). Inside a column, position
+// i holds block row column_block_row(i): the 8 positions 8g .. 8g + 7 that a lane loads are
+// rows g, g + 8, .., g + 56, the rows of its mma A fragments across the block's four m-tiles.
 constexpr int kColumnBlock = 64;
+constexpr int column_block_row(int i) { return i % 8 * 8 + i / 8; }
 size_t column_blocks_bytes(int heads, int rows, int K, bool e4m3);
 void pack_column_blocks(const float* w, int heads, int rows, int K, bf16* out);
 void pack_column_blocks_e4m3(const uint8_t* q, int heads, int rows, int K, uint8_t* out);

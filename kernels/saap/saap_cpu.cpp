@@ -99,7 +99,7 @@ void pack_columns(const T* w, int heads, int rows, int K, T zero, T* out) {
     for (int blk = 0; blk < blocks; ++blk)
       for (int k = 0; k < K; ++k)
         for (int i = 0; i < kColumnBlock; ++i) {
-          const int r = blk * kColumnBlock + i;
+          const int r = blk * kColumnBlock + column_block_row(i);
           out[o++] = r < rows ? w[(int64_t(h) * rows + r) * K + k] : zero;
         }
 }

@@ -633,8 +633,11 @@ TEST(SaapRouterWeights, E4m3RowsRoundWithinHalfAStepAndKeepEachRowsMaximum) {
 }
 
 // The second GEMV's layout: block (h, blk) holds column k's kColumnBlock rows contiguously,
+// position 8g + j row g + 8j (a lane's load: one row of each of the block's 8 groups of 8),
 // rows past the matrix zero, in both weight formats.
 TEST(SaapRouterWeights, ColumnBlocksHoldEachColumnsRowsContiguously) {
+  for (int i = 0; i < sk::kColumnBlock; ++i)
+    ASSERT_EQ(sk::column_block_row(i), (i % 8) * 8 + i / 8) << i;
   constexpr int kHeads = 3, kRows = 100, K = 24, kBlocks = 2;  // 100 rows: a padded block
   std::vector<float> w(size_t(kHeads) * kRows * K);
   std::vector<uint8_t> q(w.size());
@@ -653,7 +656,7 @@ TEST(SaapRouterWeights, ColumnBlocksHoldEachColumnsRowsContiguously) {
       for (int k = 0; k < K; ++k)
         for (int i = 0; i < sk::kColumnBlock; ++i) {
           const size_t at = ((size_t(h) * kBlocks + blk) * K + k) * sk::kColumnBlock + i;
-          const int r = blk * sk::kColumnBlock + i;
+          const int r = blk * sk::kColumnBlock + (i % 8) * 8 + i / 8;
           const size_t from = (size_t(h) * kRows + r) * K + k;
           EXPECT_EQ(bf16_to_float(wb[at]), r < kRows ? w[from] : 0.f) << h << " " << r << " " << k;
           EXPECT_EQ(qb[at], r < kRows ? q[from] : 0) << h << " " << r << " " << k;
