@@ -418,6 +418,14 @@ struct AttendParams {
   const float* centroid_norms;
 };
 
+// acc + a . b over a float4, in x, y, z, w order: the index share's dot products.
+__device__ __forceinline__ float fma4(float4 a, float4 b, float acc) {
+  acc = fmaf(a.x, b.x, acc);
+  acc = fmaf(a.y, b.y, acc);
+  acc = fmaf(a.z, b.z, acc);
+  return fmaf(a.w, b.w, acc);
+}
+
 // An attention part's share of the index step (see "decode: indexing" above): centroids
 // [c_begin, c_end) of kv head h scored against the n keys from token t0, each key's best over
 // the share to st.step_best by atomicMax. The keys are de-RoPE'd as rope_cuda rounds them, and
@@ -531,10 +539,7 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
 #pragma unroll
             for (int x = 0; x < kC; ++x) {
               const float4 q = key4[x * kStepKeys * (kStepPitch / 4) + k];
-              acc[x] = fmaf(v.x, q.x, acc[x]);
-              acc[x] = fmaf(v.y, q.y, acc[x]);
-              acc[x] = fmaf(v.z, q.z, acc[x]);
-              acc[x] = fmaf(v.w, q.w, acc[x]);
+              acc[x] = fma4(v, q, acc[x]);
             }
           }
         }
@@ -574,14 +579,8 @@ __device__ __noinline__ void index_share(const AttendParams& p, int b, int h, in
 #pragma unroll
         for (int x = 0; x < kKeys; ++x) {
           const float4 q = key4[x * kLanes * (kStepPitch / 4) + k];
-          acc_a[x] = fmaf(va.x, q.x, acc_a[x]);
-          acc_a[x] = fmaf(va.y, q.y, acc_a[x]);
-          acc_a[x] = fmaf(va.z, q.z, acc_a[x]);
-          acc_a[x] = fmaf(va.w, q.w, acc_a[x]);
-          acc_b[x] = fmaf(vb.x, q.x, acc_b[x]);
-          acc_b[x] = fmaf(vb.y, q.y, acc_b[x]);
-          acc_b[x] = fmaf(vb.z, q.z, acc_b[x]);
-          acc_b[x] = fmaf(vb.w, q.w, acc_b[x]);
+          acc_a[x] = fma4(va, q, acc_a[x]);
+          acc_b[x] = fma4(vb, q, acc_b[x]);
         }
       }
 #pragma unroll
