@@ -1152,18 +1152,18 @@ struct E4m3Columns : E4m3Mma {
     const __half2_raw x = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(e4m3x2), __NV_E4M3);
     return uint32_t(x.x) | (uint32_t(x.y) << 16);
   }
-  __device__ __forceinline__ static void fragments(const Load (&v)[4], uint32_t (&b)[8][2]) {
+  __device__ __forceinline__ static void fragments(const Load (&v)[4], uint32_t (&pairs)[8][2]) {
 #pragma unroll
-    for (int nt = 0; nt < 8; nt += 2) {
-      // Bytes j, j + 1 of the lo and hi columns' words: pairs nt, nt + 1.
-      const uint32_t j = nt % 4, sel = j | (4u + j) << 4 | (j + 1u) << 8 | (5u + j) << 12;
+    for (int e = 0; e < 8; e += 2) {
+      // Bytes j, j + 1 of the lo and hi columns' words: pairs e, e + 1.
+      const uint32_t j = e % 4, sel = j | (4u + j) << 4 | (j + 1u) << 8 | (5u + j) << 12;
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
-        const uint32_t lo = nt < 4 ? v[2 * w].x : v[2 * w].y;
-        const uint32_t hi = nt < 4 ? v[2 * w + 1].x : v[2 * w + 1].y;
+        const uint32_t lo = e < 4 ? v[2 * w].x : v[2 * w].y;
+        const uint32_t hi = e < 4 ? v[2 * w + 1].x : v[2 * w + 1].y;
         const uint32_t p = __byte_perm(lo, hi, sel);
-        b[nt][w] = to_half2(p & 0xffffu);
-        b[nt + 1][w] = to_half2(p >> 16);
+        pairs[e][w] = to_half2(p & 0xffffu);
+        pairs[e + 1][w] = to_half2(p >> 16);
       }
     }
   }
@@ -1176,16 +1176,16 @@ struct Bf16Columns : Bf16Mma {
   using Load = uint4;
   static constexpr int kInFlight = 2;  // the same bytes in flight as E4m3Columns
   // A load is 4 words of bf16 pairs, word i pairs 2i (low half) and 2i + 1.
-  __device__ __forceinline__ static void fragments(const Load (&v)[4], uint32_t (&b)[8][2]) {
+  __device__ __forceinline__ static void fragments(const Load (&v)[4], uint32_t (&pairs)[8][2]) {
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const uint32_t sel = nt % 2 ? 0x7632u : 0x5410u;
+    for (int e = 0; e < 8; ++e) {
+      const uint32_t sel = e % 2 ? 0x7632u : 0x5410u;
       const auto word = [&](const Load& x) {
-        const int i = nt / 2;
+        const int i = e / 2;
         return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
       };
-      b[nt][0] = __byte_perm(word(v[0]), word(v[1]), sel);
-      b[nt][1] = __byte_perm(word(v[2]), word(v[3]), sel);
+      pairs[e][0] = __byte_perm(word(v[0]), word(v[1]), sel);
+      pairs[e][1] = __byte_perm(word(v[2]), word(v[3]), sel);
     }
   }
   __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4],
