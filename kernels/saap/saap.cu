@@ -1139,7 +1139,7 @@ cudaError_t launch_gemv(const In* x, const void* w, const float* scale, const fl
 // 2c and 2c + 1 (low half the first), its second 2c + 8 and 2c + 9. m-tile mt takes pairs
 // 2 mt (rows 16 mt + g) and 2 mt + 1 (16 mt + g + 8).
 //
-// e4m3: one byte permute puts rows nt and nt + 1 of two columns side by side, and each half
+// e4m3: one byte permute puts pairs e and e + 1 of two columns side by side, and each half
 // of it converts to one fragment word: 16 conversions and 8 permutes a tile. At batch 1 the
 // step is sensitive to this loop's instruction count (an H200 at 128K, docs/gpu.md,
 // 2026-11-30): converting each column's pairs of rows first and pairing the fp16 halves after
