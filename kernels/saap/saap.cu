@@ -1338,12 +1338,16 @@ __global__ void __launch_bounds__(kNzWarps * 32, 4)
     for (int t0 = 0; t0 < tiles; t0 += kInFlight) {
       if (t0 > 0 || b0 > 0) {
 #pragma unroll
-        for (int u = 0; u < kInFlight; ++u)
+        for (int u = 0; u < kInFlight; ++u) {
+          // Listed columns are below K (the padding is column 0), so unlike the prefix's they
+          // need no check; a lane's columns 2c, 2c + 1 and 2c + 8, 2c + 9 are two 8-byte loads.
+          const int t = min(t0 + u, tiles - 1);
+          const int2 lo = *reinterpret_cast<const int2*>(cols + t * 16 + 2 * c);
+          const int2 hi = *reinterpret_cast<const int2*>(cols + t * 16 + 2 * c + 8);
+          const int col[4] = {lo.x, lo.y, hi.x, hi.y};
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int t = t0 + u;
-            v[u][i] = load_col(t < tiles ? cols[t * 16 + 2 * c + (i & 1) + 8 * (i >> 1)] : 0);
-          }
+          for (int i = 0; i < 4; ++i) v[u][i] = wb[int64_t(col[i]) * (kColumnBlock / 8)];
+        }
       }
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u) {
