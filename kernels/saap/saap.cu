@@ -1200,8 +1200,11 @@ struct Bf16Columns : Bf16Mma {
 // the 32 MB of fp8 weights per layer (hidden 1024, C 1024, 32 heads) need not be read. A CTA
 // owns one column block (kColumnBlock rows of one head) as the mma's M, 4 m-tiles, and takes
 // up to kNzRows batch rows per pass as its N, one n-tile of 8 up to 8 rows and two above (the
-// rows past the pass are zero registers, not loaded). Each warp owns a quarter of the
-// columns, and lists and reads them without the other warps:
+// rows past the pass are zero registers, not loaded). Up to batch 8 the kernel is compiled
+// for one n-tile (kNt): without the second tile's accumulators it holds 116 registers
+// against 124, and on an H200 at 128K the batch-1 step took 31.1-31.2 us against 31.4, the
+// average step over 32 layers 32.1 against 32.2 (docs/gpu.md, 2026-11-30). Each warp owns a quarter
+// of the columns, and lists and reads them without the other warps:
 // 1. Before griddepcontrol.wait, the first Fmt::kInFlight tiles of 16 columns of its range are
 //    requested, whatever x holds: the dense prefix. The weights' latency then overlaps the
 //    first GEMV, as in gemv_kernel, and the prefix costs at most its own bytes.
@@ -1239,13 +1242,15 @@ size_t gemv_nonzero_smem_bytes(int batch, int K) {
   return size_t(kNzWarps) * (cap * 4 + rows * (cap / 2 + 4) * 4 + rows * kNzRedStride * 4);
 }
 
-template <class Fmt>
+// kNt: the mma's n-tiles, 1 for passes of up to 8 batch rows (batch <= 8), 2 above.
+template <class Fmt, int kNt>
 __global__ void __launch_bounds__(kNzWarps * 32, 4)
     gemv_nonzero_kernel(const float* x, const typename Fmt::Load* w, const float* scale,
                         const float* bias, float* y, int batch, int heads, int rows, int K,
                         float2* pairs) {
   using Load = typename Fmt::Load;
   constexpr int kThreads = kNzWarps * 32, kInFlight = Fmt::kInFlight;
+  static_assert(kNt == 1 || kNt * 8 == kNzRows, "one n-tile, or as many as a pass's rows");
   extern __shared__ uint32_t nz_smem[];
   // The route (programmatic, behind this grid) may get resident as this grid's CTAs leave.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -1334,7 +1339,7 @@ __global__ void __launch_bounds__(kNzWarps * 32, 4)
     }
     __syncwarp();
     // 3. The warp's tiles; the first pass's first round is the prefix, in flight already.
-    float d[4][2][4] = {};  // [m-tile][n-tile][fragment]
+    float d[4][kNt][4] = {};  // [m-tile][n-tile][fragment]
     for (int t0 = 0; t0 < tiles; t0 += kInFlight) {
       if (t0 > 0 || b0 > 0) {
 #pragma unroll
@@ -1356,16 +1361,20 @@ __global__ void __launch_bounds__(kNzWarps * 32, 4)
         // B: batch rows g (n-tile 0) and 8 + g (n-tile 1) at list positions 16t + 2c, + 1
         // and 16t + 2c + 8, + 9.
         const uint32_t* xb = x_s + t * 8 + c;
-        const uint32_t b[2][2] = {
-            {g < nb ? xb[g * stride] : 0u, g < nb ? xb[g * stride + 4] : 0u},
-            {g + 8 < nb ? xb[(g + 8) * stride] : 0u, g + 8 < nb ? xb[(g + 8) * stride + 4] : 0u}};
+        uint32_t b[kNt][2];
+#pragma unroll
+        for (int nt = 0; nt < kNt; ++nt) {
+          const bool in = 8 * nt + g < nb;
+          b[nt][0] = in ? xb[(8 * nt + g) * stride] : 0u;
+          b[nt][1] = in ? xb[(8 * nt + g) * stride + 4] : 0u;
+        }
         uint32_t w[8][2];
         Fmt::fragments(v[u], w);
 #pragma unroll
         for (int mt = 0; mt < 4; ++mt) {
           const uint32_t a[4] = {w[2 * mt][0], w[2 * mt + 1][0], w[2 * mt][1], w[2 * mt + 1][1]};
           Fmt::mma(d[mt][0], a, b[0]);
-          if (nb > 8) Fmt::mma(d[mt][1], a, b[1]);
+          if (kNt > 1 && nb > 8) Fmt::mma(d[mt][kNt - 1], a, b[kNt - 1]);
         }
       }
     }
@@ -1374,7 +1383,7 @@ __global__ void __launch_bounds__(kNzWarps * 32, 4)
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < kNt; ++nt)
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const int n = 8 * nt + 2 * c + q % 2;
@@ -1424,10 +1433,11 @@ cudaError_t launch_mlp(const bf* q_pre, const void* w1, const float* s1, const v
                : launch_gemv<float, Mma, false, 1>(hidden, w2, s2, r.b2, logits, batch, hq,
                                                    r.num_clusters, r.hidden, true, stream);
   const dim3 grid(unsigned((r.num_clusters + kColumnBlock - 1) / kColumnBlock), unsigned(hq));
-  return launch_programmatic(gemv_nonzero_kernel<Columns>, grid, dim3(kNzWarps * 32),
-                             gemv_nonzero_smem_bytes(batch, r.hidden), stream, hidden,
-                             static_cast<const typename Columns::Load*>(w2), s2, r.b2, logits,
-                             batch, hq, r.num_clusters, r.hidden, pairs);
+  return launch_programmatic(
+      batch <= 8 ? gemv_nonzero_kernel<Columns, 1> : gemv_nonzero_kernel<Columns, kNzRows / 8>,
+      grid, dim3(kNzWarps * 32), gemv_nonzero_smem_bytes(batch, r.hidden), stream, hidden,
+      static_cast<const typename Columns::Load*>(w2), s2, r.b2, logits, batch, hq, r.num_clusters,
+      r.hidden, pairs);
 }
 
 template <class Op>
@@ -2269,12 +2279,13 @@ cudaError_t prepare_cuda(int hidden) {
        {gemv_kernel<bf, Bf16Mma, true, kGemv1Rb>, gemv_kernel<bf, E4m3Mma, true, kGemv1Rb>})
     if (e == cudaSuccess)
       e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, gemv);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(gemv_nonzero_kernel<Bf16Columns>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, nonzero);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(gemv_nonzero_kernel<E4m3Columns>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, nonzero);
+  for (const void* fn :
+       {reinterpret_cast<const void*>(gemv_nonzero_kernel<Bf16Columns, 1>),
+        reinterpret_cast<const void*>(gemv_nonzero_kernel<Bf16Columns, kNzRows / 8>),
+        reinterpret_cast<const void*>(gemv_nonzero_kernel<E4m3Columns, 1>),
+        reinterpret_cast<const void*>(gemv_nonzero_kernel<E4m3Columns, kNzRows / 8>)})
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, nonzero);
   if (e != cudaSuccess) return e;
   // The route's kernels may ask for up to the device's limit (route_alone_smem_bytes).
   SmInfo info;
