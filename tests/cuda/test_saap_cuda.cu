@@ -917,6 +917,15 @@ TEST(SaapCuda, RouterMlpAtPaddedShapes) {
   run_mlp_layouts(SaapWeights::Fp8, 3, 64, 200, 100, 3);  // 200 units: a partial tile; 100 rows
   run_mlp_layouts(SaapWeights::Bf16, 3, 64, 200, 100, 3);
 }
+// Batch 8 is the widest pass of the second GEMV compiled for one n-tile, batch 9 the
+// narrowest of the two-tile form (one row in its second tile).
+TEST(SaapCuda, RouterMlpAtEightAndNineBatchRows) {
+  for (int batch : {8, 9}) {
+    SCOPED_TRACE("batch " + std::to_string(batch));
+    run_mlp_layouts(SaapWeights::Fp8, 2, 128, 1024, 130, batch);
+    run_mlp_layouts(SaapWeights::Bf16, 2, 64, 200, 64, batch);
+  }
+}
 TEST(SaapCuda, RouterMlpInTwoPassesOfBatchRows) {
   run_mlp_layouts(SaapWeights::Fp8, 3, 128, 72, 130, 17);
   run_mlp_layouts(SaapWeights::Bf16, 3, 128, 1032, 64, 17);  // 1032 units: two rounds of the scan
