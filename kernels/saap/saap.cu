@@ -1203,8 +1203,8 @@ struct Bf16Columns : Bf16Mma {
 // rows past the pass are zero registers, not loaded). Up to batch 8 the kernel is compiled
 // for one n-tile (kNt): without the second tile's accumulators it holds 116 registers
 // against 124, and on an H200 at 128K the batch-1 step took 31.1-31.2 us against 31.4, the
-// average step over 32 layers 32.1 against 32.2 (docs/gpu.md, 2026-11-30). Each warp owns a quarter
-// of the columns, and lists and reads them without the other warps:
+// average step over 32 layers 32.1 against 32.2 (docs/gpu.md, 2026-11-30). Each warp owns a
+// quarter of the columns, and lists and reads them without the other warps:
 // 1. Before griddepcontrol.wait, the first Fmt::kInFlight tiles of 16 columns of its range are
 //    requested, whatever x holds: the dense prefix. The weights' latency then overlaps the
 //    first GEMV, as in gemv_kernel, and the prefix costs at most its own bytes.
