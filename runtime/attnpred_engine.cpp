@@ -453,6 +453,42 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   // GPU-resident: the attention over the selected tokens and the step's history row in two
   // kernels (sparse_attend_cuda), which read the block flags themselves.
   const bool fused = !warm && !offload;
+  // GPU-resident: the calibration row and the prediction run on branches of their own, so
+  // that a layer's read of all of K and its CNN overlap each other and the later layers' steps
+  // (the layers' calibration and prediction phases are staggered: calibrates(), predicts()).
+  // The calibration row reads the cache's keys below the current length, which no later layer
+  // of the step writes, and a copy of the query (the caller's buffer holds the next layer's by
+  // the time the branch runs); the calibration rows share a scratch, so they run in order on
+  // their branch. It forks before the layer's own sparse step, which does not touch the history
+  // on a calibration step: 128K grouped at P 4 on an H200 took 37.9-38.1 us a step against
+  // 38.5-38.6 forked after it (docs/gpu.md, 2026-11-30). Offload mode calibrates on the caller's
+  // stream, after the attention. The prediction reads only this layer's history (after its
+  // calibration row when the step has one) and writes its CNN cache, its flags and the scores
+  // buffer, which only predictions use: in order on the other branch. The layer's next decode
+  // waits for both.
+  const auto calibrate = [&] {
+    cudaStream_t cs = stream;
+    if (calib_branch_) {
+      KVS_CUDA_CHECK(cudaMemcpyAsync(ls.q_copy, q,
+                                     size_t(kv.batch) * hq * shape_.head_dim * sizeof(bf16),
+                                     cudaMemcpyDefault, stream));
+      KVS_CUDA_CHECK(kernels::fork_from(calib_branch_->get(), stream));
+      cs = calib_branch_->get().side;
+      calib_forked_ = true;
+    }
+    KVS_CUDA_CHECK(ap::append_row_cuda(calib_branch_ ? ls.q_copy : q, hq, kv, nullptr, 0,
+                                       kv.seq_lens, kv.batch, hkv, scale, geo_, ls.hist, scratch,
+                                       scratch_bytes, offload, cs));
+    if (config_.collect_stats)
+      KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch,
+                                                 hkv * shape_.head_dim * int(sizeof(bf16)),
+                                                 counters_.get() + kFullRowKeyBytes, cs));
+    if (calib_branch_) {
+      KVS_CUDA_CHECK(cudaEventRecord(ls.calibrated, cs));
+      ls.calibration_pending = true;
+    }
+  };
+  if (full_row && calib_branch_) calibrate();
   if (warm) {
     // No prediction yet: every token (from host memory in offload mode, zero-copy).
     KVS_CUDA_CHECK(
@@ -477,42 +513,12 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
         q, hq, kv, scale, ls.flags, max_blocks_, geo_, list_cap_, full_row ? nullptr : &ls.hist,
         sel, counters_.get() + kRowsRead, out, lse, sparse_ws, sparse_bytes, stream));
   }
-  // GPU-resident: the calibration row and the prediction run on branches of their own, so
-  // that a layer's read of all of K and its CNN overlap each other and the later layers' steps
-  // (the layers' calibration and prediction phases are staggered: calibrates(), predicts()).
-  // The calibration row reads the cache's keys below the current length, which no later layer
-  // of the step writes, and a copy of the query (the caller's buffer holds the next layer's by
-  // the time the branch runs); the calibration rows share a scratch, so they run in order on
-  // their branch. The prediction reads only this layer's history (after its calibration row
-  // when the step has one) and writes its CNN cache, its flags and the scores buffer, which
-  // only predictions use: in order on the other branch. The layer's next decode waits for both.
   const bool predicting = predicts(c, layer);
   if (!full_row && !fused)  // the prediction reads this row
     KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, view, sel.tokens, sel.max_tokens, kv.seq_lens,
                                        kv.batch, hkv, scale, geo_, ls.hist, sparse_ws, sparse_bytes,
                                        false, stream));
-  if (full_row) {
-    cudaStream_t cs = stream;
-    if (calib_branch_) {
-      KVS_CUDA_CHECK(cudaMemcpyAsync(ls.q_copy, q,
-                                     size_t(kv.batch) * hq * shape_.head_dim * sizeof(bf16),
-                                     cudaMemcpyDefault, stream));
-      KVS_CUDA_CHECK(kernels::fork_from(calib_branch_->get(), stream));
-      cs = calib_branch_->get().side;
-      calib_forked_ = true;
-    }
-    KVS_CUDA_CHECK(ap::append_row_cuda(calib_branch_ ? ls.q_copy : q, hq, kv, nullptr, 0,
-                                       kv.seq_lens, kv.batch, hkv, scale, geo_, ls.hist, scratch,
-                                       scratch_bytes, offload, cs));
-    if (config_.collect_stats)
-      KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch,
-                                                 hkv * shape_.head_dim * int(sizeof(bf16)),
-                                                 counters_.get() + kFullRowKeyBytes, cs));
-    if (calib_branch_) {
-      KVS_CUDA_CHECK(cudaEventRecord(ls.calibrated, cs));
-      ls.calibration_pending = true;
-    }
-  }
+  if (full_row && !calib_branch_) calibrate();
   if (predicting) {
     cudaStream_t ps = stream;
     if (predict_branch_) {

@@ -1120,6 +1120,11 @@ __global__ void __launch_bounds__(kRingWarps * 32)
       tiles::warp_run((end - begin + tiles::kTile - 1) / tiles::kTile, kRingWarps, warp);
   const int my_tiles = mine.count;
   uint4* ring = ring_smem + warp * kRingStages * kTileSlots;
+  // K streams through L2 once, beside the later layers' sparse steps (the row runs on its own
+  // branch): its lines go first, so that the steps' flags, histories, page tables and KV rows stay.
+  // 128K grouped on an H200, with the row forked before the layer's sparse step: 37.3-37.4 us
+  // a step at P 4 against 38.5-38.7 with neither (docs/gpu.md, 2026-11-30).
+  const uint64_t policy = ptx::l2_evict_first_policy();
   auto tile_begin_of = [&](int i) { return begin + (mine.first + i) * tiles::kTile; };
   const int32_t* table = view.page_table + int64_t(b) * view.max_pages_per_seq;
   auto tile_row = [&](int i) -> int {  // KV row of this lane's token (lane % 16) of tile i
@@ -1135,7 +1140,7 @@ __global__ void __launch_bounds__(kRingWarps * 32)
       const int j = lane + 32 * c, r = j / kPieces, piece = j % kPieces;
       const int row = __shfl_sync(0xffffffffu, row_of_lane, r);
       ptx::cp_async_16(ptx::smem_addr(ks + tiles::smem_slot<D>(r, piece)),
-                       view.k + (row >= 0 ? int64_t(row) * D + piece * 8 : 0), row >= 0);
+                       view.k + (row >= 0 ? int64_t(row) * D + piece * 8 : 0), row >= 0, policy);
     }
   };
 #pragma unroll
