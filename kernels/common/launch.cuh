@@ -9,24 +9,32 @@
 
 namespace kvs::kernels {
 
-// The current device's SM count, read once per device and cached, so that a captured decode
-// step that sizes its grids by it does nothing but launch.
-inline cudaError_t sm_count(int* out) {
-  static std::mutex mu;
-  static std::map<int, int> cache;
+// A per-device integer, read by read(dev, &value) once per device and cached in `cache`.
+template <typename Read>
+cudaError_t read_per_device(std::mutex& mu, std::map<int, int>& cache, int* out, Read read) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(dev);
   if (it == cache.end()) {
-    int sms = 0;
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    int value = 0;
+    err = read(dev, &value);
     if (err != cudaSuccess) return err;
-    it = cache.emplace(dev, sms).first;
+    it = cache.emplace(dev, value).first;
   }
   *out = it->second;
   return cudaSuccess;
+}
+
+// The current device's SM count, read once per device and cached, so that a captured decode
+// step that sizes its grids by it does nothing but launch.
+inline cudaError_t sm_count(int* out) {
+  static std::mutex mu;
+  static std::map<int, int> cache;
+  return read_per_device(mu, cache, out, [](int dev, int* sms) {
+    return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
+  });
 }
 
 // CTAs of `kernel` (threads and dynamic shared memory as given) resident per SM on the current
@@ -64,24 +72,62 @@ inline cudaError_t resident_ctas_per_sm(const void* kernel, int threads, size_t 
   return cudaSuccess;
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent launch: the
-// kernel's CTAs may become resident once every CTA of the kernel before it on the stream has
-// executed griddepcontrol.launch_dependents (or exited), and must execute griddepcontrol.wait
-// before reading anything that kernel writes. Capturable in a CUDA graph.
+// The current device's greatest (most urgent) stream priority, read once per device and cached.
+inline cudaError_t greatest_priority(int* out) {
+  static std::mutex mu;
+  static std::map<int, int> cache;
+  return read_per_device(mu, cache, out, [](int, int* greatest) {
+    int least = 0;
+    return cudaDeviceGetStreamPriorityRange(&least, greatest);
+  });
+}
+
+// How launch_ex launches.
+struct LaunchHow {
+  // A programmatic dependent launch: the kernel's CTAs may become resident once every CTA of
+  // the kernel before it on the stream has executed griddepcontrol.launch_dependents (or
+  // exited), and must execute griddepcontrol.wait before reading anything that kernel writes.
+  bool programmatic = false;
+  // At the device's greatest priority, whatever the stream's: where other streams' kernels
+  // run beside it, the block scheduler gives the SMs that free up to this kernel's CTAs first.
+  // A captured launch keeps the priority on its graph node, which only a graph instantiated
+  // with cudaGraphInstantiateFlagUseNodePriority honours.
+  bool urgent = false;
+};
+
+// kernel<<<grid, block, smem, stream>>>(args...) with the launch attributes of `how`.
+// Capturable in a CUDA graph.
 template <typename... Params, typename... Args>
-cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                                cudaStream_t stream, Args&&... args) {
+cudaError_t launch_ex(LaunchHow how, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                      cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (how.programmatic) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (how.urgent) {
+    int priority = 0;
+    if (const cudaError_t e = greatest_priority(&priority); e != cudaSuccess) return e;
+    attr[n].id = cudaLaunchAttributePriority;
+    attr[n++].val.priority = priority;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Args&&>(args)...);
+}
+
+// launch_ex as a programmatic dependent launch (LaunchHow::programmatic).
+template <typename... Params, typename... Args>
+cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                cudaStream_t stream, Args&&... args) {
+  return launch_ex(LaunchHow{true, false}, kernel, grid, block, smem, stream,
+                   static_cast<Args&&>(args)...);
 }
 
 }  // namespace kvs::kernels

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "artifacts/capture_file.h"
 #include "kernels/attnpred/attnpred.h"
@@ -781,8 +782,45 @@ TEST(AttnPredCuda, OffloadPrefetchesTheSelectedBlocks) {
 // the eager calls' outputs, histories and selections. Layers 1-3 sparse (0 dense), a
 // prediction every 2nd step (the layers' phases staggered), calibration every 3rd: the graph
 // covers one whole phase of 6 steps.
+// The sparse step's two kernels carry the device's greatest priority on their graph nodes,
+// every other kernel node (the branches' calibration rows and predictions) its stream's: the
+// step outranks its branches in a graph instantiated to honour node priorities.
+void expect_step_kernels_outrank_the_branches(cudaGraph_t graph) {
+  int least = 0, greatest = 0;
+  KVS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  ASSERT_LT(greatest, least) << "the device has a single stream priority";
+  size_t n = 0;
+  KVS_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n);
+  KVS_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &n));
+  int step = 0, other = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type;
+    KVS_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+    if (type != cudaGraphNodeTypeKernel) continue;
+    cudaKernelNodeParams kp{};
+    KVS_CUDA_CHECK(cudaGraphKernelNodeGetParams(node, &kp));
+    const char* name = nullptr;
+    KVS_CUDA_CHECK(cudaFuncGetName(&name, kp.func));
+    cudaLaunchAttributeValue v{};
+    KVS_CUDA_CHECK(cudaGraphKernelNodeGetAttribute(node, cudaLaunchAttributePriority, &v));
+    const std::string fn = name;
+    if (fn.find("sparse_attend_kernel") != std::string::npos ||
+        fn.find("sparse_merge_kernel") != std::string::npos) {
+      ++step;
+      EXPECT_EQ(v.priority, greatest) << fn;
+    } else {
+      ++other;
+      EXPECT_NE(v.priority, greatest) << fn;
+    }
+  }
+  EXPECT_GT(step, 0);
+  EXPECT_GT(other, 0);
+}
+
 // A CUDA graph of 6 steps over 4 layers (1 dense) against the same steps launched eagerly,
-// bit for bit, after `eager_steps` eager steps (the warm-up among them).
+// bit for bit, after `eager_steps` eager steps (the warm-up among them). Instantiated to
+// honour node priorities, as the README asks of a decode graph.
 void graph_of_steps_equals_eager_steps(int period, int interval, int eager_steps) {
   Scene sc;
   sc.shape.num_layers = 4;
@@ -830,7 +868,8 @@ void graph_of_steps_equals_eager_steps(int period, int interval, int eager_steps
   KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   for (int s = eager_steps; s < num_steps; ++s) step(graphed, len_g.p, out_g.p, s);
   KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  expect_step_kernels_outrank_the_branches(graph);
+  KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority));
   KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
   KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
   const size_t n_out = qn * num_steps * kLayers;
