@@ -199,7 +199,13 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
     if (c.offload) KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     if (!c.offload) {
       calib_branch_ = std::make_unique<OwnedStreamFork>();
-      predict_branch_ = std::make_unique<OwnedStreamFork>();
+      // The sparse step launches at the greatest priority (sparse_attend_cuda) and the
+      // calibration rows run at the least. Predicting every step or every second one, the
+      // predictions (about 50 us each at 128K) are what a step waits for at its join: their
+      // branch at the greatest priority too (over 32 layers at 128K grouped on an H200, 55.6-55.8
+      // us a step at P 1 against 57.2-57.4, 44.6 at P 2 against 46.2). From P 4 they hide behind
+      // the steps better at the least (31.6 against 32.3); docs/gpu.md, 2026-11-30.
+      predict_branch_ = std::make_unique<OwnedStreamFork>(interval_ <= kUrgentPredictInterval);
     }
   }
   layers_.resize(size_t(shape_.num_layers));

@@ -100,6 +100,10 @@ class AttnPredEngine : public Engine {
   AttnPredEngine(const AttnPredEngine&) = delete;
   AttnPredEngine& operator=(const AttnPredEngine&) = delete;
 
+  /// GPU-resident: up to this predict_interval the prediction branch runs at the device's
+  /// greatest priority, as the sparse step does; above it at the least, as the calibration rows.
+  static constexpr int kUrgentPredictInterval = 2;
+
   Method method() const override { return Method::AttnPred; }
   Backend backend() const override { return config_.backend; }
   size_t workspace_bytes() const override;

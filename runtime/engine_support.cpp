@@ -10,8 +10,11 @@ DeviceCounters::DeviceCounters(int count)
   reset();
 }
 
-OwnedStreamFork::OwnedStreamFork() {
-  KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&fork_.side, cudaStreamNonBlocking));
+OwnedStreamFork::OwnedStreamFork(bool greatest_priority) {
+  int least = 0, greatest = 0;
+  KVS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  KVS_CUDA_CHECK(cudaStreamCreateWithPriority(&fork_.side, cudaStreamNonBlocking,
+                                              greatest_priority ? greatest : least));
   KVS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_.forked, cudaEventDisableTiming));
   KVS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_.joined, cudaEventDisableTiming));
 }

@@ -27,10 +27,12 @@ T* device_alloc(int64_t count) {
 }
 
 // The stream and events of a kernels::StreamFork, created at construction (a non-blocking
-// stream, events without timing) and destroyed after the side stream drains.
+// stream, at the device's least priority or its greatest; events without timing) and destroyed
+// after the side stream drains. Kernels captured from the side stream keep its priority on
+// their graph nodes.
 class OwnedStreamFork {
  public:
-  OwnedStreamFork();
+  explicit OwnedStreamFork(bool greatest_priority = false);
   ~OwnedStreamFork();
   OwnedStreamFork(const OwnedStreamFork&) = delete;
   OwnedStreamFork& operator=(const OwnedStreamFork&) = delete;

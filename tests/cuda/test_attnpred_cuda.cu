@@ -782,10 +782,11 @@ TEST(AttnPredCuda, OffloadPrefetchesTheSelectedBlocks) {
 // the eager calls' outputs, histories and selections. Layers 1-3 sparse (0 dense), a
 // prediction every 2nd step (the layers' phases staggered), calibration every 3rd: the graph
 // covers one whole phase of 6 steps.
-// The sparse step's two kernels carry the device's greatest priority on their graph nodes,
-// every other kernel node (the branches' calibration rows and predictions) its stream's: the
-// step outranks its branches in a graph instantiated to honour node priorities.
-void expect_step_kernels_outrank_the_branches(cudaGraph_t graph) {
+// The sparse step's two kernels carry the device's greatest priority on their graph nodes, and
+// so do the predictions' (the CNN's two kernels and the top-K) when `urgent_predictions`;
+// every other kernel node (the calibration rows, the dense layer) a lesser one: the step
+// outranks its branches in a graph instantiated to honour node priorities.
+void expect_step_kernels_outrank_the_branches(cudaGraph_t graph, bool urgent_predictions) {
   int least = 0, greatest = 0;
   KVS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   ASSERT_LT(greatest, least) << "the device has a single stream priority";
@@ -793,7 +794,10 @@ void expect_step_kernels_outrank_the_branches(cudaGraph_t graph) {
   KVS_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &n));
   std::vector<cudaGraphNode_t> nodes(n);
   KVS_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &n));
-  int step = 0, other = 0;
+  int step = 0, predictions = 0, other = 0;
+  const auto has = [](const std::string& s, const char* what) {
+    return s.find(what) != std::string::npos;
+  };
   for (cudaGraphNode_t node : nodes) {
     cudaGraphNodeType type;
     KVS_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
@@ -805,16 +809,23 @@ void expect_step_kernels_outrank_the_branches(cudaGraph_t graph) {
     cudaLaunchAttributeValue v{};
     KVS_CUDA_CHECK(cudaGraphKernelNodeGetAttribute(node, cudaLaunchAttributePriority, &v));
     const std::string fn = name;
-    if (fn.find("sparse_attend_kernel") != std::string::npos ||
-        fn.find("sparse_merge_kernel") != std::string::npos) {
+    if (has(fn, "sparse_attend_kernel") || has(fn, "sparse_merge_kernel")) {
       ++step;
       EXPECT_EQ(v.priority, greatest) << fn;
+    } else if (has(fn, "predict_rows_kernel") || has(fn, "predict_sum_kernel") ||
+               has(fn, "select_kernel")) {
+      ++predictions;
+      if (urgent_predictions)
+        EXPECT_EQ(v.priority, greatest) << fn;
+      else
+        EXPECT_NE(v.priority, greatest) << fn;
     } else {
       ++other;
       EXPECT_NE(v.priority, greatest) << fn;
     }
   }
   EXPECT_GT(step, 0);
+  EXPECT_GT(predictions, 0);
   EXPECT_GT(other, 0);
 }
 
@@ -868,7 +879,8 @@ void graph_of_steps_equals_eager_steps(int period, int interval, int eager_steps
   KVS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   for (int s = eager_steps; s < num_steps; ++s) step(graphed, len_g.p, out_g.p, s);
   KVS_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  expect_step_kernels_outrank_the_branches(graph);
+  expect_step_kernels_outrank_the_branches(graph,
+                                           interval <= AttnPredEngine::kUrgentPredictInterval);
   KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority));
   KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
   KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
