@@ -71,7 +71,7 @@ TEST(Rope, SinCosAreTheExactlyRoundedValuesNearlyAlways) {
         float s, c;
         kernels::rope_sincos(angle, s, c);
         const float es = float(sinl((long double)angle)), ec = float(cosl((long double)angle));
-        for (const auto [got, want] : {std::pair{s, es}, std::pair{c, ec}}) {
+        for (const auto& [got, want] : {std::pair{s, es}, std::pair{c, ec}}) {
           ++total;
           if (got == want) continue;
           ++off;
