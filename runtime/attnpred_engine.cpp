@@ -106,6 +106,7 @@ struct AttnPredEngine::LayerState {
   ap::HistoryState hist;
   ap::CnnCache cnn;          // CUDA: the predictor's per-row cache beside the history
   uint8_t* flags = nullptr;  // [max_batch, Hkv, max_blocks]
+  float* scores = nullptr;   // CUDA: the CNN's scores [max_batch, history heads, max_blocks]
   // CPU storage
   std::vector<float> host_rows;
   std::vector<int32_t> host_count, host_tokens;
@@ -198,14 +199,13 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
     counters_ = DeviceCounters(kNumCounters);
     if (c.offload) KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
     if (!c.offload) {
-      calib_branch_ = std::make_unique<OwnedStreamFork>();
-      // The sparse step launches at the greatest priority (sparse_attend_cuda) and the
-      // calibration rows run at the least. Predicting every step or every second one, the
-      // predictions (about 50 us each at 128K) are what a step waits for at its join: their
-      // branch at the greatest priority too (over 32 layers at 128K grouped on an H200, 55.6-55.8
-      // us a step at P 1 against 57.2-57.4, 44.6 at P 2 against 46.2). From P 4 they hide behind
-      // the steps better at the least (31.6 against 32.3); docs/gpu.md, 2026-11-30.
-      predict_branch_ = std::make_unique<OwnedStreamFork>(interval_ <= kUrgentPredictInterval);
+      for (int i = 0; i < kCalibLanes; ++i)
+        calib_lanes_.push_back(std::make_unique<OwnedStreamFork>());
+      for (int i = 0; i < predict_lanes(interval_); ++i)
+        predict_lanes_.push_back(
+            std::make_unique<OwnedStreamFork>(interval_ <= kUrgentPredictInterval, kPredictRaise));
+      calib_forked_.assign(calib_lanes_.size(), 0);
+      predict_forked_.assign(predict_lanes_.size(), 0);
     }
   }
   layers_.resize(size_t(shape_.num_layers));
@@ -217,8 +217,8 @@ AttnPredEngine::~AttnPredEngine() {
   if (config_.backend != Backend::Cuda) return;
   // A prefetch may still be copying into a layer's block cache on the side stream.
   if (side_stream_) cudaStreamSynchronize(side_stream_);
-  calib_branch_.reset();  // their streams drain first
-  predict_branch_.reset();
+  calib_lanes_.clear();  // their streams drain first
+  predict_lanes_.clear();
   for (LayerState& ls : layers_) {
     if (!ls.allocated) continue;
     if (ls.predicted) cudaEventDestroy(ls.predicted);
@@ -234,6 +234,7 @@ AttnPredEngine::~AttnPredEngine() {
     cudaFree(ls.cnn.sum);
     cudaFree(ls.cnn.frags);
     cudaFree(ls.flags);
+    cudaFree(ls.scores);
     if (ls.cache.k) {
       cudaFree(ls.cache.k);
       cudaFree(ls.cache.v);
@@ -293,7 +294,9 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
     ls.cnn.sum = device_alloc<long long>(int64_t(ap::CnnCache::sum_values(h)));
     ls.cnn.frags = device_alloc<uint32_t>(ap::kCnnFragWords);
     ls.flags = device_alloc<uint8_t>(n_flags);
-    if (predict_branch_) {
+    // A layer's own: predictions of different layers run side by side on the lanes.
+    ls.scores = device_alloc<float>(int64_t(B) * h.num_heads * max_blocks_);
+    if (!predict_lanes_.empty()) {
       KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.predicted, cudaEventDisableTiming));
       KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.calibrated, cudaEventDisableTiming));
       ls.q_copy = device_alloc<bf16>(int64_t(B) * hq * shape_.head_dim);
@@ -324,10 +327,10 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
   return ls;
 }
 
-// Workspace (CUDA): Selection {rows, tokens, counts} | CNN scores [B, Hq, max_blocks] |
-// full-row scratch [B, Hq, max_context] | the sparse step's (sparse_step_bytes) | dense decode
-// workspace. The full row's scratch is apart: a layer's calibration row runs on its
-// branch while later layers take their sparse steps.
+// Workspace (CUDA): Selection {rows, tokens, counts} | a full-row scratch [B, Hq, max_context]
+// per calibration lane (one in offload mode) | the sparse step's (sparse_step_bytes) | dense
+// decode workspace. The full rows' scratch is apart: a layer's calibration row runs on its
+// lane while later layers take their sparse steps, and the rows of one lane in order.
 size_t AttnPredEngine::selection_bytes() const {
   const size_t subs = size_t(config_.max_batch) * shape_.num_kv_heads;
   return 2 * align_up(subs * size_t(max_tokens_) * sizeof(int32_t)) +
@@ -340,8 +343,9 @@ size_t AttnPredEngine::workspace_bytes() const {
   const size_t dense = std::max(kernels::dense_decode_workspace_bytes(
                                     B * shape_.num_kv_heads, shape_.group_size(), shape_.head_dim),
                                 kernels::dense_decode_workspace_bytes(B, hq, shape_.head_dim));
-  return selection_bytes() + align_up(size_t(B) * hq * max_blocks_ * sizeof(float)) +
-         align_up(ap::row_scratch_bytes(B, hq, max_blocks_ * geo_.block)) +
+  const size_t lanes = std::max<size_t>(1, calib_lanes_.size());
+  return selection_bytes() +
+         lanes * align_up(ap::row_scratch_bytes(B, hq, max_blocks_ * geo_.block)) +
          align_up(sparse_step_bytes()) + dense;
 }
 
@@ -418,15 +422,11 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   const float scale = float(shape_.scale());
   const int hq = shape_.num_q_heads, hkv = shape_.num_kv_heads;
   char* ws = static_cast<char*>(workspace_.ptr);
-  const size_t scores_off = selection_bytes();
-  const size_t scratch_off =
-      scores_off + align_up(size_t(config_.max_batch) * hq * max_blocks_ * sizeof(float));
-  const size_t sparse_off = scratch_off + align_up(ap::row_scratch_bytes(config_.max_batch, hq,
-                                                                         max_blocks_ * geo_.block));
+  const size_t scratch_off = selection_bytes();
+  const size_t scratch_bytes =
+      align_up(ap::row_scratch_bytes(config_.max_batch, hq, max_blocks_ * geo_.block));
+  const size_t sparse_off = scratch_off + std::max<size_t>(1, calib_lanes_.size()) * scratch_bytes;
   const size_t dense_off = sparse_off + align_up(sparse_step_bytes());
-  float* scores = reinterpret_cast<float*>(ws + scores_off);
-  void* scratch = ws + scratch_off;
-  const size_t scratch_bytes = sparse_off - scratch_off;
   void* sparse_ws = ws + sparse_off;
   const size_t sparse_bytes = dense_off - sparse_off;
   void* dense_ws = ws + dense_off;
@@ -464,37 +464,40 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   // (the layers' calibration and prediction phases are staggered: calibrates(), predicts()).
   // The calibration row reads the cache's keys below the current length, which no later layer
   // of the step writes, and a copy of the query (the caller's buffer holds the next layer's by
-  // the time the branch runs); the calibration rows share a scratch, so they run in order on
-  // their branch. It forks before the layer's own sparse step, which does not touch the history
+  // the time the branch runs); the calibration rows of a lane share a scratch, so they run in
+  // order on it. It forks before the layer's own sparse step, which does not touch the history
   // on a calibration step: 128K grouped at P 4 on an H200 took 37.9-38.1 us a step against
   // 38.5-38.6 forked after it (docs/gpu.md, 2026-11-30). Offload mode calibrates on the caller's
   // stream, after the attention. The prediction reads only this layer's history (after its
-  // calibration row when the step has one) and writes its CNN cache, its flags and the scores
-  // buffer, which only predictions use: in order on the other branch. The layer's next decode
-  // waits for both.
+  // calibration row when the step has one) and writes its own CNN cache, flags and scores: on
+  // a prediction lane. The layer's next decode waits for both.
+  const bool branches = !calib_lanes_.empty();
   const auto calibrate = [&] {
     cudaStream_t cs = stream;
-    if (calib_branch_) {
+    void* scratch = ws + scratch_off;
+    if (branches) {
+      const int lane = calib_lane(layer);
       KVS_CUDA_CHECK(cudaMemcpyAsync(ls.q_copy, q,
                                      size_t(kv.batch) * hq * shape_.head_dim * sizeof(bf16),
                                      cudaMemcpyDefault, stream));
-      KVS_CUDA_CHECK(kernels::fork_from(calib_branch_->get(), stream));
-      cs = calib_branch_->get().side;
-      calib_forked_ = true;
+      KVS_CUDA_CHECK(kernels::fork_from(calib_lanes_[size_t(lane)]->get(), stream));
+      cs = calib_lanes_[size_t(lane)]->get().side;
+      calib_forked_[size_t(lane)] = 1;
+      scratch = ws + scratch_off + size_t(lane) * scratch_bytes;
     }
-    KVS_CUDA_CHECK(ap::append_row_cuda(calib_branch_ ? ls.q_copy : q, hq, kv, nullptr, 0,
-                                       kv.seq_lens, kv.batch, hkv, scale, geo_, ls.hist, scratch,
-                                       scratch_bytes, offload, cs));
+    KVS_CUDA_CHECK(ap::append_row_cuda(branches ? ls.q_copy : q, hq, kv, nullptr, 0, kv.seq_lens,
+                                       kv.batch, hkv, scale, geo_, ls.hist, scratch, scratch_bytes,
+                                       offload, cs));
     if (config_.collect_stats)
       KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch,
                                                  hkv * shape_.head_dim * int(sizeof(bf16)),
                                                  counters_.get() + kFullRowKeyBytes, cs));
-    if (calib_branch_) {
+    if (branches) {
       KVS_CUDA_CHECK(cudaEventRecord(ls.calibrated, cs));
       ls.calibration_pending = true;
     }
   };
-  if (full_row && calib_branch_) calibrate();
+  if (full_row && branches) calibrate();
   if (warm) {
     // No prediction yet: every token (from host memory in offload mode, zero-copy).
     KVS_CUDA_CHECK(
@@ -524,31 +527,35 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
     KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, view, sel.tokens, sel.max_tokens, kv.seq_lens,
                                        kv.batch, hkv, scale, geo_, ls.hist, sparse_ws, sparse_bytes,
                                        false, stream));
-  if (full_row && !calib_branch_) calibrate();
+  if (full_row && !branches) calibrate();
   if (predicting) {
     cudaStream_t ps = stream;
-    if (predict_branch_) {
-      KVS_CUDA_CHECK(kernels::fork_from(predict_branch_->get(), stream));
-      ps = predict_branch_->get().side;
-      predict_forked_ = true;
+    if (branches) {
+      const int lane = predict_lane(layer);
+      KVS_CUDA_CHECK(kernels::fork_from(predict_lanes_[size_t(lane)]->get(), stream));
+      ps = predict_lanes_[size_t(lane)]->get().side;
+      predict_forked_[size_t(lane)] = 1;
       if (full_row) KVS_CUDA_CHECK(cudaStreamWaitEvent(ps, ls.calibrated, 0));
     }
+    KVS_CUDA_CHECK(ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, ls.scores,
+                                    interval_, ps));
     KVS_CUDA_CHECK(
-        ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, scores, interval_, ps));
-    KVS_CUDA_CHECK(
-        ap::select_blocks_cuda(scores, ls.hist, kv.batch, hkv, geo_, k_blocks_, ls.flags, ps));
-    if (predict_branch_) {
+        ap::select_blocks_cuda(ls.scores, ls.hist, kv.batch, hkv, geo_, k_blocks_, ls.flags, ps));
+    if (branches) {
       KVS_CUDA_CHECK(cudaEventRecord(ls.predicted, ps));
       ls.prediction_pending = true;
     }
   }
-  if (predict_branch_ && layer == last_sparse_) {
-    // The end of a decode step (of a captured graph): the branches it forked joined. Only
-    // those: a captured step that joined a branch it had not forked would wait on an event
-    // recorded outside the capture.
-    if (calib_forked_) KVS_CUDA_CHECK(kernels::join_into(calib_branch_->get(), stream));
-    if (predict_forked_) KVS_CUDA_CHECK(kernels::join_into(predict_branch_->get(), stream));
-    calib_forked_ = predict_forked_ = false;
+  if (branches && layer == last_sparse_) {
+    // The end of a decode step (of a captured graph): the lanes it forked joined. Only those: a
+    // captured step that joined a lane it had not forked would wait on an event recorded
+    // outside the capture.
+    for (size_t i = 0; i < calib_lanes_.size(); ++i)
+      if (calib_forked_[i]) KVS_CUDA_CHECK(kernels::join_into(calib_lanes_[i]->get(), stream));
+    for (size_t i = 0; i < predict_lanes_.size(); ++i)
+      if (predict_forked_[i]) KVS_CUDA_CHECK(kernels::join_into(predict_lanes_[i]->get(), stream));
+    std::fill(calib_forked_.begin(), calib_forked_.end(), 0);
+    std::fill(predict_forked_.begin(), predict_forked_.end(), 0);
     for (LayerState& other : layers_) other.prediction_pending = other.calibration_pending = false;
   }
   if (offload) {

@@ -100,9 +100,24 @@ class AttnPredEngine : public Engine {
   AttnPredEngine(const AttnPredEngine&) = delete;
   AttnPredEngine& operator=(const AttnPredEngine&) = delete;
 
-  /// GPU-resident: up to this predict_interval the prediction branch runs at the device's
-  /// greatest priority, as the sparse step does; above it at the least, as the calibration rows.
+  /// GPU-resident: the sparse step launches at the device's greatest priority
+  /// (sparse_attend_cuda) and the calibration rows at the least. Up to this predict_interval
+  /// the predictions are what a step waits for at its join, and they run at the greatest
+  /// priority too (over 32 layers at 128K grouped on an H200, 55.6-55.8 us a step at P 1
+  /// against 57.2-57.4 at the least). Above it they run kPredictRaise levels above the least,
+  /// ahead of the calibration rows: 29.7 us at P 4 against 30.1 at the least (any raise of 1
+  /// to 4 the same; docs/gpu.md, 2026-11-30).
   static constexpr int kUrgentPredictInterval = 2;
+  static constexpr int kPredictRaise = 2;
+  /// GPU-resident: the calibration rows and the predictions each run on lanes of branches,
+  /// a layer's on lane (layer / period or interval) % lanes, so that the layers that calibrate
+  /// (or predict) in one step, `period` (`interval`) apart, alternate lanes and the lanes'
+  /// chains run side by side rather than one after another. Over 32 layers at 128K grouped on
+  /// an H200, against one branch each: P 4 29.7 us a step against 31.6 (3 or 4 lanes
+  /// 29.8), P 2 41.3 against 44.7 (4 lanes 42.5), P 1 with 4 prediction lanes 43.7 against
+  /// 55.7 (2 lanes 46.4, 3 lanes 44.1).
+  static constexpr int kCalibLanes = 2;
+  static int predict_lanes(int interval) { return interval == 1 ? 4 : 2; }
 
   Method method() const override { return Method::AttnPred; }
   Backend backend() const override { return config_.backend; }
@@ -194,11 +209,14 @@ class AttnPredEngine : public Engine {
   EngineStats host_stats_;
   DeviceCounters counters_;             // CUDA (see attnpred_engine.cpp)
   cudaStream_t side_stream_ = nullptr;  // offload prefetch stream
-  // CUDA, GPU-resident mode: the calibration rows' branch and the predictor's (prediction and
-  // top-K of a layer run there after its history row), beside the later layers' steps and
-  // each other. decode(last_sparse_) joins both.
-  std::unique_ptr<OwnedStreamFork> calib_branch_, predict_branch_;
-  bool calib_forked_ = false, predict_forked_ = false;  // in the step under way
+  // CUDA, GPU-resident mode: the calibration rows' branches and the predictor's (prediction
+  // and top-K of a layer run there after its history row), beside the later layers' steps and
+  // each other: lanes of each kind (kCalibLanes, predict_lanes(); calib_lane(), predict_lane()).
+  // decode(last_sparse_) joins those the step forked.
+  std::vector<std::unique_ptr<OwnedStreamFork>> calib_lanes_, predict_lanes_;
+  std::vector<char> calib_forked_, predict_forked_;  // lanes forked in the step under way
+  int calib_lane(int layer) const { return layer / period_ % int(calib_lanes_.size()); }
+  int predict_lane(int layer) const { return layer / interval_ % int(predict_lanes_.size()); }
   int last_sparse_ = -1;  // the highest layer that is not dense
   uint64_t prefetches_ = 0;
 };

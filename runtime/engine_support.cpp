@@ -1,5 +1,6 @@
 #include "runtime/engine_support.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <utility>
 
@@ -10,11 +11,12 @@ DeviceCounters::DeviceCounters(int count)
   reset();
 }
 
-OwnedStreamFork::OwnedStreamFork(bool greatest_priority) {
-  int least = 0, greatest = 0;
+OwnedStreamFork::OwnedStreamFork(bool greatest_priority, int raise) {
+  int least = 0, greatest = 0;  // numerically greatest <= least
   KVS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  KVS_CUDA_CHECK(cudaStreamCreateWithPriority(&fork_.side, cudaStreamNonBlocking,
-                                              greatest_priority ? greatest : least));
+  KVS_CUDA_CHECK(cudaStreamCreateWithPriority(
+      &fork_.side, cudaStreamNonBlocking,
+      greatest_priority ? greatest : std::max(greatest, least - std::max(0, raise))));
   KVS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_.forked, cudaEventDisableTiming));
   KVS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_.joined, cudaEventDisableTiming));
 }

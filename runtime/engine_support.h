@@ -32,7 +32,9 @@ T* device_alloc(int64_t count) {
 // their graph nodes.
 class OwnedStreamFork {
  public:
-  explicit OwnedStreamFork(bool greatest_priority = false);
+  // greatest_priority: the device's greatest stream priority; else the least, raised by
+  // `raise` levels (at most to the greatest).
+  explicit OwnedStreamFork(bool greatest_priority = false, int raise = 0);
   ~OwnedStreamFork();
   OwnedStreamFork(const OwnedStreamFork&) = delete;
   OwnedStreamFork& operator=(const OwnedStreamFork&) = delete;
