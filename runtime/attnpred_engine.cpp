@@ -119,8 +119,8 @@ struct AttnPredEngine::LayerState {
   unsigned int expected_done = 0;
   bool prefetch_pending = false;
   cudaEvent_t selected = nullptr, prefetched = nullptr;
-  // CUDA GPU-resident: this layer's calibration row and prediction on their branches, not yet
-  // joined; the calibration branch's copy of the query its row reads (the caller's buffer may
+  // CUDA GPU-resident: this layer's calibration row and prediction on their lanes, not yet
+  // joined; the copy of the query its calibration row reads (the caller's buffer may
   // hold the next layer's by then).
   bool calibration_pending = false, prediction_pending = false;
   cudaEvent_t calibrated = nullptr, predicted = nullptr;

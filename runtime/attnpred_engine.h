@@ -13,11 +13,11 @@
 //      row over all n tokens instead (a separate score kernel over all keys: the output is
 //      still the sparse attention, as the paper does; only the history is calibrated). Layer
 //      l's calibration phase is shifted by l, so a step's full rows are spread over the
-//      layers; GPU-resident, a full row runs on a branch of its own from a copy of
-//      the query, beside the later layers' steps;
+//      layers; GPU-resident, a full row runs on a calibration lane (a branch stream,
+//      kCalibLanes of them) from a copy of the query, beside the later layers' steps;
 //   3. predicts the next step's block scores with the CNN and takes each query head's top
-//      (budget - sink - recent) / block candidate blocks; GPU-resident, on a branch of its own
-//      that the decode of the last sparse layer joins, so that a layer's prediction runs
+//      (budget - sink - recent) / block candidate blocks; GPU-resident, on a prediction lane
+//      (predict_lanes()) that the decode of the last sparse layer joins, so that it runs
 //      beside the later layers' steps (the paper's cross-layer overlap: the selection for
 //      step t+1 is needed only at step t+1). On CUDA the CNN is incremental
 //      (kernels/attnpred/attnpred.h CnnCache: 4 + k of the `history` conv rows for k rows
