@@ -1088,8 +1088,8 @@ __global__ void __launch_bounds__(kThreads)
 // blocks); rows fit in int32 (the launcher checks). Writes block_max [rows, hist.max_blocks] and
 // one partial a part (empty parts: (-inf, 0)), as row_pool_max_kernel reads them. A CTA's share
 // is contiguous because that matters: tiles dealt over all the row's warps read DRAM 11 % slower.
-// 4 warps of 3 stages (48 KB at head_dim 128, 4 CTAs an SM) measured best on an H200 among 4 x 3,
-// 4 x 4, 4 x 6 and 2 x 6 (docs/gpu.md).
+// 4 warps of 3 stages (48 KB at head_dim 128; launched 2 an SM, ring_launch_smem) measured
+// best on an H200 among 4 x 3, 4 x 4, 4 x 6 and 2 x 6 (docs/gpu.md).
 constexpr int kRingWarps = 4, kRingStages = 3;
 // The row's CTAs come in this many waves (each CTA a contiguous share a quarter of one wave's):
 // the engine runs the row on a branch beside the sparse steps, which are launched at a greater
@@ -1099,6 +1099,18 @@ constexpr int kRingWaves = 4;
 template <int D>
 constexpr size_t ring_smem_bytes() {
   return size_t(kRingWarps) * kRingStages * tiles::kTile * (D / 8) * sizeof(uint4);
+}
+// At most kRingCtasPerSm ring CTAs an SM, whatever their own rings need: each launch asks
+// for just over 1 / (kRingCtasPerSm + 1) of the SM's shared memory, so that the last share is
+// left to a CTA of a later layer's sparse step (about 69 KB at head_dim 128; 17K registers
+// beside the two ring CTAs' 28K), which is launched at a greater priority and so starts at
+// once instead of waiting for ring CTAs to end. At 4 an SM (their own 48 KB) the ring left no
+// room. 128K batch 1 over 32 layers on an H200: 29.4-29.5 us a layer-step at P 4 against
+// 29.8, and 25.9 against 27.3 at P 20 (docs/gpu.md, 2026-11-30, fourth session).
+constexpr int kRingCtasPerSm = 2;
+size_t ring_launch_smem(size_t own, const SmInfo& info) {
+  const size_t share = size_t(info.smem_per_sm) / (kRingCtasPerSm + 1) - size_t(info.reserved) + 16;
+  return std::max(own, share);
 }
 template <int D>
 __global__ void __launch_bounds__(kRingWarps * 32)
@@ -1949,7 +1961,10 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
   if (pooled && g.block != 32 &&
       int64_t(view.num_pages) * view.page_size * view.num_kv_heads <= INT_MAX) {
     auto ring = view.head_dim == 128 ? row_max_ring_kernel<128> : row_max_ring_kernel<64>;
-    const size_t smem = view.head_dim == 128 ? ring_smem_bytes<128>() : ring_smem_bytes<64>();
+    SmInfo info;
+    if (const cudaError_t e = sm_info(&info); e != cudaSuccess) return e;
+    const size_t smem = ring_launch_smem(
+        view.head_dim == 128 ? ring_smem_bytes<128>() : ring_smem_bytes<64>(), info);
     int per_sm = 0;
     if (const cudaError_t e = resident_ctas_per_sm(reinterpret_cast<const void*>(ring),
                                                    kRingWarps * 32, smem, &per_sm);

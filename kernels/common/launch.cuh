@@ -27,6 +27,37 @@ cudaError_t read_per_device(std::mutex& mu, std::map<int, int>& cache, int* out,
   return cudaSuccess;
 }
 
+// A device's SM figures, queried once per device (a process may drive several); attribute
+// queries are not stream work, so a captured call may make them.
+struct SmInfo {
+  int sms = 0;
+  int smem_per_sm = 0;  ///< shared memory of an SM, bytes
+  int reserved = 0;     ///< shared memory the system reserves per resident CTA, bytes
+  int optin = 0;        ///< the most one CTA may take, bytes
+};
+inline cudaError_t sm_info(SmInfo* out) {
+  static std::mutex mu;
+  static std::map<int, SmInfo> devices;
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  std::lock_guard<std::mutex> lock(mu);
+  SmInfo& known = devices[dev];
+  if (known.sms == 0) {
+    SmInfo q;
+    e = cudaDeviceGetAttribute(&q.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&q.reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&q.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&q.sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) return e;
+    known = q;
+  }
+  *out = known;
+  return cudaSuccess;
+}
+
 // The current device's SM count, read once per device and cached, so that a captured decode
 // step that sizes its grids by it does nothing but launch.
 inline cudaError_t sm_count(int* out) {

@@ -2060,34 +2060,6 @@ size_t route_workspace_bytes(int max_batch, int num_q_heads, int hidden, int num
 
 namespace {
 
-// A device's SM figures, queried once per device (a process may drive several); attribute
-// queries are not stream work, so a captured call may make them.
-struct SmInfo {
-  int sms = 0, smem_per_sm = 0, reserved = 0, optin = 0;
-};
-cudaError_t sm_info(SmInfo* out) {
-  static std::mutex mu;
-  static std::map<int, SmInfo> devices;
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  std::lock_guard<std::mutex> lock(mu);
-  SmInfo& known = devices[dev];
-  if (known.sms == 0) {
-    SmInfo q;
-    e = cudaDeviceGetAttribute(&q.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
-    if (e == cudaSuccess)
-      e = cudaDeviceGetAttribute(&q.reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
-    if (e == cudaSuccess)
-      e = cudaDeviceGetAttribute(&q.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&q.sms, cudaDevAttrMultiProcessorCount, dev);
-    if (e != cudaSuccess) return e;
-    known = q;
-  }
-  *out = known;
-  return cudaSuccess;
-}
-
 // The shared memory of a route CTA of `route_ctas` for an attention of head_dim d, probes and
 // C clusters: its own, or route_alone_smem_bytes with this device's figures.
 cudaError_t route_smem_for(int route_ctas, int pow2, int d, int probes, int C, size_t* bytes) {
