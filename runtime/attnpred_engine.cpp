@@ -112,7 +112,7 @@ struct AttnPredEngine::LayerState {
   std::vector<int32_t> host_count, host_tokens;
   std::vector<uint8_t> host_flags;
   std::vector<std::vector<int32_t>> last_tokens;  // [b * Hkv + h]
-  // CUDA offload
+  // CUDA offload (and GPU-resident, a deferred calibration row's lengths)
   ap::BlockCache cache;
   int32_t* len_snapshot = nullptr;
   unsigned int* done = nullptr;
@@ -210,7 +210,17 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
   }
   layers_.resize(size_t(shape_.num_layers));
   for (int l = 0; l < shape_.num_layers; ++l)
-    if (!is_dense_layer(l)) last_sparse_ = l;
+    if (!is_dense_layer(l)) {
+      last_sparse_ = l;
+      if (first_sparse_ < 0) first_sparse_ = l;
+    }
+}
+
+bool AttnPredEngine::defers(int layer) const {
+  if (calib_lanes_.empty() || layer == first_sparse_) return false;
+  int later = 0;  // sparse layers after this one
+  for (int l = layer + 1; l <= last_sparse_; ++l) later += !is_dense_layer(l);
+  return later < deferred_layers_;
 }
 
 AttnPredEngine::~AttnPredEngine() {
@@ -224,6 +234,7 @@ AttnPredEngine::~AttnPredEngine() {
     if (ls.predicted) cudaEventDestroy(ls.predicted);
     if (ls.calibrated) cudaEventDestroy(ls.calibrated);
     cudaFree(ls.q_copy);
+    cudaFree(ls.len_snapshot);
     cudaFree(ls.hist.rows);
     cudaFree(ls.hist.count);
     cudaFree(ls.hist.tokens);
@@ -242,7 +253,6 @@ AttnPredEngine::~AttnPredEngine() {
       cudaFree(ls.cache.slot_block);
       cudaFree(ls.cache.copy_list);
       cudaFree(ls.cache.copy_count);
-      cudaFree(ls.len_snapshot);
       cudaFree(ls.done);
       cudaEventDestroy(ls.selected);
       cudaEventDestroy(ls.prefetched);
@@ -260,6 +270,70 @@ void AttnPredEngine::wait_for_branches(LayerState& ls, cudaStream_t stream) {
   if (ls.calibration_pending) KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.calibrated, 0));
   if (ls.prediction_pending) KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.predicted, 0));
   ls.calibration_pending = ls.prediction_pending = false;
+}
+
+void AttnPredEngine::full_row_cuda(const LayerState& ls, const bf16* q, const PagedKV& kv,
+                                   void* scratch, size_t scratch_bytes, cudaStream_t stream) const {
+  const int hkv = shape_.num_kv_heads;
+  KVS_CUDA_CHECK(ap::append_row_cuda(q, shape_.num_q_heads, kv, nullptr, 0, kv.seq_lens, kv.batch,
+                                     hkv, float(shape_.scale()), geo_, ls.hist, scratch,
+                                     scratch_bytes, ls.cache.k != nullptr, stream));
+  if (config_.collect_stats)
+    KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch,
+                                               hkv * shape_.head_dim * int(sizeof(bf16)),
+                                               counters_.get() + kFullRowKeyBytes, stream));
+}
+
+void AttnPredEngine::launch_branches(const LayerState& ls, int layer, const PagedKV& kv,
+                                     bool full_row, bool predicting, bool after_row,
+                                     cudaStream_t from, bool fork) const {
+  const int hq = shape_.num_q_heads, hkv = shape_.num_kv_heads;
+  if (full_row) {
+    const int lane = calib_lane(layer);
+    const kernels::StreamFork& f = calib_lanes_[size_t(lane)]->get();
+    if (fork) KVS_CUDA_CHECK(kernels::fork_from(f, from));
+    // The calibration rows of a lane share its scratch, so they run in order on it.
+    const size_t scratch_bytes =
+        align_up(ap::row_scratch_bytes(config_.max_batch, hq, max_blocks_ * geo_.block));
+    void* scratch =
+        static_cast<char*>(workspace_.ptr) + selection_bytes() + size_t(lane) * scratch_bytes;
+    full_row_cuda(ls, ls.q_copy, kv, scratch, scratch_bytes, f.side);
+    KVS_CUDA_CHECK(cudaEventRecord(ls.calibrated, f.side));
+  }
+  if (predicting) {
+    const kernels::StreamFork& f = predict_lanes_[size_t(predict_lane(layer))]->get();
+    if (fork) KVS_CUDA_CHECK(kernels::fork_from(f, from));
+    if (after_row) KVS_CUDA_CHECK(cudaStreamWaitEvent(f.side, ls.calibrated, 0));
+    KVS_CUDA_CHECK(ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, ls.scores,
+                                    interval_, f.side));
+    KVS_CUDA_CHECK(ap::select_blocks_cuda(ls.scores, ls.hist, kv.batch, hkv, geo_, k_blocks_,
+                                          ls.flags, f.side));
+    KVS_CUDA_CHECK(cudaEventRecord(ls.predicted, f.side));
+  }
+}
+
+void AttnPredEngine::launch_deferred(cudaStream_t stream) {
+  for (const Deferred& d : deferred_) {
+    LayerState& ls = layers_[size_t(d.layer)];
+    launch_branches(ls, d.layer, d.kv, d.full_row, d.predicting, d.full_row, stream, true);
+    if (d.full_row) calib_forked_[size_t(calib_lane(d.layer))] = 1;
+    if (d.predicting) predict_forked_[size_t(predict_lane(d.layer))] = 1;
+    ls.calibration_pending = d.full_row;
+    ls.prediction_pending = d.predicting;
+  }
+  deferred_.clear();
+}
+
+void AttnPredEngine::flush_deferred() const {
+  if (deferred_.empty()) return;
+  // Never inside a capture (inspection and stats synchronize): the device is idle after this,
+  // so the rows' inputs are written, and the lanes need no fork.
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  for (const Deferred& d : deferred_)
+    launch_branches(layers_[size_t(d.layer)], d.layer, d.kv, d.full_row, d.predicting, d.full_row,
+                    nullptr, false);
+  deferred_.clear();
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
@@ -300,6 +374,7 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
       KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.predicted, cudaEventDisableTiming));
       KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.calibrated, cudaEventDisableTiming));
       ls.q_copy = device_alloc<bf16>(int64_t(B) * hq * shape_.head_dim);
+      ls.len_snapshot = device_alloc<int32_t>(B);
     }
     if (config_.attnpred.offload) {
       ap::BlockCache& c = ls.cache;
@@ -395,6 +470,10 @@ void AttnPredEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) 
   }
   if (ls.prefetch_pending) KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.prefetched, 0));
   wait_for_branches(ls, stream);
+  // A deferred row or prediction belongs to the sequence this prefill replaces.
+  deferred_.erase(std::remove_if(deferred_.begin(), deferred_.end(),
+                                 [&](const Deferred& d) { return d.layer == layer; }),
+                  deferred_.end());
   ls.prefetch_pending = false;
   KVS_CUDA_CHECK(cudaMemsetAsync(h.rows, 0, size_t(kv.batch) * row_elems * sizeof(float), stream));
   KVS_CUDA_CHECK(cudaMemsetAsync(h.count, 0, size_t(kv.batch) * sizeof(int32_t), stream));
@@ -447,6 +526,12 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   const int c = ls.calls++;
   const bool warm = c < warmup_;
   const bool full_row = calibrates(c, layer);
+  // The previous step's late layers' branches, launched by this step's first sparse layer (or
+  // by a deferred layer's own next decode, should the caller skip the first).
+  if (!calib_lanes_.empty() &&
+      (layer == first_sparse_ || std::any_of(deferred_.begin(), deferred_.end(),
+                                             [&](const Deferred& d) { return d.layer == layer; })))
+    launch_deferred(stream);
   wait_for_branches(ls, stream);  // its flags, history and CNN cache
   if (offload && ls.prefetch_pending) {
     KVS_CUDA_CHECK(
@@ -470,34 +555,25 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
   // 38.5-38.6 forked after it (docs/gpu.md, 2026-11-30). Offload mode calibrates on the caller's
   // stream, after the attention. The prediction reads only this layer's history (after its
   // calibration row when the step has one) and writes its own CNN cache, flags and scores: on
-  // a prediction lane. The layer's next decode waits for both.
+  // a prediction lane. The layer's next decode waits for both. The last sparse layers
+  // (defers()) leave both to the next step: a query copy and the lengths now, the launch by
+  // the next step's first sparse layer.
   const bool branches = !calib_lanes_.empty();
-  const auto calibrate = [&] {
-    cudaStream_t cs = stream;
-    void* scratch = ws + scratch_off;
-    if (branches) {
-      const int lane = calib_lane(layer);
-      KVS_CUDA_CHECK(cudaMemcpyAsync(ls.q_copy, q,
-                                     size_t(kv.batch) * hq * shape_.head_dim * sizeof(bf16),
-                                     cudaMemcpyDefault, stream));
-      KVS_CUDA_CHECK(kernels::fork_from(calib_lanes_[size_t(lane)]->get(), stream));
-      cs = calib_lanes_[size_t(lane)]->get().side;
-      calib_forked_[size_t(lane)] = 1;
-      scratch = ws + scratch_off + size_t(lane) * scratch_bytes;
+  const bool defer = defers(layer);
+  const bool predicting = predicts(c, layer);
+  if (full_row && branches) {
+    KVS_CUDA_CHECK(cudaMemcpyAsync(ls.q_copy, q,
+                                   size_t(kv.batch) * hq * shape_.head_dim * sizeof(bf16),
+                                   cudaMemcpyDefault, stream));
+    if (defer)  // the lengths of this step: the next one's first kernel advances them
+      KVS_CUDA_CHECK(cudaMemcpyAsync(ls.len_snapshot, kv.seq_lens,
+                                     size_t(kv.batch) * sizeof(int32_t), cudaMemcpyDefault,
+                                     stream));
+    else {
+      launch_branches(ls, layer, kv, true, false, false, stream, true);
+      calib_forked_[size_t(calib_lane(layer))] = 1;
     }
-    KVS_CUDA_CHECK(ap::append_row_cuda(branches ? ls.q_copy : q, hq, kv, nullptr, 0, kv.seq_lens,
-                                       kv.batch, hkv, scale, geo_, ls.hist, scratch, scratch_bytes,
-                                       offload, cs));
-    if (config_.collect_stats)
-      KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch,
-                                                 hkv * shape_.head_dim * int(sizeof(bf16)),
-                                                 counters_.get() + kFullRowKeyBytes, cs));
-    if (branches) {
-      KVS_CUDA_CHECK(cudaEventRecord(ls.calibrated, cs));
-      ls.calibration_pending = true;
-    }
-  };
-  if (full_row && branches) calibrate();
+  }
   if (warm) {
     // No prediction yet: every token (from host memory in offload mode, zero-copy).
     KVS_CUDA_CHECK(
@@ -522,29 +598,29 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
         q, hq, kv, scale, ls.flags, max_blocks_, geo_, list_cap_, full_row ? nullptr : &ls.hist,
         sel, counters_.get() + kRowsRead, out, lse, sparse_ws, sparse_bytes, stream));
   }
-  const bool predicting = predicts(c, layer);
   if (!full_row && !fused)  // the prediction reads this row
     KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, view, sel.tokens, sel.max_tokens, kv.seq_lens,
                                        kv.batch, hkv, scale, geo_, ls.hist, sparse_ws, sparse_bytes,
                                        false, stream));
-  if (full_row && !branches) calibrate();
-  if (predicting) {
-    cudaStream_t ps = stream;
-    if (branches) {
-      const int lane = predict_lane(layer);
-      KVS_CUDA_CHECK(kernels::fork_from(predict_lanes_[size_t(lane)]->get(), stream));
-      ps = predict_lanes_[size_t(lane)]->get().side;
-      predict_forked_[size_t(lane)] = 1;
-      if (full_row) KVS_CUDA_CHECK(cudaStreamWaitEvent(ps, ls.calibrated, 0));
-    }
+  if (full_row && !branches)  // offload mode: on the caller's stream
+    full_row_cuda(ls, q, kv, ws + scratch_off, scratch_bytes, stream);
+  if (predicting && !branches) {
     KVS_CUDA_CHECK(ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, ls.scores,
-                                    interval_, ps));
-    KVS_CUDA_CHECK(
-        ap::select_blocks_cuda(ls.scores, ls.hist, kv.batch, hkv, geo_, k_blocks_, ls.flags, ps));
-    if (branches) {
-      KVS_CUDA_CHECK(cudaEventRecord(ls.predicted, ps));
-      ls.prediction_pending = true;
+                                    interval_, stream));
+    KVS_CUDA_CHECK(ap::select_blocks_cuda(ls.scores, ls.hist, kv.batch, hkv, geo_, k_blocks_,
+                                          ls.flags, stream));
+  }
+  if (branches && (full_row || predicting)) {
+    if (defer) {
+      PagedKV snap = kv;
+      snap.seq_lens = ls.len_snapshot;
+      deferred_.push_back({layer, full_row, predicting, snap});
+    } else if (predicting) {
+      launch_branches(ls, layer, kv, false, true, full_row, stream, true);
+      predict_forked_[size_t(predict_lane(layer))] = 1;
     }
+    ls.calibration_pending = full_row && !defer;
+    ls.prediction_pending = predicting && !defer;
   }
   if (branches && layer == last_sparse_) {
     // The end of a decode step (of a captured graph): the lanes it forked joined. Only those: a
@@ -730,6 +806,7 @@ std::vector<std::vector<int32_t>> AttnPredEngine::last_read(int layer, int b) co
 }
 
 std::vector<uint8_t> AttnPredEngine::block_flags(int layer) const {
+  flush_deferred();
   const LayerState& ls = layers_.at(size_t(layer));
   if (!ls.allocated)
     throw std::logic_error("attnpred engine: layer " + str(layer) + " has no state");
@@ -741,6 +818,7 @@ std::vector<uint8_t> AttnPredEngine::block_flags(int layer) const {
 }
 
 std::vector<float> AttnPredEngine::history_rows(int layer) const {
+  flush_deferred();
   const LayerState& ls = layers_.at(size_t(layer));
   if (!ls.allocated)
     throw std::logic_error("attnpred engine: layer " + str(layer) + " has no state");
@@ -753,6 +831,7 @@ std::vector<float> AttnPredEngine::history_rows(int layer) const {
 }
 
 std::vector<int32_t> AttnPredEngine::history_count(int layer) const {
+  flush_deferred();
   const LayerState& ls = layers_.at(size_t(layer));
   if (!ls.allocated)
     throw std::logic_error("attnpred engine: layer " + str(layer) + " has no state");
@@ -823,6 +902,7 @@ AttnPredEngine::OffloadStats AttnPredEngine::offload_stats() const {
 }
 
 EngineStats AttnPredEngine::stats() const {
+  flush_deferred();
   EngineStats s = host_stats_;
   if (counters_) {
     // The counters are added to on the caller's stream and on the non-blocking prefetch

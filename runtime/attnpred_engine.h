@@ -19,7 +19,9 @@
 //      (budget - sink - recent) / block candidate blocks; GPU-resident, on a prediction lane
 //      (predict_lanes()) that the decode of the last sparse layer joins, so that it runs
 //      beside the later layers' steps (the paper's cross-layer overlap: the selection for
-//      step t+1 is needed only at step t+1). On CUDA the CNN is incremental
+//      step t+1 is needed only at step t+1); the last kDeferredLayers sparse layers defer
+//      their calibration rows and predictions to the next step's start, so that the step's
+//      end does not wait for them. On CUDA the CNN is incremental
 //      (kernels/attnpred/attnpred.h CnnCache: 4 + k of the `history` conv rows for k rows
 //      appended since the last prediction); its cache doubles the history's device memory
 //      (one fp32 value per history cell). With predict_interval P > 1 this step runs on the
@@ -118,6 +120,13 @@ class AttnPredEngine : public Engine {
   /// 55.7 (2 lanes 46.4, 3 lanes 44.1).
   static constexpr int kCalibLanes = 2;
   static int predict_lanes(int interval) { return interval == 1 ? 4 : 2; }
+  /// GPU-resident: the last this many sparse layers (never the first) defer their calibration
+  /// row and prediction to the next step, launched by its first sparse layer's decode. Every
+  /// lane a step forks is joined at that step's end (a captured step must be whole), so the
+  /// branches forked by the last layers held the step's end until they finished, while their
+  /// results are needed only by the same layer's next decode, near the next step's end. A
+  /// deferred row reads the query copy and a snapshot of the lengths taken in its own step.
+  static constexpr int kDeferredLayers = 4;
 
   Method method() const override { return Method::AttnPred; }
   Backend backend() const override { return config_.backend; }
@@ -171,6 +180,24 @@ class AttnPredEngine : public Engine {
   // Makes `stream` wait for the layer's calibration row and prediction while they are still on
   // their branches.
   void wait_for_branches(LayerState& ls, cudaStream_t stream);
+  // CUDA: the layer's calibration row from q over all of kv's keys (host keys in offload
+  // mode), appended to its history, and its bytes counted.
+  void full_row_cuda(const LayerState& ls, const bf16* q, const PagedKV& kv, void* scratch,
+                     size_t scratch_bytes, cudaStream_t stream) const;
+  // GPU-resident: a layer's calibration row (from its query copy, over `kv`) and prediction on
+  // their lanes (calib_lane(), predict_lane()), forked from `from` when `fork` (else on the
+  // lanes as they are: the device idle, flush_deferred; `from` may be the legacy default
+  // stream, so it cannot say which), the prediction after the layer's row when after_row.
+  // Records the layer's events; the caller marks the lanes forked.
+  void launch_branches(const LayerState& ls, int layer, const PagedKV& kv, bool full_row,
+                       bool predicting, bool after_row, cudaStream_t from, bool fork) const;
+  // The branches the last step deferred (deferred_), launched: forked from `stream` by the
+  // first sparse layer's decode, the step's lanes then joined as usual.
+  void launch_deferred(cudaStream_t stream);
+  // Inspection and stats see every row and prediction made: the deferred ones are launched on
+  // the idle device and waited for.
+  void flush_deferred() const;
+  bool defers(int layer) const;
   void decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf16* out, float* lse);
   // Query head qh's history row: the softmax of q.k over `tokens` (all n when null),
   // max-pooled into blocks.
@@ -217,7 +244,17 @@ class AttnPredEngine : public Engine {
   std::vector<char> calib_forked_, predict_forked_;  // lanes forked in the step under way
   int calib_lane(int layer) const { return layer / period_ % int(calib_lanes_.size()); }
   int predict_lane(int layer) const { return layer / interval_ % int(predict_lanes_.size()); }
-  int last_sparse_ = -1;  // the highest layer that is not dense
+  int last_sparse_ = -1;   // the highest layer that is not dense
+  int first_sparse_ = -1;  // the lowest
+  int deferred_layers_ = kDeferredLayers;
+  // GPU-resident: the branches of the last step's late layers (defers()), not yet launched:
+  // the layer, what it deferred, and its KV view with the lengths of its step (len_snapshot).
+  struct Deferred {
+    int layer = 0;
+    bool full_row = false, predicting = false;
+    PagedKV kv;
+  };
+  mutable std::vector<Deferred> deferred_;
   uint64_t prefetches_ = 0;
 };
 

@@ -777,6 +777,92 @@ TEST(AttnPredCuda, OffloadPrefetchesTheSelectedBlocks) {
   run_against_cpu(true);
 }
 
+// Four layers (0 dense) against the CPU engine, eager: the last sparse layers defer their
+// calibration rows and predictions to the next step (AttnPredEngine::kDeferredLayers), which
+// must not change a row, a selection or an output. A deferred row reads the lengths of its own
+// step, so the history rows check that snapshot: the context grows by a token a step. Halfway,
+// every layer is prefilled again, which drops what its last step deferred (step 7 does not
+// inspect, so its deferred branches are pending then).
+void deferred_branches_match_cpu(int predict_interval) {
+  Scene sc;
+  sc.shape.num_layers = 4;
+  const AttnPredParams params = engine_params(9);
+  EngineConfig cc;
+  cc.backend = Backend::Cpu;
+  cc.attnpred.predict_interval = predict_interval;
+  EngineConfig gc = cc;
+  gc.backend = Backend::Cuda;
+  AttnPredEngine cpu(sc.shape, cc, params), gpu(sc.shape, gc, params);
+  Dev<char> ws(gpu.workspace_bytes());
+  gpu.bind_workspace({ws.p, gpu.workspace_bytes()});
+  Dev<bf16> dk(sc.k), dv(sc.v);
+  Dev<int32_t> tab(sc.table), len(1);
+  int32_t host_len = 900;
+  const PagedKV ckv = sc.view(sc.k.data(), sc.v.data(), sc.table.data(), &host_len);
+  const PagedKV gkv = sc.view(dk.p, dv.p, tab.p, len.p);
+  std::mt19937 rng(31);
+  std::normal_distribution<float> nd(0.f, 2.f);
+  std::vector<bf16> q(size_t(8) * 128), oc(q.size());
+  Dev<bf16> dq(q.size()), dout(q.size());
+  constexpr int kLayers = 4, kSteps = 16, kPrefillAgain = 8;
+  std::vector<char> diverged(kLayers, 0);  // once a near-tie flips a selection, histories differ
+  int compared = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    host_len = 900 + step;
+    KVS_CUDA_CHECK(cudaMemcpy(len.p, &host_len, sizeof(int32_t), cudaMemcpyHostToDevice));
+    if (step == 0 || step == kPrefillAgain) {
+      for (int l = 1; l < kLayers; ++l) {
+        cpu.prefill(l, ckv, nullptr);
+        gpu.prefill(l, gkv, nullptr);
+      }
+      std::fill(diverged.begin(), diverged.end(), 0);
+    }
+    for (int l = 0; l < kLayers; ++l) {
+      for (auto& x : q) x = float_to_bf16(nd(rng));
+      KVS_CUDA_CHECK(cudaMemcpy(dq.p, q.data(), q.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+      cpu.decode(l, q.data(), nullptr, ckv, oc.data(), nullptr, nullptr);
+      gpu.decode(l, dq.p, nullptr, gkv, dout.p, nullptr, nullptr);
+      const auto rc = cpu.last_read(l, 0), rg = gpu.last_read(l, 0);
+      ASSERT_EQ(rc.empty(), rg.empty()) << "step " << step << " layer " << l;
+      diverged[size_t(l)] |= rc != rg;
+      if (diverged[size_t(l)]) continue;
+      ++compared;
+      const std::vector<bf16> og = dout.get(q.size());
+      for (size_t i = 0; i < q.size(); ++i)
+        ASSERT_NEAR(bf16_to_float(og[i]), bf16_to_float(oc[i]),
+                    2e-2 + 2e-2 * std::abs(bf16_to_float(oc[i])))
+            << "step " << step << " layer " << l << " at " << i;
+    }
+    // Every layer's history, the deferred rows included (inspection launches them), after
+    // every third step: on the others the next step's first sparse layer launches them.
+    if (step % 3 != 2) continue;
+    for (int l = 1; l < kLayers; ++l) {
+      const int since_prefill = step < kPrefillAgain ? step + 1 : step - kPrefillAgain + 1;
+      ASSERT_EQ(gpu.history_count(l)[0], since_prefill) << "step " << step << " layer " << l;
+      if (diverged[size_t(l)]) continue;
+      const auto hc = cpu.history_rows(l), hg = gpu.history_rows(l);
+      ASSERT_EQ(hc.size(), hg.size());
+      for (size_t i = 0; i < hc.size(); ++i)
+        ASSERT_NEAR(hg[i], hc[i], 1e-5 + 1e-4 * hc[i])
+            << "step " << step << " layer " << l << " at " << i;
+      EXPECT_EQ(cpu.block_flags(l), gpu.block_flags(l)) << "step " << step << " layer " << l;
+    }
+  }
+  // Most layer-steps compared before any near-tie.
+  EXPECT_GT(compared, kSteps * kLayers / 2);
+}
+
+TEST(AttnPredCuda, DeferredBranchesMatchCpu) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_GE(AttnPredEngine::kDeferredLayers, 2);  // layers 2 and 3 defer
+  deferred_branches_match_cpu(1);
+}
+
+TEST(AttnPredCuda, DeferredBranchesMatchCpuPredictingEverySecondStep) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  deferred_branches_match_cpu(2);
+}
+
 // A CUDA graph of decode steps over every layer (the way a decode loop runs the engine): the
 // predictions on their branch, joined by the last sparse layer's decode, must give exactly
 // the eager calls' outputs, histories and selections. Layers 1-3 sparse (0 dense), a
