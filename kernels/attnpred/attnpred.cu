@@ -1091,11 +1091,13 @@ __global__ void __launch_bounds__(kThreads)
 // 4 warps of 3 stages (48 KB at head_dim 128; launched 2 an SM, ring_launch_smem) measured
 // best on an H200 among 4 x 3, 4 x 4, 4 x 6 and 2 x 6 (docs/gpu.md).
 constexpr int kRingWarps = 4, kRingStages = 3;
-// The row's CTAs come in this many waves (each CTA a contiguous share a quarter of one wave's):
-// the engine runs the row on a branch beside the sparse steps, which are launched at a greater
-// priority and take the SMs as the row's CTAs end (launch_sparse_attend). In one wave the row
-// held every SM's shared memory until it ended.
-constexpr int kRingWaves = 4;
+// The row runs as one CTA an SM (sms / (batch x kv heads) parts a kv head, at least one), a
+// single wave: the engine runs it on a lane beside the later layers' sparse steps, and a
+// thinner, longer row leaves them the SMs and DRAM while the last layers' rows no longer hold
+// the step's end (AttnPredEngine::kDeferredLayers). 128K batch 1 over 32 layers on an H200 at
+// P 4: 28.3 us a layer-step against 29.0 with four waves of 2 CTAs an SM; the row alone takes
+// 93 us against 78 (docs/gpu.md, 2026-11-30, fourth session). Before the last layers deferred
+// theirs, 128 CTAs gained 0.4-0.5 us and thinner rows lost (64 CTAs: 34.0 against 29.8).
 template <int D>
 constexpr size_t ring_smem_bytes() {
   return size_t(kRingWarps) * kRingStages * tiles::kTile * (D / 8) * sizeof(uint4);
@@ -1957,7 +1959,7 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
   int sms = 0;
   if (const cudaError_t e = sm_count(&sms); e != cudaSuccess) return e;
   // Blocks of 8 or 16 from device memory whose rows fit in int32: the ring kernel, its CTAs
-  // over the batch's kv heads in kRingWaves waves, its parts' partials in place of the chunks'.
+  // over the batch's kv heads in one wave, its parts' partials in place of the chunks'.
   if (pooled && g.block != 32 &&
       int64_t(view.num_pages) * view.page_size * view.num_kv_heads <= INT_MAX) {
     auto ring = view.head_dim == 128 ? row_max_ring_kernel<128> : row_max_ring_kernel<64>;
@@ -1965,13 +1967,12 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
     if (const cudaError_t e = sm_info(&info); e != cudaSuccess) return e;
     const size_t smem = ring_launch_smem(
         view.head_dim == 128 ? ring_smem_bytes<128>() : ring_smem_bytes<64>(), info);
-    int per_sm = 0;
+    int per_sm = 0;  // also lets the kernel take its shared memory past 48 KB
     if (const cudaError_t e = resident_ctas_per_sm(reinterpret_cast<const void*>(ring),
                                                    kRingWarps * 32, smem, &per_sm);
         e != cudaSuccess)
       return e;
-    const int parts = std::max(
-        1, std::min(chunks, kRingWaves * per_sm * sms / std::max(1, batch * num_kv_heads)));
+    const int parts = std::max(1, std::min(chunks, sms / std::max(1, batch * num_kv_heads)));
     ring<<<dim3(batch * num_kv_heads, parts), kRingWarps * 32, smem, stream>>>(
         q, num_q_heads, view, num_kv_heads, scale, scores, partials, parts, hist, g.block,
         pool_done);
@@ -2058,7 +2059,7 @@ static cudaError_t launch_sparse_attend(SparseParams p, int sms, cudaStream_t st
   // Both kernels at the device's greatest priority: the engine's calibration rows and
   // predictions run beside them on branches, and the SMs their CTAs free go to the step first.
   // Over 32 layers in one graph (instantiated to honour node priorities) at 128K grouped, P 4,
-  // on an H200: 32.2 us a step against 36.4, 31.7 with the row in waves (kRingWaves);
+  // on an H200: 32.2 us a step against 36.4, 31.7 with the calibration row then in four waves;
   // docs/gpu.md, 2026-11-30.
   if (const cudaError_t e =
           launch_ex(LaunchHow{false, true}, kernel, dim3(unsigned(p.parts), unsigned(bh)),
