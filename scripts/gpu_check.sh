@@ -22,6 +22,23 @@ mkdir -p "$OUT"
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 t0=$SECONDS
+# At most 8 files come back from the GPU machine: summary.txt and results.md stay, the JSON
+# goes in json.tgz and the logs in logs.tgz. (A *.tmp.* file is JSON a timeout cut off.) Also
+# when a caller's timeout stops the check (SIGTERM): the JSON written so far still comes back.
+pack_outputs() {
+  (
+    cd "$OUT" || exit 1
+    shopt -s nullglob
+    json=(./*.json)
+    if [ ${#json[@]} -gt 0 ]; then tar czf json.tgz "${json[@]}" && rm -f "${json[@]}"; fi
+    rm -f ./*.tmp.*
+    logs=(./*.log)
+    if [ ${#logs[@]} -gt 0 ]; then tar czf logs.tgz "${logs[@]}" && rm -f "${logs[@]}"; fi
+  )
+}
+step_pid=  # run_step's step under way
+trap 'echo "== stopped after $((SECONDS - t0)) s"; [ -n "$step_pid" ] && kill -TERM "$step_pid" 2>/dev/null;
+      pack_outputs; exit 124' TERM INT
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader \
   > "$OUT/build.log" 2>&1
@@ -48,8 +65,13 @@ run_step() {  # name, seconds, log, command...
   local name=$1 secs=$2 log=$3; shift 3
   local t=$SECONDS
   echo "== $name: $*" >> "$OUT/$log"
-  timeout "$secs" "$@" >> "$OUT/$log" 2>&1
+  # In the background and waited for, so that a SIGTERM to the check interrupts the wait and
+  # the trap above stops the step (timeout passes the signal on) instead of waiting it out.
+  timeout "$secs" "$@" >> "$OUT/$log" 2>&1 &
+  step_pid=$!
+  wait "$step_pid"
   local rc=$?
+  step_pid=
   if [ $rc -eq 0 ]; then note "$name ok ($((SECONDS - t)) s)";
   elif [ $rc -eq 124 ]; then note "$name TIMED OUT after $secs s (see $log)";
   else note "$name FAILED rc=$rc (see $log)"; fi
@@ -180,13 +202,4 @@ fi
 if [ -f "$OUT/methods.log" ]; then
   echo; echo "== method benchmarks (methods.log)"; grep -v '^== ' "$OUT/methods.log" | tail -120
 fi
-# At most 8 files come back from the GPU machine: summary.txt and results.md stay, the JSON
-# goes in json.tgz and the logs in logs.tgz. (A *.tmp.* file is JSON a timeout cut off.)
-(
-  cd "$OUT" || exit 1
-  shopt -s nullglob
-  json=(./*.json)
-  if [ ${#json[@]} -gt 0 ]; then tar czf json.tgz "${json[@]}" && rm -f "${json[@]}"; fi
-  rm -f ./*.tmp.*
-  tar czf logs.tgz ./*.log && rm -f ./*.log
-)
+pack_outputs
