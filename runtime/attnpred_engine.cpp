@@ -286,12 +286,12 @@ void AttnPredEngine::full_row_cuda(const LayerState& ls, const bf16* q, const Pa
 
 void AttnPredEngine::launch_branches(const LayerState& ls, int layer, const PagedKV& kv,
                                      bool full_row, bool predicting, bool after_row,
-                                     cudaStream_t from, bool fork) const {
+                                     cudaStream_t from) const {
   const int hq = shape_.num_q_heads, hkv = shape_.num_kv_heads;
   if (full_row) {
     const int lane = calib_lane(layer);
     const kernels::StreamFork& f = calib_lanes_[size_t(lane)]->get();
-    if (fork) KVS_CUDA_CHECK(kernels::fork_from(f, from));
+    KVS_CUDA_CHECK(kernels::fork_from(f, from));
     // The calibration rows of a lane share its scratch, so they run in order on it.
     const size_t scratch_bytes =
         align_up(ap::row_scratch_bytes(config_.max_batch, hq, max_blocks_ * geo_.block));
@@ -302,7 +302,7 @@ void AttnPredEngine::launch_branches(const LayerState& ls, int layer, const Page
   }
   if (predicting) {
     const kernels::StreamFork& f = predict_lanes_[size_t(predict_lane(layer))]->get();
-    if (fork) KVS_CUDA_CHECK(kernels::fork_from(f, from));
+    KVS_CUDA_CHECK(kernels::fork_from(f, from));
     if (after_row) KVS_CUDA_CHECK(cudaStreamWaitEvent(f.side, ls.calibrated, 0));
     KVS_CUDA_CHECK(ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, ls.scores,
                                     interval_, f.side));
@@ -315,7 +315,7 @@ void AttnPredEngine::launch_branches(const LayerState& ls, int layer, const Page
 void AttnPredEngine::launch_deferred(cudaStream_t stream) {
   for (const Deferred& d : deferred_) {
     LayerState& ls = layers_[size_t(d.layer)];
-    launch_branches(ls, d.layer, d.kv, d.full_row, d.predicting, d.full_row, stream, true);
+    launch_branches(ls, d.layer, d.kv, d.full_row, d.predicting, d.full_row, stream);
     if (d.full_row) calib_forked_[size_t(calib_lane(d.layer))] = 1;
     if (d.predicting) predict_forked_[size_t(predict_lane(d.layer))] = 1;
     ls.calibration_pending = d.full_row;
@@ -324,16 +324,22 @@ void AttnPredEngine::launch_deferred(cudaStream_t stream) {
   deferred_.clear();
 }
 
-void AttnPredEngine::flush_deferred() const {
+void AttnPredEngine::complete_deferred(cudaStream_t stream) {
   if (deferred_.empty()) return;
-  // Never inside a capture (inspection and stats synchronize): the device is idle after this,
-  // so the rows' inputs are written, and the lanes need no fork.
-  KVS_CUDA_CHECK(cudaDeviceSynchronize());
-  for (const Deferred& d : deferred_)
-    launch_branches(layers_[size_t(d.layer)], d.layer, d.kv, d.full_row, d.predicting, d.full_row,
-                    nullptr, false);
-  deferred_.clear();
-  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  launch_deferred(stream);
+  join_lanes(stream);
+}
+
+void AttnPredEngine::join_lanes(cudaStream_t stream) {
+  // Only the lanes forked since the last join: a captured step that joined a lane it had not
+  // forked would wait on an event recorded outside the capture.
+  for (size_t i = 0; i < calib_lanes_.size(); ++i)
+    if (calib_forked_[i]) KVS_CUDA_CHECK(kernels::join_into(calib_lanes_[i]->get(), stream));
+  for (size_t i = 0; i < predict_lanes_.size(); ++i)
+    if (predict_forked_[i]) KVS_CUDA_CHECK(kernels::join_into(predict_lanes_[i]->get(), stream));
+  std::fill(calib_forked_.begin(), calib_forked_.end(), 0);
+  std::fill(predict_forked_.begin(), predict_forked_.end(), 0);
+  for (LayerState& other : layers_) other.prediction_pending = other.calibration_pending = false;
 }
 
 AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
@@ -570,7 +576,7 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
                                      size_t(kv.batch) * sizeof(int32_t), cudaMemcpyDefault,
                                      stream));
     else {
-      launch_branches(ls, layer, kv, true, false, false, stream, true);
+      launch_branches(ls, layer, kv, true, false, false, stream);
       calib_forked_[size_t(calib_lane(layer))] = 1;
     }
   }
@@ -616,24 +622,13 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
       snap.seq_lens = ls.len_snapshot;
       deferred_.push_back({layer, full_row, predicting, snap});
     } else if (predicting) {
-      launch_branches(ls, layer, kv, false, true, full_row, stream, true);
+      launch_branches(ls, layer, kv, false, true, full_row, stream);
       predict_forked_[size_t(predict_lane(layer))] = 1;
     }
     ls.calibration_pending = full_row && !defer;
     ls.prediction_pending = predicting && !defer;
   }
-  if (branches && layer == last_sparse_) {
-    // The end of a decode step (of a captured graph): the lanes it forked joined. Only those: a
-    // captured step that joined a lane it had not forked would wait on an event recorded
-    // outside the capture.
-    for (size_t i = 0; i < calib_lanes_.size(); ++i)
-      if (calib_forked_[i]) KVS_CUDA_CHECK(kernels::join_into(calib_lanes_[i]->get(), stream));
-    for (size_t i = 0; i < predict_lanes_.size(); ++i)
-      if (predict_forked_[i]) KVS_CUDA_CHECK(kernels::join_into(predict_lanes_[i]->get(), stream));
-    std::fill(calib_forked_.begin(), calib_forked_.end(), 0);
-    std::fill(predict_forked_.begin(), predict_forked_.end(), 0);
-    for (LayerState& other : layers_) other.prediction_pending = other.calibration_pending = false;
-  }
+  if (branches && layer == last_sparse_) join_lanes(stream);  // the end of a decode step
   if (offload) {
     // Cross-token prefetch of the blocks step t+1 needs. The lengths are snapshotted on the
     // main stream: the caller may advance kv.seq_lens for the next step while the copy runs.
@@ -806,7 +801,6 @@ std::vector<std::vector<int32_t>> AttnPredEngine::last_read(int layer, int b) co
 }
 
 std::vector<uint8_t> AttnPredEngine::block_flags(int layer) const {
-  flush_deferred();
   const LayerState& ls = layers_.at(size_t(layer));
   if (!ls.allocated)
     throw std::logic_error("attnpred engine: layer " + str(layer) + " has no state");
@@ -818,7 +812,6 @@ std::vector<uint8_t> AttnPredEngine::block_flags(int layer) const {
 }
 
 std::vector<float> AttnPredEngine::history_rows(int layer) const {
-  flush_deferred();
   const LayerState& ls = layers_.at(size_t(layer));
   if (!ls.allocated)
     throw std::logic_error("attnpred engine: layer " + str(layer) + " has no state");
@@ -831,7 +824,6 @@ std::vector<float> AttnPredEngine::history_rows(int layer) const {
 }
 
 std::vector<int32_t> AttnPredEngine::history_count(int layer) const {
-  flush_deferred();
   const LayerState& ls = layers_.at(size_t(layer));
   if (!ls.allocated)
     throw std::logic_error("attnpred engine: layer " + str(layer) + " has no state");
@@ -902,7 +894,6 @@ AttnPredEngine::OffloadStats AttnPredEngine::offload_stats() const {
 }
 
 EngineStats AttnPredEngine::stats() const {
-  flush_deferred();
   EngineStats s = host_stats_;
   if (counters_) {
     // The counters are added to on the caller's stream and on the non-blocking prefetch

@@ -163,7 +163,16 @@ class AttnPredEngine : public Engine {
   };
   OffloadStats offload_stats() const;
 
-  // Inspection (tests, tools): host copies of a layer's state; on CUDA they synchronize.
+  /// GPU-resident: launches, on `stream`, the calibration rows and predictions the last decode
+  /// step deferred (kDeferredLayers), which otherwise run with the next step, and makes
+  /// `stream` wait for them: for the end of an eager decode loop, before inspecting the
+  /// history or reading stats() (which count what has run). Never between replays of a
+  /// captured loop: the next replay's first step launches them, and they would run twice.
+  void complete_deferred(cudaStream_t stream);
+
+  // Inspection (tests, tools): host copies of a layer's state; on CUDA they synchronize. A
+  // layer that deferred its row and prediction shows them once they have run
+  // (complete_deferred, or the next step).
   std::vector<uint8_t> block_flags(int layer) const;    ///< [max_batch, Hkv, max_blocks], next step
   std::vector<float> history_rows(int layer) const;     ///< [max_batch, Hq, history, max_blocks]
   std::vector<int32_t> history_count(int layer) const;  ///< [max_batch]
@@ -189,18 +198,15 @@ class AttnPredEngine : public Engine {
   void full_row_cuda(const LayerState& ls, const bf16* q, const PagedKV& kv, void* scratch,
                      size_t scratch_bytes, cudaStream_t stream) const;
   // GPU-resident: a layer's calibration row (from its query copy, over `kv`) and prediction on
-  // their lanes (calib_lane(), predict_lane()), forked from `from` when `fork` (else on the
-  // lanes as they are: the device idle, flush_deferred; `from` may be the legacy default
-  // stream, so it cannot say which), the prediction after the layer's row when after_row.
-  // Records the layer's events; the caller marks the lanes forked.
+  // their lanes (calib_lane(), predict_lane()), forked from `from`, the prediction after the
+  // layer's row when after_row. Records the layer's events; the caller marks the lanes forked.
   void launch_branches(const LayerState& ls, int layer, const PagedKV& kv, bool full_row,
-                       bool predicting, bool after_row, cudaStream_t from, bool fork) const;
+                       bool predicting, bool after_row, cudaStream_t from) const;
   // The branches the last step deferred (deferred_), launched: forked from `stream` by the
   // first sparse layer's decode, the step's lanes then joined as usual.
   void launch_deferred(cudaStream_t stream);
-  // Inspection and stats see every row and prediction made: the deferred ones are launched on
-  // the idle device and waited for.
-  void flush_deferred() const;
+  // `stream` waits for the lanes forked since the last join (the end of a step).
+  void join_lanes(cudaStream_t stream);
   bool defers(int layer) const;
   void decode_cpu(int layer, const bf16* q, const PagedKV& kv, bf16* out, float* lse);
   // Query head qh's history row: the softmax of q.k over `tokens` (all n when null),
@@ -258,7 +264,7 @@ class AttnPredEngine : public Engine {
     bool full_row = false, predicting = false;
     PagedKV kv;
   };
-  mutable std::vector<Deferred> deferred_;
+  std::vector<Deferred> deferred_;
   uint64_t prefetches_ = 0;
 };
 

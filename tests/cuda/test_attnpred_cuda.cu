@@ -782,7 +782,7 @@ TEST(AttnPredCuda, OffloadPrefetchesTheSelectedBlocks) {
 // must not change a row, a selection or an output. A deferred row reads the lengths of its own
 // step, so the history rows check that snapshot: the context grows by a token a step. Halfway,
 // every layer is prefilled again, which drops what its last step deferred (step 7 does not
-// inspect, so its deferred branches are pending then).
+// complete it, so its deferred branches are pending then).
 void deferred_branches_match_cpu(int predict_interval) {
   Scene sc;
   sc.shape.num_layers = 4;
@@ -833,9 +833,10 @@ void deferred_branches_match_cpu(int predict_interval) {
                     2e-2 + 2e-2 * std::abs(bf16_to_float(oc[i])))
             << "step " << step << " layer " << l << " at " << i;
     }
-    // Every layer's history, the deferred rows included (inspection launches them), after
-    // every third step: on the others the next step's first sparse layer launches them.
+    // Every layer's history, the deferred rows included (complete_deferred), after every
+    // third step: on the others the next step's first sparse layer launches them.
     if (step % 3 != 2) continue;
+    gpu.complete_deferred(nullptr);
     for (int l = 1; l < kLayers; ++l) {
       const int since_prefill = step < kPrefillAgain ? step + 1 : step - kPrefillAgain + 1;
       ASSERT_EQ(gpu.history_count(l)[0], since_prefill) << "step " << step << " layer " << l;
@@ -969,6 +970,9 @@ void graph_of_steps_equals_eager_steps(int period, int interval, int eager_steps
                                            interval <= AttnPredEngine::kUrgentPredictInterval);
   KVS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority));
   KVS_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  // What the last step deferred (kDeferredLayers), run once on both, as an eager loop's end.
+  eager.complete_deferred(stream);
+  graphed.complete_deferred(stream);
   KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
   const size_t n_out = qn * num_steps * kLayers;
   const std::vector<bf16> oe = out_e.get(n_out), og = out_g.get(n_out);
