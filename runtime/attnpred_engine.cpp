@@ -318,8 +318,8 @@ void AttnPredEngine::launch_deferred(cudaStream_t stream) {
     launch_branches(ls, d.layer, d.kv, d.full_row, d.predicting, d.full_row, stream);
     if (d.full_row) calib_forked_[size_t(calib_lane(d.layer))] = 1;
     if (d.predicting) predict_forked_[size_t(predict_lane(d.layer))] = 1;
-    ls.calibration_pending = d.full_row;
-    ls.prediction_pending = d.predicting;
+    ls.calibration_pending |= d.full_row;
+    ls.prediction_pending |= d.predicting;
   }
   deferred_.clear();
 }
