@@ -125,6 +125,10 @@ struct AttnPredEngine::LayerState {
   bool calibration_pending = false, prediction_pending = false;
   cudaEvent_t calibrated = nullptr, predicted = nullptr;
   bf16* q_copy = nullptr;
+  // GPU-resident: the sparse step's history row, written on the row lane from these inputs.
+  ap::SparseRow row;
+  bool row_pending = false;
+  cudaEvent_t rowed = nullptr;
 };
 
 AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& config,
@@ -204,6 +208,7 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
       for (int i = 0; i < predict_lanes(interval_); ++i)
         predict_lanes_.push_back(
             std::make_unique<OwnedStreamFork>(interval_ <= kUrgentPredictInterval, kPredictRaise));
+      row_lane_ = std::make_unique<OwnedStreamFork>(true);
       calib_forked_.assign(calib_lanes_.size(), 0);
       predict_forked_.assign(predict_lanes_.size(), 0);
     }
@@ -229,10 +234,17 @@ AttnPredEngine::~AttnPredEngine() {
   if (side_stream_) cudaStreamSynchronize(side_stream_);
   calib_lanes_.clear();  // their streams drain first
   predict_lanes_.clear();
+  row_lane_.reset();
   for (LayerState& ls : layers_) {
     if (!ls.allocated) continue;
     if (ls.predicted) cudaEventDestroy(ls.predicted);
     if (ls.calibrated) cudaEventDestroy(ls.calibrated);
+    if (ls.rowed) cudaEventDestroy(ls.rowed);
+    cudaFree(ls.row.block_max);
+    cudaFree(ls.row.block_ids);
+    cudaFree(ls.row.block_count);
+    cudaFree(ls.row.lse);
+    cudaFree(ls.row.done);
     cudaFree(ls.q_copy);
     cudaFree(ls.len_snapshot);
     cudaFree(ls.hist.rows);
@@ -269,7 +281,8 @@ bool AttnPredEngine::is_dense_layer(int layer) const {
 void AttnPredEngine::wait_for_branches(LayerState& ls, cudaStream_t stream) {
   if (ls.calibration_pending) KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.calibrated, 0));
   if (ls.prediction_pending) KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.predicted, 0));
-  ls.calibration_pending = ls.prediction_pending = false;
+  if (ls.row_pending) KVS_CUDA_CHECK(cudaStreamWaitEvent(stream, ls.rowed, 0));
+  ls.calibration_pending = ls.prediction_pending = ls.row_pending = false;
 }
 
 void AttnPredEngine::full_row_cuda(const LayerState& ls, const bf16* q, const PagedKV& kv,
@@ -285,7 +298,7 @@ void AttnPredEngine::full_row_cuda(const LayerState& ls, const bf16* q, const Pa
 }
 
 void AttnPredEngine::launch_branches(const LayerState& ls, int layer, const PagedKV& kv,
-                                     bool full_row, bool predicting, bool after_row,
+                                     bool full_row, bool predicting, cudaEvent_t row_done,
                                      cudaStream_t from) const {
   const int hq = shape_.num_q_heads, hkv = shape_.num_kv_heads;
   if (full_row) {
@@ -303,7 +316,7 @@ void AttnPredEngine::launch_branches(const LayerState& ls, int layer, const Page
   if (predicting) {
     const kernels::StreamFork& f = predict_lanes_[size_t(predict_lane(layer))]->get();
     KVS_CUDA_CHECK(kernels::fork_from(f, from));
-    if (after_row) KVS_CUDA_CHECK(cudaStreamWaitEvent(f.side, ls.calibrated, 0));
+    if (row_done) KVS_CUDA_CHECK(cudaStreamWaitEvent(f.side, row_done, 0));
     KVS_CUDA_CHECK(ap::predict_cuda(device_params_, ls.hist, ls.cnn, kv.batch, geo_, ls.scores,
                                     interval_, f.side));
     KVS_CUDA_CHECK(ap::select_blocks_cuda(ls.scores, ls.hist, kv.batch, hkv, geo_, k_blocks_,
@@ -315,7 +328,8 @@ void AttnPredEngine::launch_branches(const LayerState& ls, int layer, const Page
 void AttnPredEngine::launch_deferred(cudaStream_t stream) {
   for (const Deferred& d : deferred_) {
     LayerState& ls = layers_[size_t(d.layer)];
-    launch_branches(ls, d.layer, d.kv, d.full_row, d.predicting, d.full_row, stream);
+    launch_branches(ls, d.layer, d.kv, d.full_row, d.predicting,
+                    d.full_row ? ls.calibrated : nullptr, stream);
     if (d.full_row) calib_forked_[size_t(calib_lane(d.layer))] = 1;
     if (d.predicting) predict_forked_[size_t(predict_lane(d.layer))] = 1;
     ls.calibration_pending |= d.full_row;
@@ -337,9 +351,12 @@ void AttnPredEngine::join_lanes(cudaStream_t stream) {
     if (calib_forked_[i]) KVS_CUDA_CHECK(kernels::join_into(calib_lanes_[i]->get(), stream));
   for (size_t i = 0; i < predict_lanes_.size(); ++i)
     if (predict_forked_[i]) KVS_CUDA_CHECK(kernels::join_into(predict_lanes_[i]->get(), stream));
+  if (row_forked_) KVS_CUDA_CHECK(kernels::join_into(row_lane_->get(), stream));
   std::fill(calib_forked_.begin(), calib_forked_.end(), 0);
   std::fill(predict_forked_.begin(), predict_forked_.end(), 0);
-  for (LayerState& other : layers_) other.prediction_pending = other.calibration_pending = false;
+  row_forked_ = false;
+  for (LayerState& other : layers_)
+    other.prediction_pending = other.calibration_pending = other.row_pending = false;
 }
 
 AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
@@ -381,6 +398,13 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
       KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.calibrated, cudaEventDisableTiming));
       ls.q_copy = device_alloc<bf16>(int64_t(B) * hq * shape_.head_dim);
       ls.len_snapshot = device_alloc<int32_t>(B);
+      KVS_CUDA_CHECK(cudaEventCreateWithFlags(&ls.rowed, cudaEventDisableTiming));
+      ls.row.block_max = device_alloc<float>(int64_t(B) * hq * list_cap_);
+      ls.row.block_ids = device_alloc<int32_t>(int64_t(B) * hkv * list_cap_);
+      ls.row.block_count = device_alloc<int32_t>(int64_t(B) * hkv);
+      ls.row.lse = device_alloc<float>(int64_t(B) * hq);
+      ls.row.done = device_alloc<unsigned int>(1);
+      zero_on_device(ls.row.done, sizeof(unsigned int));
     }
     if (config_.attnpred.offload) {
       ap::BlockCache& c = ls.cache;
@@ -576,7 +600,7 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
                                      size_t(kv.batch) * sizeof(int32_t), cudaMemcpyDefault,
                                      stream));
     else {
-      launch_branches(ls, layer, kv, true, false, false, stream);
+      launch_branches(ls, layer, kv, true, false, nullptr, stream);
       calib_forked_[size_t(calib_lane(layer))] = 1;
     }
   }
@@ -599,10 +623,23 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
     KVS_CUDA_CHECK(kernels::dense_decode_cuda(q, shape_.group_size(), view, scale, out, lse,
                                               dense_ws, dense_bytes, stream));
   } else {
-    // A calibration step's history row is the full row, appended below.
-    KVS_CUDA_CHECK(ap::sparse_attend_cuda(
-        q, hq, kv, scale, ls.flags, max_blocks_, geo_, list_cap_, full_row ? nullptr : &ls.hist,
-        sel, counters_.get() + kRowsRead, out, lse, sparse_ws, sparse_bytes, stream));
+    // A calibration step's history row is the full row, appended below. Otherwise, on lanes,
+    // the step's row is written on the row lane: only the layer's prediction and next decode
+    // read it.
+    const bool row_apart = !full_row && branches;
+    KVS_CUDA_CHECK(ap::sparse_attend_cuda(q, hq, kv, scale, ls.flags, max_blocks_, geo_, list_cap_,
+                                          full_row ? nullptr : &ls.hist, sel,
+                                          counters_.get() + kRowsRead, out, lse, sparse_ws,
+                                          sparse_bytes, stream, row_apart ? &ls.row : nullptr));
+    if (row_apart) {
+      const kernels::StreamFork& f = row_lane_->get();
+      KVS_CUDA_CHECK(kernels::fork_from(f, stream));
+      KVS_CUDA_CHECK(
+          ap::sparse_row_cuda(ls.row, ls.hist, kv.seq_lens, kv.batch, hq, hkv, list_cap_, f.side));
+      KVS_CUDA_CHECK(cudaEventRecord(ls.rowed, f.side));
+      ls.row_pending = true;
+      row_forked_ = true;
+    }
   }
   if (!full_row && !fused)  // the prediction reads this row
     KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, view, sel.tokens, sel.max_tokens, kv.seq_lens,
@@ -622,7 +659,11 @@ void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const P
       snap.seq_lens = ls.len_snapshot;
       deferred_.push_back({layer, full_row, predicting, snap});
     } else if (predicting) {
-      launch_branches(ls, layer, kv, false, true, full_row, stream);
+      launch_branches(ls, layer, kv, false, true,
+                      full_row         ? ls.calibrated
+                      : ls.row_pending ? ls.rowed
+                                       : nullptr,
+                      stream);
       predict_forked_[size_t(predict_lane(layer))] = 1;
     }
     ls.calibration_pending = full_row && !defer;

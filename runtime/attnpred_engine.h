@@ -198,10 +198,11 @@ class AttnPredEngine : public Engine {
   void full_row_cuda(const LayerState& ls, const bf16* q, const PagedKV& kv, void* scratch,
                      size_t scratch_bytes, cudaStream_t stream) const;
   // GPU-resident: a layer's calibration row (from its query copy, over `kv`) and prediction on
-  // their lanes (calib_lane(), predict_lane()), forked from `from`, the prediction after the
-  // layer's row when after_row. Records the layer's events; the caller marks the lanes forked.
+  // their lanes (calib_lane(), predict_lane()), forked from `from`, the prediction after
+  // row_done (the event of the step's history row on another lane, or null). Records the
+  // layer's events; the caller marks the lanes forked.
   void launch_branches(const LayerState& ls, int layer, const PagedKV& kv, bool full_row,
-                       bool predicting, bool after_row, cudaStream_t from) const;
+                       bool predicting, cudaEvent_t row_done, cudaStream_t from) const;
   // The branches the last step deferred (deferred_), launched: forked from `stream` by the
   // first sparse layer's decode, the step's lanes then joined as usual.
   void launch_deferred(cudaStream_t stream);
@@ -252,6 +253,13 @@ class AttnPredEngine : public Engine {
   // decode(last_sparse_) joins those the step forked.
   std::vector<std::unique_ptr<OwnedStreamFork>> calib_lanes_, predict_lanes_;
   std::vector<char> calib_forked_, predict_forked_;  // lanes forked in the step under way
+  // The sparse steps' history rows (sparse_row_cuda), at the greatest priority: each layer's
+  // row is read only by its prediction and its next decode, so it leaves the step's chain.
+  // Over 32 layers at 128K grouped on an H200: P 4 28.1 / 28.1 us a layer-step against
+  // 28.6 / 28.4, P 1 40.5 against 42.0, P 20 / M 20 19.7 against 20.0 (docs/gpu.md,
+  // 2026-11-30, fifth session).
+  std::unique_ptr<OwnedStreamFork> row_lane_;
+  bool row_forked_ = false;
   int calib_lane(int layer) const { return layer / period_ % int(calib_lanes_.size()); }
   int predict_lane(int layer) const { return layer / interval_ % int(predict_lanes_.size()); }
   int last_sparse_ = -1;   // the highest layer that is not dense

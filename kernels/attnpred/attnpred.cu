@@ -1552,7 +1552,10 @@ struct SparseParams {
   int tokens_stride;
   unsigned long long* counters;  // may be null: [0] += tokens attended, [1] += blocks over cap
   HistoryState hist;
-  bool append;  // write the history row (not on calibration steps: the full row is theirs)
+  bool append;     // the step's history row (not on calibration steps: the full row is theirs)
+  bool row_apart;  // with append: the row's inputs into a SparseRow, its stores left to
+                   // sparse_row_cuda
+  float* row_lse;  // row_apart: [b * Hq + query head]
   unsigned int* done;
   __nv_bfloat16* o;
   float* lse;  // may be null
@@ -1811,6 +1814,23 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   }
 }
 
+// Query head qh's part of sequence b's history row from its step: each of the K attended
+// blocks' probability, exp(its largest scaled score - lse), the group's largest when the
+// history is per kv head (the slot was zeroed by the step). Every thread of the CTA calls it.
+__device__ __forceinline__ void store_sparse_row(const HistoryState& hist, int b, int qh, float lse,
+                                                 const float* block_max, const int32_t* ids,
+                                                 int K) {
+  const float lse2 = lse * tiles::kLog2e;
+  float* hrow = hist.slot(b, qh / hist.group, hist.count[b] % hist.history);
+  for (int r = threadIdx.x; r < K; r += blockDim.x) {
+    const float v = exp2f(block_max[r] - lse2);
+    if (hist.group == 1)
+      hrow[ids[r]] = v;
+    else  // the group's largest: probabilities are >= 0, so their float bits order as ints
+      atomicMax(reinterpret_cast<int*>(hrow + ids[r]), __float_as_int(v));
+  }
+}
+
 template <int D>
 __global__ void __launch_bounds__(kSparseMergeWarps * 32)
     sparse_merge_kernel(const __grid_constant__ SparseParams p) {
@@ -1827,20 +1847,31 @@ __global__ void __launch_bounds__(kSparseMergeWarps * 32)
   const float lse = s_lse;
   if (threadIdx.x == 0 && p.lse) p.lse[row] = lse;
   if (!p.append) return;
-  const int K = min(p.block_count[bh], p.list_cap);
-  const float lse2 = lse * tiles::kLog2e;
-  const HistoryState& hist = p.hist;
-  float* hrow = hist.slot(b, qh / hist.group, hist.count[b] % hist.history);
-  const float* mx = p.block_max + int64_t(row) * p.list_cap;
-  const int32_t* ids = p.block_ids + int64_t(bh) * p.list_cap;
-  for (int r = threadIdx.x; r < K; r += blockDim.x) {
-    const float v = exp2f(mx[r] - lse2);
-    if (hist.group == 1)
-      hrow[ids[r]] = v;
-    else  // the group's largest: probabilities are >= 0, so their float bits order as ints
-      atomicMax(reinterpret_cast<int*>(hrow + ids[r]), __float_as_int(v));
+  if (p.row_apart) {
+    if (threadIdx.x == 0) p.row_lse[row] = lse;
+    return;
   }
-  finish_row(hist, p.seq_lens, p.batch, p.done);
+  store_sparse_row(p.hist, b, qh, lse, p.block_max + int64_t(row) * p.list_cap,
+                   p.block_ids + int64_t(bh) * p.list_cap, min(p.block_count[bh], p.list_cap));
+  finish_row(p.hist, p.seq_lens, p.batch, p.done);
+}
+
+// sparse_row_cuda's kernel: the merge kernel's history stores, a CTA per (b, query head), from
+// a SparseRow the step wrote.
+struct SparseRowParams {
+  SparseRow row;
+  HistoryState hist;
+  const int32_t* seq_lens;
+  int batch, num_q_heads, num_kv_heads, list_cap;
+};
+__global__ void __launch_bounds__(kSparseMergeWarps * 32)
+    sparse_row_kernel(const __grid_constant__ SparseRowParams p) {
+  const int row = blockIdx.x, b = row / p.num_q_heads, qh = row % p.num_q_heads;
+  const int bh = b * p.num_kv_heads + qh / (p.num_q_heads / p.num_kv_heads);
+  store_sparse_row(p.hist, b, qh, p.row.lse[row], p.row.block_max + int64_t(row) * p.list_cap,
+                   p.row.block_ids + int64_t(bh) * p.list_cap,
+                   min(p.row.block_count[bh], p.list_cap));
+  finish_row(p.hist, p.seq_lens, p.batch, p.row.done);
 }
 
 }  // namespace
@@ -2075,8 +2106,10 @@ cudaError_t sparse_attend_cuda(const bf16* q, int num_q_heads, const PagedKV& kv
                                const uint8_t* block_flags, int max_blocks, const Geometry& g,
                                int list_cap, const HistoryState* hist, const tactic::Selection& sel,
                                unsigned long long* counters, bf16* out, float* lse, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream) {
+                               size_t workspace_bytes, cudaStream_t stream, const SparseRow* row) {
   if (kv.batch <= 0) return cudaSuccess;
+  if (row && (!row->block_max || !row->block_ids || !row->block_count || !row->lse || !row->done))
+    return cudaErrorInvalidValue;
   const int hkv = kv.num_kv_heads, d = kv.head_dim;
   if ((d != 64 && d != 128) || hkv < 1 || num_q_heads % hkv != 0 || num_q_heads / hkv > kMaxGroup ||
       list_cap < 1 || max_blocks < 1)
@@ -2121,10 +2154,31 @@ cudaError_t sparse_attend_cuda(const bf16* q, int num_q_heads, const PagedKV& kv
   if (hist) p.hist = *hist;
   p.append = hist != nullptr;
   p.done = reinterpret_cast<unsigned int*>(ws + w.done);
+  p.row_apart = hist && row;
+  if (p.row_apart) {
+    p.block_max = row->block_max;
+    p.block_ids = row->block_ids;
+    p.block_count = row->block_count;
+    p.row_lse = row->lse;
+    p.done = row->done;
+  }
   p.o = reinterpret_cast<bf*>(out);
   p.lse = lse;
   return d == 128 ? launch_sparse_attend<128>(p, sms, stream)
                   : launch_sparse_attend<64>(p, sms, stream);
+}
+
+cudaError_t sparse_row_cuda(const SparseRow& row, const HistoryState& hist, const int32_t* seq_lens,
+                            int batch, int num_q_heads, int num_kv_heads, int list_cap,
+                            cudaStream_t stream) {
+  if (batch <= 0) return cudaSuccess;
+  if (num_kv_heads < 1 || num_q_heads % num_kv_heads != 0 || list_cap < 1 ||
+      hist.num_heads * hist.group != num_q_heads || !row.block_max || !row.block_ids ||
+      !row.block_count || !row.lse || !row.done)
+    return cudaErrorInvalidValue;
+  const SparseRowParams p{row, hist, seq_lens, batch, num_q_heads, num_kv_heads, list_cap};
+  sparse_row_kernel<<<batch * num_q_heads, kSparseMergeWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 int default_copy_ctas() { return 64; }

@@ -237,13 +237,31 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
 // dropped. counters (may be null): [0] += tokens attended, [1] += blocks over list_cap.
 // cudaErrorInvalidValue (before any launch): head_dim not 64 or 128, group above 8 or not a
 // divisor, a history of another group, rows past int32, a short workspace.
+// With hist and row both given, the step zeroes the history slot and keeps what the row needs
+// in `row` (caller-owned, so that it outlives the workspace's next use), and sparse_row_cuda
+// writes the row and advances count and tokens later, on any stream ordered after the step:
+// the engine takes it off the step's chain. The row is the same, bit for bit.
+struct SparseRow {
+  float* block_max = nullptr;      ///< [max_batch * Hq, list_cap] largest scaled score per block
+  int32_t* block_ids = nullptr;    ///< [max_batch * Hkv, list_cap] the attended blocks
+  int32_t* block_count = nullptr;  ///< [max_batch * Hkv]
+  float* lse = nullptr;            ///< [max_batch * Hq]
+  unsigned int* done = nullptr;    ///< one counter: sparse_row_cuda's CTAs that finished
+};
 size_t sparse_attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
                                      int list_cap);
 cudaError_t sparse_attend_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, float scale,
                                const uint8_t* block_flags, int max_blocks, const Geometry& g,
                                int list_cap, const HistoryState* hist, const tactic::Selection& sel,
                                unsigned long long* counters, bf16* out, float* lse, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream);
+                               size_t workspace_bytes, cudaStream_t stream,
+                               const SparseRow* row = nullptr);
+// The history row of a sparse_attend_cuda call given `row` (same batch, heads and list_cap):
+// count[b] += 1 and tokens[b] = seq_lens[b] after it. cudaErrorInvalidValue on shapes that do
+// not match the history or a SparseRow with a null array.
+cudaError_t sparse_row_cuda(const SparseRow& row, const HistoryState& hist, const int32_t* seq_lens,
+                            int batch, int num_q_heads, int num_kv_heads, int list_cap,
+                            cudaStream_t stream);
 
 // ---- Offload: the per-layer device block cache ---------------------------------------------
 //

@@ -630,8 +630,10 @@ TEST(AttnPredCuda, SparseStepEqualsFp64OverTheSelectedTokens) {
     for (int blk : {16, 8})
       for (int d : {64, 128})
         for (int hkv : {8, 2, 1})
-          for (int form = 0; form < 3; ++form) {  // 0 per query head, 1 grouped, 2 no row
-            const bool grouped = form == 1, row = form != 2;
+          // 0 per query head, 1 grouped, 2 no row, 3 and 4 as 0 and 1 with the row apart
+          // (a SparseRow, then sparse_row_cuda on another stream)
+          for (int form = 0; form < 5; ++form) {
+            const bool grouped = form == 1 || form == 4, row = form != 2, apart = form >= 3;
             if (grouped && hkv == hq) continue;
             const double density = d == 64 ? 0.05 : 0.3;
             SCOPED_TRACE("page " + std::to_string(page) + " block " + std::to_string(blk) + " d " +
@@ -686,9 +688,25 @@ TEST(AttnPredCuda, SparseStepEqualsFp64OverTheSelectedTokens) {
             const size_t ws_bytes = ap::sparse_attend_workspace_bytes(B, hq, hkv, d, list_cap);
             Dev<char> ws(ws_bytes);
             const float scale = 1.f / std::sqrt(float(d));
+            Dev<float> rmax(size_t(B) * hq * list_cap), rlse(size_t(B) * hq);
+            Dev<int32_t> rids(size_t(B) * hkv * list_cap), rcount(size_t(B) * hkv);
+            Dev<unsigned int> rdone(1);
+            const ap::SparseRow sparse_row{rmax.p, rids.p, rcount.p, rlse.p, rdone.p};
             KVS_CUDA_CHECK(ap::sparse_attend_cuda(dq.p, hq, kv, scale, dflags.p, mb, geo, list_cap,
                                                   row ? &hist : nullptr, sel, counters.p, dout.p,
-                                                  dlse.p, ws.p, ws_bytes, nullptr));
+                                                  dlse.p, ws.p, ws_bytes, nullptr,
+                                                  apart ? &sparse_row : nullptr));
+            if (apart) {
+              // What the next call would reuse of the workspace must not matter any more.
+              KVS_CUDA_CHECK(cudaMemset(ws.p, 0xff, ws_bytes));
+              cudaStream_t side;
+              KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+              KVS_CUDA_CHECK(cudaDeviceSynchronize());
+              KVS_CUDA_CHECK(
+                  ap::sparse_row_cuda(sparse_row, hist, dlen.p, B, hq, hkv, list_cap, side));
+              KVS_CUDA_CHECK(cudaStreamSynchronize(side));
+              KVS_CUDA_CHECK(cudaStreamDestroy(side));
+            }
             KVS_CUDA_CHECK(cudaDeviceSynchronize());
             const std::vector<bf16> out = dout.get(q.size());
             const std::vector<float> lse = dlse.get(size_t(B) * hq), got = drows.get(rows_h.size());
@@ -869,7 +887,8 @@ TEST(AttnPredCuda, DeferredBranchesMatchCpuPredictingEverySecondStep) {
 // the eager calls' outputs, histories and selections. Layers 1-3 sparse (0 dense), a
 // prediction every 2nd step (the layers' phases staggered), calibration every 3rd: the graph
 // covers one whole phase of 6 steps.
-// The sparse step's two kernels carry the device's greatest priority on their graph nodes, and
+// The sparse step's two kernels (and its history row's, on the row lane) carry the device's
+// greatest priority on their graph nodes, and
 // so do the predictions' (the CNN's two kernels and the top-K) when `urgent_predictions`, else
 // kPredictRaise levels above the least; every other kernel node (the calibration rows, the
 // dense layer) a lesser one than the step's: the step outranks its branches, and the
@@ -897,7 +916,8 @@ void expect_step_kernels_outrank_the_branches(cudaGraph_t graph, bool urgent_pre
     cudaLaunchAttributeValue v{};
     KVS_CUDA_CHECK(cudaGraphKernelNodeGetAttribute(node, cudaLaunchAttributePriority, &v));
     const std::string fn = name;
-    if (has(fn, "sparse_attend_kernel") || has(fn, "sparse_merge_kernel")) {
+    if (has(fn, "sparse_attend_kernel") || has(fn, "sparse_merge_kernel") ||
+        has(fn, "sparse_row_kernel")) {
       ++step;
       EXPECT_EQ(v.priority, greatest) << fn;
     } else if (has(fn, "predict_rows_kernel") || has(fn, "predict_sum_kernel") ||
