@@ -6,9 +6,18 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace kvs {
+
+/// The keys a calibration row scores (AttnPredConfig::calibration_keys).
+enum class CalibrationKeys {
+  Bf16,  ///< the cache's own keys
+  E4m3,  ///< a per-layer e4m3 copy (kernels/attnpred/attnpred.h KeyCopy): half the bytes
+};
+const char* to_string(CalibrationKeys keys);
+CalibrationKeys calibration_keys_from_string(const std::string& name);  // "bf16" | "e4m3"; throws
 
 struct AttnPredConfig {
   /// K_bud: tokens attended per query head, sink and recent included (paper 512..4096).
@@ -40,6 +49,15 @@ struct AttnPredConfig {
   /// the engine keeps a per-layer device block cache of the selected blocks and prefetches
   /// the next step's blocks on a side stream (cross-token prefetch).
   bool offload = false;
+  /// The keys the calibration rows score. E4m3 (GPU-resident mode): each sparse layer keeps
+  /// an e4m3 copy of its keys with a scale per key, (head_dim + 4) bytes per token and kv
+  /// head (about half the KV cache's K; 138 MB a layer at 128K, 8 kv heads, d 128), which the
+  /// rows keep up to date themselves; a row then reads half the bytes (all of K every
+  /// calibration_period steps: the largest share of what the predictor's branches take from
+  /// the sparse steps beside them). Only the rows change: the history's calibrated rows come
+  /// from keys rounded to e4m3 (q stays exact), the attention never does. Its fidelity
+  /// against Bf16 is in docs/results.md. The CPU backend rounds the same way, for kvs-eval.
+  CalibrationKeys calibration_keys = CalibrationKeys::Bf16;
   /// Longest sequence served (sizes history and workspace). 0: the model's max_position.
   int max_context = 0;
 };

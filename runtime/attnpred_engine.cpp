@@ -100,6 +100,15 @@ void write_attnpred_params(const h5::Group& g, const AttnPredParams& p) {
 
 // ---- engine -------------------------------------------------------------------------------
 
+const char* to_string(CalibrationKeys k) { return k == CalibrationKeys::Bf16 ? "bf16" : "e4m3"; }
+
+CalibrationKeys calibration_keys_from_string(const std::string& name) {
+  if (name == "bf16") return CalibrationKeys::Bf16;
+  if (name == "e4m3") return CalibrationKeys::E4m3;
+  throw std::invalid_argument("unknown AttentionPredictor calibration key format '" + name +
+                              "' (known: bf16, e4m3)");
+}
+
 struct AttnPredEngine::LayerState {
   bool allocated = false;
   int calls = 0;  // decodes since the layer's prefill
@@ -129,6 +138,7 @@ struct AttnPredEngine::LayerState {
   ap::SparseRow row;
   bool row_pending = false;
   cudaEvent_t rowed = nullptr;
+  ap::KeyCopy keys;  // CUDA, calibration_keys e4m3: the calibration rows' keys
 };
 
 AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& config,
@@ -190,6 +200,14 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
   host_params_ = params.cnn;
   need(!c.offload || config_.backend == Backend::Cuda,
        "AttnPredConfig: offload needs the CUDA backend");
+  e4m3_keys_ = c.calibration_keys == CalibrationKeys::E4m3;
+  need(!(e4m3_keys_ && c.offload),
+       "AttnPredConfig: calibration_keys e4m3 needs GPU-resident mode (offload's calibration "
+       "rows read the keys in host memory)");
+  need(!e4m3_keys_ || config_.backend != Backend::Cuda || geo_.block == 8 || geo_.block == 16,
+       "attnpred engine (cuda): calibration_keys e4m3 needs a block of 8 or 16 tokens, the "
+       "bundle's is " +
+           str(geo_.block));
   if (config_.backend == Backend::Cuda) {
     need(
         shape_.head_dim == 64 || shape_.head_dim == 128,
@@ -246,6 +264,9 @@ AttnPredEngine::~AttnPredEngine() {
     cudaFree(ls.row.lse);
     cudaFree(ls.row.done);
     cudaFree(ls.q_copy);
+    cudaFree(ls.keys.k);
+    cudaFree(ls.keys.scale);
+    cudaFree(ls.keys.len);
     cudaFree(ls.len_snapshot);
     cudaFree(ls.hist.rows);
     cudaFree(ls.hist.count);
@@ -288,12 +309,19 @@ void AttnPredEngine::wait_for_branches(LayerState& ls, cudaStream_t stream) {
 void AttnPredEngine::full_row_cuda(const LayerState& ls, const bf16* q, const PagedKV& kv,
                                    void* scratch, size_t scratch_bytes, cudaStream_t stream) const {
   const int hkv = shape_.num_kv_heads;
-  KVS_CUDA_CHECK(ap::append_row_cuda(q, shape_.num_q_heads, kv, nullptr, 0, kv.seq_lens, kv.batch,
-                                     hkv, float(shape_.scale()), geo_, ls.hist, scratch,
-                                     scratch_bytes, ls.cache.k != nullptr, stream));
+  if (ls.keys.k)
+    KVS_CUDA_CHECK(ap::append_full_row_e4m3_cuda(q, shape_.num_q_heads, kv, kv.batch,
+                                                 float(shape_.scale()), geo_, ls.hist, ls.keys,
+                                                 scratch, scratch_bytes, stream));
+  else
+    KVS_CUDA_CHECK(ap::append_row_cuda(q, shape_.num_q_heads, kv, nullptr, 0, kv.seq_lens, kv.batch,
+                                       hkv, float(shape_.scale()), geo_, ls.hist, scratch,
+                                       scratch_bytes, ls.cache.k != nullptr, stream));
+  // e4m3: the copy's bytes (a key and its scale); the few keys quantized are not counted.
+  const int key_bytes =
+      ls.keys.k ? shape_.head_dim + int(sizeof(float)) : shape_.head_dim * int(sizeof(bf16));
   if (config_.collect_stats)
-    KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch,
-                                               hkv * shape_.head_dim * int(sizeof(bf16)),
+    KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv * key_bytes,
                                                counters_.get() + kFullRowKeyBytes, stream));
 }
 
@@ -406,6 +434,18 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
       ls.row.done = device_alloc<unsigned int>(1);
       zero_on_device(ls.row.done, sizeof(unsigned int));
     }
+    if (e4m3_keys_) {
+      ap::KeyCopy& k = ls.keys;
+      k.max_batch = B;
+      k.num_kv_heads = hkv;
+      k.head_dim = shape_.head_dim;
+      k.max_tokens = max_blocks_ * geo_.block;  // whole 16-token tiles: blocks of 8 or 16
+      const int64_t keys = int64_t(B) * hkv * k.max_tokens;
+      k.k = device_alloc<uint8_t>(keys * shape_.head_dim);
+      k.scale = device_alloc<float>(keys);
+      k.len = device_alloc<int32_t>(B);
+      zero_on_device(k.len, size_t(B) * sizeof(int32_t));
+    }
     if (config_.attnpred.offload) {
       ap::BlockCache& c = ls.cache;
       c.max_batch = B;
@@ -513,6 +553,7 @@ void AttnPredEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) 
   KVS_CUDA_CHECK(cudaMemsetAsync(
       ls.flags, 0, size_t(config_.max_batch) * shape_.num_kv_heads * max_blocks_, stream));
   if (ls.cache.k) KVS_CUDA_CHECK(ap::reset_block_cache_cuda(ls.cache, kv.batch, stream));
+  if (ls.keys.k) KVS_CUDA_CHECK(ap::reset_key_copy_cuda(ls.keys, kv.batch, stream));
 }
 
 void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv,
@@ -698,11 +739,19 @@ std::vector<float> AttnPredEngine::pooled_row_cpu(const float* q, const PagedKV&
   const int d = shape_.head_dim, h = qh / shape_.group_size(), n = kv.seq_lens[b];
   std::vector<double> s(static_cast<size_t>(count));
   double m = -std::numeric_limits<double>::infinity();
+  // A full row with calibration_keys e4m3 scores the keys as the CUDA rows' copy holds them.
+  const bool e4m3 = tokens == nullptr && e4m3_keys_;
+  std::vector<float> kr(static_cast<size_t>(d));
   for (int i = 0; i < count; ++i) {
     const int t = tokens ? tokens[i] : i;
     const bf16* k = kv.k + kv.offset(b, t, h);
+    if (e4m3) {
+      ap::round_key_e4m3_cpu(k, d, kr.data());
+    } else {
+      for (int e = 0; e < d; ++e) kr[size_t(e)] = bf16_to_float(k[e]);
+    }
     double dot = 0;
-    for (int e = 0; e < d; ++e) dot += double(q[e]) * double(bf16_to_float(k[e]));
+    for (int e = 0; e < d; ++e) dot += double(q[e]) * double(kr[size_t(e)]);
     s[size_t(i)] = dot * scale;
     m = std::max(m, s[size_t(i)]);
   }

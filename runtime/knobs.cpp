@@ -77,14 +77,26 @@ const Table& knob_table(Method m) {
       {"min_queries", [](EngineConfig& c, auto& k, auto& v) { c.mac.min_queries = to_int(k, v); }},
   };
   static const Table attnpred = {
-      {"budget_tokens", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.budget_tokens = to_int(k, v); }},
-      {"sink_tokens", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.sink_tokens = to_int(k, v); }},
-      {"recent_tokens", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.recent_tokens = to_int(k, v); }},
-      {"calibration_period", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.calibration_period = to_int(k, v); }},
-      {"warmup_steps", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.warmup_steps = to_int(k, v); }},
-      {"predict_interval", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.predict_interval = to_int(k, v); }},
-      {"group_history", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.group_history = to_bool(k, v) ? 1 : 0; }},
-      {"dense_layers", [](EngineConfig& c, auto& k, auto& v) { c.attnpred.dense_layers = to_ints(k, v); }},
+      {"budget_tokens",
+       [](EngineConfig& c, auto& k, auto& v) { c.attnpred.budget_tokens = to_int(k, v); }},
+      {"sink_tokens",
+       [](EngineConfig& c, auto& k, auto& v) { c.attnpred.sink_tokens = to_int(k, v); }},
+      {"recent_tokens",
+       [](EngineConfig& c, auto& k, auto& v) { c.attnpred.recent_tokens = to_int(k, v); }},
+      {"calibration_period",
+       [](EngineConfig& c, auto& k, auto& v) { c.attnpred.calibration_period = to_int(k, v); }},
+      {"warmup_steps",
+       [](EngineConfig& c, auto& k, auto& v) { c.attnpred.warmup_steps = to_int(k, v); }},
+      {"predict_interval",
+       [](EngineConfig& c, auto& k, auto& v) { c.attnpred.predict_interval = to_int(k, v); }},
+      {"group_history",
+       [](EngineConfig& c, auto& k, auto& v) { c.attnpred.group_history = to_bool(k, v) ? 1 : 0; }},
+      {"dense_layers",
+       [](EngineConfig& c, auto& k, auto& v) { c.attnpred.dense_layers = to_ints(k, v); }},
+      {"calibration_keys",
+       [](EngineConfig& c, auto&, auto& v) {
+         c.attnpred.calibration_keys = calibration_keys_from_string(v);
+       }},
   };
   static const Table saap = {
       {"probes", [](EngineConfig& c, auto& k, auto& v) { c.saap.probes = to_int(k, v); }},

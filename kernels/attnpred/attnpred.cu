@@ -37,6 +37,7 @@
 //              so no host sync is needed to issue the copies.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <climits>
@@ -47,6 +48,7 @@
 
 #include "kernels/attnpred/attnpred.h"
 #include "kernels/common/attend_tiles.cuh"
+#include "kernels/common/e4m3.h"
 #include "kernels/common/float_key.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/ptx.cuh"
@@ -1098,9 +1100,19 @@ constexpr int kRingWarps = 4, kRingStages = 3;
 // P 4: 28.3 us a layer-step against 29.0 with four waves of 2 CTAs an SM; the row alone takes
 // 93 us against 78 (docs/gpu.md, 2026-11-30, fourth session). Before the last layers deferred
 // theirs, 128 CTAs gained 0.4-0.5 us and thinner rows lost (64 CTAs: 34.0 against 29.8).
-template <int D>
+// The e4m3 form (KeyCopy; append_full_row_e4m3_cuda) reads a 16-key tile as 2 KB of e4m3 and
+// its 16 scales (half the bytes), so it keeps twice the stages in flight: the same bytes.
+constexpr int kRingStagesE4m3 = 2 * kRingStages;
+template <int D, bool kE4m3>
+struct RingTile {
+  static constexpr int kDataSlots = tiles::kTile * D / (kE4m3 ? 16 : 8);           // 16-byte slots
+  static constexpr int kSlots = kDataSlots + (kE4m3 ? tiles::kTile * 4 / 16 : 0);  // + scales
+  static constexpr int kStages = kE4m3 ? kRingStagesE4m3 : kRingStages;
+};
+template <int D, bool kE4m3>
 constexpr size_t ring_smem_bytes() {
-  return size_t(kRingWarps) * kRingStages * tiles::kTile * (D / 8) * sizeof(uint4);
+  using T = RingTile<D, kE4m3>;
+  return size_t(kRingWarps) * T::kStages * T::kSlots * sizeof(uint4);
 }
 // At most kRingCtasPerSm ring CTAs an SM, whatever their own rings need: each launch asks
 // for just over 1 / (kRingCtasPerSm + 1) of the SM's shared memory, so that the last share is
@@ -1114,80 +1126,186 @@ size_t ring_launch_smem(size_t own, const SmInfo& info) {
   const size_t share = size_t(info.smem_per_sm) / (kRingCtasPerSm + 1) - size_t(info.reserved) + 16;
   return std::max(own, share);
 }
+// An e4m3 key row in shared memory: its 16-byte pieces p at p ^ 4 (r & 1) at head dim 128, so
+// that the 8 lanes of an LDS.128 phase (keys r, r + 1, pieces t4 + 4i) hit 8 bank groups.
 template <int D>
+__device__ __forceinline__ int e4m3_slot(int r, int piece) {
+  return r * (D / 16) + (D == 128 ? piece ^ ((r & 1) << 2) : piece);
+}
+// The group's query rows as fp16 A fragments for keys whose head dims are read as e4m3
+// pieces: k-step 4i + j of lane (g, t4) takes the dims 16 (t4 + 4i) + 4j + {0, 1} (a[0]) and
+// + {2, 3} (a[2]), the dims the same lane holds of its key's piece t4 + 4i (the B fragments,
+// e4m3_b_fragments), so every dim is summed once. Head g is scaled by 2^-e first, e such that
+// its largest element lands in [2^14, 2^15): exact for bf16 values (fp16 has 3 more bits)
+// down to 2^-24 of that element; returns 2^e (1 for a zero head or g >= group).
+template <int D>
+__device__ __forceinline__ float load_query_fragments_f16(const __nv_bfloat16* q_group, int group,
+                                                          int lane, uint32_t (&qa)[D / 16][2]) {
+  const int g = lane / 4, t4 = lane % 4;
+  const bool has = g < group;
+  float v[D / 16][4];  // this lane's 32 (D 128) or 16 dims, in k-step order
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < D / 64; ++i) {
+    const uint4* piece =
+        reinterpret_cast<const uint4*>(q_group + (has ? g : 0) * D) + 2 * (t4 + 4 * i);
+    const uint4 w[2] = {piece[0], piece[1]};  // 16 bf16: dims 16 (t4 + 4i) .. + 15
+    const uint32_t words[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t word = words[2 * j + e];
+        v[4 * i + j][2 * e] = has ? __uint_as_float(word << 16) : 0.f;
+        v[4 * i + j][2 * e + 1] = has ? __uint_as_float(word & 0xffff0000u) : 0.f;
+        amax = fmaxf(amax, fmaxf(fabsf(v[4 * i + j][2 * e]), fabsf(v[4 * i + j][2 * e + 1])));
+      }
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  const int e = amax > 0.f ? ilogbf(amax) - 14 : 0;
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    const __half2 lo = __floats2half2_rn(ldexpf(v[s][0], -e), ldexpf(v[s][1], -e));
+    const __half2 hi = __floats2half2_rn(ldexpf(v[s][2], -e), ldexpf(v[s][3], -e));
+    qa[s][0] = *reinterpret_cast<const uint32_t*>(&lo);
+    qa[s][1] = *reinterpret_cast<const uint32_t*>(&hi);
+  }
+  return ldexpf(1.f, e);
+}
+// The B fragments of k-steps 4i .. 4i + 3 from the 16 e4m3 dims of a key's piece t4 + 4i
+// (load_query_fragments_f16): word j holds dims 4j .. 4j + 3, low byte first.
+__device__ __forceinline__ void e4m3_b_fragments(const uint4& piece, uint32_t (&b)[4][2]) {
+  const uint32_t w[4] = {piece.x, piece.y, piece.z, piece.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw x =
+          __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t((w[j] >> (16 * h)) & 0xffffu), __NV_E4M3);
+      b[j][h] = uint32_t(x.x) | (uint32_t(x.y) << 16);
+    }
+}
+template <int D, bool kE4m3>
 __global__ void __launch_bounds__(kRingWarps * 32)
-    row_max_ring_kernel(const bf16* __restrict__ q_raw, int num_q_heads, PagedKV view,
+    row_max_ring_kernel(const bf16* __restrict__ q_raw, int num_q_heads, PagedKV view, KeyCopy copy,
                         int num_kv_heads, float scale, float* __restrict__ block_max,
                         float2* __restrict__ partials, int num_parts, HistoryState hist,
                         int pool_block, unsigned int* pool_done) {
-  constexpr int kPieces = D / 8, kTileSlots = tiles::kTile * kPieces;
-  constexpr int kCopies = kTileSlots / 32;  // 16-byte copies per lane per tile
+  using T = RingTile<D, kE4m3>;
+  constexpr int kStages = T::kStages, kPieces = D / (kE4m3 ? 16 : 8);
+  constexpr int kCopies = T::kDataSlots / 32;  // 16-byte copies of key data per lane per tile
   extern __shared__ uint4 ring_smem[];
   const int bh = blockIdx.x, b = bh / num_kv_heads, h = bh % num_kv_heads;
   const int group = num_q_heads / num_kv_heads;
   zero_history_share(hist, b, h, group, pool_done);
-  const int n = view.seq_lens[b];
+  // e4m3: the copy's keys, which quantize_keys_kernel brought up to n before (never past
+  // max_tokens, the engine's max_context).
+  const int n = kE4m3 ? min(view.seq_lens[b], copy.max_tokens) : view.seq_lens[b];
+  if (kE4m3 && blockIdx.y == 0 && h == 0 && threadIdx.x == 0) copy.len[b] = n;
   const int per =
       ((n + num_parts - 1) / num_parts + tiles::kTile - 1) / tiles::kTile * tiles::kTile;
   const int begin = min(n, int(blockIdx.y) * per), end = min(n, begin + per);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  const __nv_bfloat16* q_group =
+      reinterpret_cast<const __nv_bfloat16*>(q_raw) + (int64_t(b) * num_q_heads + h * group) * D;
   uint32_t qa[D / 16][2];
-  tiles::load_query_fragments<D>(
-      reinterpret_cast<const __nv_bfloat16*>(q_raw) + (int64_t(b) * num_q_heads + h * group) * D,
-      group, lane, qa);
+  float head_scale = scale;  // e4m3: the softmax scale times q's power of two; x key scales
+  if constexpr (kE4m3)
+    head_scale *= load_query_fragments_f16<D>(q_group, group, lane, qa);
+  else
+    tiles::load_query_fragments<D>(q_group, group, lane, qa);
   const tiles::WarpRun mine =
       tiles::warp_run((end - begin + tiles::kTile - 1) / tiles::kTile, kRingWarps, warp);
   const int my_tiles = mine.count;
-  uint4* ring = ring_smem + warp * kRingStages * kTileSlots;
+  uint4* ring = ring_smem + warp * kStages * T::kSlots;
   // K streams through L2 once, beside the later layers' sparse steps (the row runs on its own
   // branch): its lines go first, so that the steps' flags, histories, page tables and KV rows stay.
   // 128K grouped on an H200, with the row forked before the layer's sparse step: 37.3-37.4 us
   // a step at P 4 against 38.5-38.7 with neither (docs/gpu.md, 2026-11-30).
   const uint64_t policy = ptx::l2_evict_first_policy();
   auto tile_begin_of = [&](int i) { return begin + (mine.first + i) * tiles::kTile; };
+  // bf16: the cache's rows through the page table, each lane looking up its key (lane % 16) of
+  // a tile a stage ahead. e4m3: the copy's keys, contiguous.
   const int32_t* table = view.page_table + int64_t(b) * view.max_pages_per_seq;
   auto tile_row = [&](int i) -> int {  // KV row of this lane's token (lane % 16) of tile i
-    if (i >= my_tiles) return -1;
+    if (kE4m3 || i >= my_tiles) return -1;
     const int t = tile_begin_of(i) + lane % tiles::kTile;
     if (t >= end) return -1;
     return (table[t / view.page_size] * view.page_size + t % view.page_size) * num_kv_heads + h;
   };
+  const int64_t key0 = kE4m3 ? copy.key_index(b, h, 0) : 0;
   auto issue = [&](int i, int row_of_lane) {
-    uint4* ks = ring + (i % kRingStages) * kTileSlots;
+    uint4* ks = ring + (i % kStages) * T::kSlots;
+    if constexpr (kE4m3) {
+      const int tb = tile_begin_of(i);
 #pragma unroll
-    for (int c = 0; c < kCopies; ++c) {
-      const int j = lane + 32 * c, r = j / kPieces, piece = j % kPieces;
-      const int row = __shfl_sync(0xffffffffu, row_of_lane, r);
-      ptx::cp_async_16(ptx::smem_addr(ks + tiles::smem_slot<D>(r, piece)),
-                       view.k + (row >= 0 ? int64_t(row) * D + piece * 8 : 0), row >= 0, policy);
+      for (int c = 0; c < kCopies; ++c) {
+        const int j = lane + 32 * c, r = j / kPieces, piece = j % kPieces;
+        ptx::cp_async_16(ptx::smem_addr(ks + e4m3_slot<D>(r, piece)),
+                         copy.k + (key0 + tb + r) * D + piece * 16, tb + r < end, policy);
+      }
+      if (lane < 4)  // the tile's 16 scales (the copy holds whole tiles: max_tokens % 16 == 0)
+        ptx::cp_async_16(ptx::smem_addr(ks + T::kDataSlots + lane),
+                         copy.scale + key0 + tb + 4 * lane, tb + 4 * lane < end, policy);
+    } else {
+#pragma unroll
+      for (int c = 0; c < kCopies; ++c) {
+        const int j = lane + 32 * c, r = j / kPieces, piece = j % kPieces;
+        const int row = __shfl_sync(0xffffffffu, row_of_lane, r);
+        ptx::cp_async_16(ptx::smem_addr(ks + tiles::smem_slot<D>(r, piece)),
+                         view.k + (row >= 0 ? int64_t(row) * D + piece * 8 : 0), row >= 0, policy);
+      }
     }
   };
 #pragma unroll
-  for (int st = 0; st < kRingStages - 1; ++st) {
+  for (int st = 0; st < kStages - 1; ++st) {
     if (st < my_tiles) issue(st, tile_row(st));
     ptx::cp_async_commit();
   }
-  int pending_row = tile_row(kRingStages - 1);
+  int pending_row = tile_row(kStages - 1);
   float m = -INFINITY, l = 0.f;  // head row g's partial over this lane's tokens (natural log)
   float* out =
       block_max + (int64_t(b) * num_q_heads + h * group + min(g, group - 1)) * hist.max_blocks;
   for (int i = 0; i < my_tiles; ++i) {
-    if (i + kRingStages - 1 < my_tiles) issue(i + kRingStages - 1, pending_row);
+    if (i + kStages - 1 < my_tiles) issue(i + kStages - 1, pending_row);
     ptx::cp_async_commit();
-    pending_row = tile_row(i + kRingStages);
-    ptx::cp_async_wait<kRingStages - 1>();
+    pending_row = tile_row(i + kStages);
+    ptx::cp_async_wait<kStages - 1>();
     __syncwarp();
-    const uint4* ks = ring + (i % kRingStages) * kTileSlots;
+    const uint4* ks = ring + (i % kStages) * T::kSlots;
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float mul[2][2];  // what each score is multiplied by
+    if constexpr (kE4m3) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t kb[4];
-      const int r = ((lane >> 4) << 3) + (lane & 7), piece = 2 * kk + ((lane >> 3) & 1);
-      ptx::ldmatrix_x4(kb, ptx::smem_addr(ks + tiles::smem_slot<D>(r, piece)));
-      const uint32_t a[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
-      const uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
-      ptx::mma_bf16_16816(sc[0], a, b0, sc[0]);
-      ptx::mma_bf16_16816(sc[1], a, b1, sc[1]);
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int pi = 0; pi < D / 64; ++pi) {
+          uint32_t kb[4][2];
+          e4m3_b_fragments(ks[e4m3_slot<D>(nt * 8 + g, t4 + 4 * pi)], kb);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t a[4] = {qa[4 * pi + j][0], 0u, qa[4 * pi + j][1], 0u};
+            ptx::mma_f16_16816(sc[nt], a, kb[j], sc[nt]);
+          }
+        }
+        const float2 ksc =
+            reinterpret_cast<const float2*>(ks + T::kDataSlots)[(nt * 8 + 2 * t4) / 2];
+        mul[nt][0] = head_scale * ksc.x;
+        mul[nt][1] = head_scale * ksc.y;
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t kb[4];
+        const int r = ((lane >> 4) << 3) + (lane & 7), piece = 2 * kk + ((lane >> 3) & 1);
+        ptx::ldmatrix_x4(kb, ptx::smem_addr(ks + tiles::smem_slot<D>(r, piece)));
+        const uint32_t a[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
+        const uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
+        ptx::mma_bf16_16816(sc[0], a, b0, sc[0]);
+        ptx::mma_bf16_16816(sc[1], a, b1, sc[1]);
+      }
+      mul[0][0] = mul[0][1] = mul[1][0] = mul[1][1] = scale;
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
     const int tb = tile_begin_of(i);
@@ -1197,7 +1315,7 @@ __global__ void __launch_bounds__(kRingWarps * 32)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int t = tb + nt * 8 + 2 * t4 + j;
-        x[nt * 2 + j] = t < end ? sc[nt][j] * scale : -INFINITY;
+        x[nt * 2 + j] = t < end ? sc[nt][j] * mul[nt][j] : -INFINITY;
       }
       nt_max[nt] = fmaxf(x[nt * 2], x[nt * 2 + 1]);
       nt_max[nt] = fmaxf(nt_max[nt], __shfl_xor_sync(0xffffffffu, nt_max[nt], 1));
@@ -1229,6 +1347,46 @@ __global__ void __launch_bounds__(kRingWarps * 32)
     float2 pt = make_float2(-INFINITY, 0.f);
     for (int w = 0; w < kRingWarps; ++w) pt = merge_partial(pt, wp[w * kMaxGroup + threadIdx.x]);
     partials[(int64_t(b) * num_q_heads + h * group + threadIdx.x) * num_parts + blockIdx.y] = pt;
+  }
+}
+
+// Brings a KeyCopy up to the current lengths: keys [len[b], min(n, max_tokens)) of every (b,
+// kv head), a warp a key (grid-stride over the keys), each lane quantizing d / 32 elements
+// after the warp's max. len is advanced by the row kernel that reads the copy next.
+template <int D>
+__global__ void __launch_bounds__(kThreads) quantize_keys_kernel(PagedKV view, KeyCopy copy) {
+  constexpr int kPer = D / 32;  // elements a lane
+  const int bh = blockIdx.x, b = bh / copy.num_kv_heads, h = bh % copy.num_kv_heads;
+  const int lane = threadIdx.x & 31, warps = kThreads / 32;
+  const int n = min(view.seq_lens[b], copy.max_tokens);
+  for (int t = copy.len[b] + int(blockIdx.y) * warps + int(threadIdx.x >> 5); t < n;
+       t += int(gridDim.y) * warps) {
+    const bf16* k = view.k + view.offset(b, t, h) + lane * kPer;
+    float x[kPer];
+    float amax = 0.f;
+    if constexpr (kPer == 4) {
+      const uint2 w = *reinterpret_cast<const uint2*>(k);
+      x[0] = __uint_as_float(w.x << 16), x[1] = __uint_as_float(w.x & 0xffff0000u);
+      x[2] = __uint_as_float(w.y << 16), x[3] = __uint_as_float(w.y & 0xffff0000u);
+    } else {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(k);
+      x[0] = __uint_as_float(w << 16), x[1] = __uint_as_float(w & 0xffff0000u);
+    }
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) amax = fmaxf(amax, fabsf(x[e]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = e4m3_row_scale(amax);
+    uint32_t packed = 0;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) packed |= uint32_t(to_e4m3(x[e], s)) << (8 * e);
+    const int64_t key = copy.key_index(b, h, t);
+    uint8_t* dst = copy.k + key * D + lane * kPer;
+    if constexpr (kPer == 4)
+      *reinterpret_cast<uint32_t*>(dst) = packed;
+    else
+      *reinterpret_cast<uint16_t*>(dst) = uint16_t(packed);
+    if (lane == 0) copy.scale[key] = s;
   }
 }
 
@@ -1957,6 +2115,48 @@ size_t row_scratch_bytes(int max_batch, int num_q_heads, int max_tokens) {
   return score_bytes + heads * size_t(score_chunks(max_tokens)) * sizeof(float2) +
          sizeof(unsigned int);
 }
+struct RowScratch {
+  float* scores;
+  float2* partials;
+  unsigned int* pool_done;
+};
+static RowScratch row_scratch(void* scratch, int batch, int num_q_heads, int max_tokens) {
+  const size_t heads = size_t(batch) * num_q_heads;
+  float2* partials = reinterpret_cast<float2*>(
+      static_cast<char*>(scratch) + (heads * max_tokens * sizeof(float) + 255) / 256 * 256);
+  return {static_cast<float*>(scratch), partials,
+          reinterpret_cast<unsigned int*>(partials + heads * score_chunks(max_tokens))};
+}
+
+// A full row by the ring kernel (bf16 keys from the cache, or e4m3 ones from a KeyCopy) and
+// the pool: its CTAs over the batch's kv heads in one wave, its parts' partials in place of the
+// chunks' (at most `chunks` of them).
+template <bool kE4m3>
+static cudaError_t launch_full_row_ring(const bf16* q, int num_q_heads, const PagedKV& view,
+                                        const KeyCopy& copy, const int32_t* kv_lens, int batch,
+                                        float scale, const Geometry& g, const HistoryState& hist,
+                                        float* scores, float2* partials, int chunks,
+                                        unsigned int* pool_done, cudaStream_t stream) {
+  const int num_kv_heads = view.num_kv_heads, d = view.head_dim;
+  auto ring = d == 128 ? row_max_ring_kernel<128, kE4m3> : row_max_ring_kernel<64, kE4m3>;
+  SmInfo info;
+  if (const cudaError_t e = sm_info(&info); e != cudaSuccess) return e;
+  const size_t smem = ring_launch_smem(
+      d == 128 ? ring_smem_bytes<128, kE4m3>() : ring_smem_bytes<64, kE4m3>(), info);
+  int per_sm = 0;  // also lets the kernel take its shared memory past 48 KB
+  if (const cudaError_t e =
+          resident_ctas_per_sm(reinterpret_cast<const void*>(ring), kRingWarps * 32, smem, &per_sm);
+      e != cudaSuccess)
+    return e;
+  const int parts = std::max(1, std::min(chunks, info.sms / std::max(1, batch * num_kv_heads)));
+  ring<<<dim3(batch * num_kv_heads, parts), kRingWarps * 32, smem, stream>>>(
+      q, num_q_heads, view, copy, num_kv_heads, scale, scores, partials, parts, hist, g.block,
+      pool_done);
+  const int pool_parts = (hist.max_blocks + kPoolMaxBlocks - 1) / kPoolMaxBlocks;
+  row_pool_max_kernel<<<dim3(batch * num_q_heads, pool_parts), kThreads, 0, stream>>>(
+      num_q_heads, view, scores, partials, parts, true, g, hist, kv_lens, batch, pool_done);
+  return cudaGetLastError();
+}
 
 cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
                             const int32_t* token_ids, int ids_stride, const int32_t* kv_lens,
@@ -1973,13 +2173,11 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
   const int max_tokens = sub ? ids_stride : hist.max_blocks * g.block;
   if (scratch_bytes < row_scratch_bytes(batch, num_q_heads, max_tokens))
     return cudaErrorInvalidValue;
-  float* scores = static_cast<float*>(scratch);
   const int chunks = score_chunks(max_tokens);
-  float2* partials = reinterpret_cast<float2*>(
-      static_cast<char*>(scratch) +
-      (size_t(batch) * num_q_heads * max_tokens * sizeof(float) + 255) / 256 * 256);
-  unsigned int* pool_done =
-      reinterpret_cast<unsigned int*>(partials + size_t(batch) * num_q_heads * chunks);
+  const RowScratch rs = row_scratch(scratch, batch, num_q_heads, max_tokens);
+  float* scores = rs.scores;
+  float2* partials = rs.partials;
+  unsigned int* pool_done = rs.pool_done;
   const dim3 chunk_grid(batch * num_kv_heads, chunks);
   // Mapped host memory is read far better by 16-byte lanes per key: offload mode's 128K step
   // measured 1273-1278 us with them against 1333-1335 with the tensor-core form. A full row
@@ -1989,29 +2187,11 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
   const bool pooled = !sub && !keys_on_host && (g.block == 8 || g.block == 16 || g.block == 32);
   int sms = 0;
   if (const cudaError_t e = sm_count(&sms); e != cudaSuccess) return e;
-  // Blocks of 8 or 16 from device memory whose rows fit in int32: the ring kernel, its CTAs
-  // over the batch's kv heads in one wave, its parts' partials in place of the chunks'.
+  // Blocks of 8 or 16 from device memory whose rows fit in int32: the ring kernel.
   if (pooled && g.block != 32 &&
-      int64_t(view.num_pages) * view.page_size * view.num_kv_heads <= INT_MAX) {
-    auto ring = view.head_dim == 128 ? row_max_ring_kernel<128> : row_max_ring_kernel<64>;
-    SmInfo info;
-    if (const cudaError_t e = sm_info(&info); e != cudaSuccess) return e;
-    const size_t smem = ring_launch_smem(
-        view.head_dim == 128 ? ring_smem_bytes<128>() : ring_smem_bytes<64>(), info);
-    int per_sm = 0;  // also lets the kernel take its shared memory past 48 KB
-    if (const cudaError_t e = resident_ctas_per_sm(reinterpret_cast<const void*>(ring),
-                                                   kRingWarps * 32, smem, &per_sm);
-        e != cudaSuccess)
-      return e;
-    const int parts = std::max(1, std::min(chunks, sms / std::max(1, batch * num_kv_heads)));
-    ring<<<dim3(batch * num_kv_heads, parts), kRingWarps * 32, smem, stream>>>(
-        q, num_q_heads, view, num_kv_heads, scale, scores, partials, parts, hist, g.block,
-        pool_done);
-    const int pool_parts = (hist.max_blocks + kPoolMaxBlocks - 1) / kPoolMaxBlocks;
-    row_pool_max_kernel<<<dim3(batch * num_q_heads, pool_parts), kThreads, 0, stream>>>(
-        num_q_heads, view, scores, partials, parts, true, g, hist, kv_lens, batch, pool_done);
-    return cudaGetLastError();
-  }
+      int64_t(view.num_pages) * view.page_size * view.num_kv_heads <= INT_MAX)
+    return launch_full_row_ring<false>(q, num_q_heads, view, KeyCopy{}, kv_lens, batch, scale, g,
+                                       hist, scores, partials, chunks, pool_done, stream);
   auto kernel = view.head_dim == 128 ? (keys_on_host ? row_scores_kernel<128>
                                         : pooled     ? row_scores_mma_kernel<128, true>
                                                      : row_scores_mma_kernel<128, false>)
@@ -2036,6 +2216,41 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
         chunks, g, hist, kv_lens, batch, pool_done);
   }
   return cudaGetLastError();
+}
+
+cudaError_t reset_key_copy_cuda(const KeyCopy& copy, int batch, cudaStream_t stream) {
+  if (batch > copy.max_batch) return cudaErrorInvalidValue;
+  return cudaMemsetAsync(copy.len, 0, size_t(batch) * sizeof(int32_t), stream);
+}
+
+cudaError_t append_full_row_e4m3_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, int batch,
+                                      float scale, const Geometry& g, const HistoryState& hist,
+                                      const KeyCopy& copy, void* scratch, size_t scratch_bytes,
+                                      cudaStream_t stream) {
+  if (batch <= 0) return cudaSuccess;
+  const int hkv = kv.num_kv_heads, group = num_q_heads / hkv;
+  if (group > kMaxGroup || (kv.head_dim != 64 && kv.head_dim != 128) ||
+      (g.block != 8 && g.block != 16) || (hist.group != 1 && hist.group != group) ||
+      hist.num_heads * hist.group != num_q_heads || batch > copy.max_batch ||
+      copy.num_kv_heads != hkv || copy.head_dim != kv.head_dim ||
+      copy.max_tokens % tiles::kTile != 0 || copy.max_tokens < hist.max_blocks * g.block)
+    return cudaErrorInvalidValue;
+  const int max_tokens = hist.max_blocks * g.block;
+  if (scratch_bytes < row_scratch_bytes(batch, num_q_heads, max_tokens))
+    return cudaErrorInvalidValue;
+  const RowScratch rs = row_scratch(scratch, batch, num_q_heads, max_tokens);
+  int sms = 0;
+  if (const cudaError_t e = sm_count(&sms); e != cudaSuccess) return e;
+  // The keys since the layer's last row: a few CTAs' worth in a decode loop, a whole prompt at
+  // the first row after a prefill (a grid-stride over them).
+  const dim3 qgrid(batch * hkv, std::max(1, 4 * sms / (batch * hkv)));
+  if (kv.head_dim == 128)
+    quantize_keys_kernel<128><<<qgrid, kThreads, 0, stream>>>(kv, copy);
+  else
+    quantize_keys_kernel<64><<<qgrid, kThreads, 0, stream>>>(kv, copy);
+  return launch_full_row_ring<true>(q, num_q_heads, kv, copy, kv.seq_lens, batch, scale, g, hist,
+                                    rs.scores, rs.partials, score_chunks(max_tokens), rs.pool_done,
+                                    stream);
 }
 
 // Workspace of sparse_attend_cuda: partial lse [items, group] | partial o [items, group, D] |

@@ -128,6 +128,10 @@ void append_row_cpu(const HistoryState& hist, int b, int h, const float* pooled,
 // union). k >= count selects everything.
 void select_top_blocks_cpu(const float* scores, int count, int k, int offset, uint8_t* flags);
 
+// A key as the calibration rows see it from a KeyCopy: out[e] = s * e4m3(k[e] / s), the
+// scale s of the key's d values (kernels/common/e4m3.h), as quantize_keys_kernel rounds it.
+void round_key_e4m3_cpu(const bf16* k, int d, float* out);
+
 // The tokens attended by a sequence of n tokens under block_flags, ascending.
 std::vector<int32_t> selected_tokens_cpu(const Geometry& g, int n, const uint8_t* block_flags);
 
@@ -224,6 +228,43 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
                             int batch, int num_kv_heads, float scale, const Geometry& g,
                             const HistoryState& hist, void* scratch, size_t scratch_bytes,
                             bool keys_on_host, cudaStream_t stream);
+
+// The calibration rows' keys in e4m3 (AttnPredConfig::calibration_keys): a per-layer copy of
+// K that the full rows read instead of the bf16 cache, half its bytes and no page table. Key
+// t of (b, kv head h) is d e4m3 values with a scale (kernels/common/e4m3.h: one key is one
+// row), contiguous per (b, kv head). The rows keep the copy themselves: a row first quantizes
+// the keys [len[b], n) from the cache (the few a decode loop appended since the layer's last
+// row; a prefill's whole prompt at the first), then reads every key from the copy and sets
+// len[b] = n. So keys must not change once copied, until a prefill resets the copy
+// (reset_key_copy_cuda): a decode loop's cache only appends.
+struct KeyCopy {
+  uint8_t* k = nullptr;    ///< [max_batch, Hkv, max_tokens, head_dim] e4m3
+  float* scale = nullptr;  ///< [max_batch, Hkv, max_tokens]
+  int32_t* len = nullptr;  ///< [max_batch] keys copied
+  int max_batch = 0;
+  int num_kv_heads = 0;
+  int max_tokens = 0;  ///< a multiple of 16 (the row reads whole 16-key tiles)
+  int head_dim = 0;
+
+  KVS_HOST_DEVICE int64_t key_index(int b, int h, int t) const {
+    return (int64_t(b) * num_kv_heads + h) * max_tokens + t;
+  }
+};
+
+// Empties the copy of sequences [0, batch) (prefill): their next row quantizes every key.
+cudaError_t reset_key_copy_cuda(const KeyCopy& copy, int batch, cudaStream_t stream);
+
+// append_row_cuda's full row (view = the layer's cache in device memory, blocks of 8 or 16)
+// with the keys taken from `copy`, which it brings up to the current lengths first. The
+// scores are fp32 sums of exact products of q in fp16 and the keys' e4m3 values, times the
+// keys' scales: each query head is scaled by a power of two into fp16's range first, so q
+// enters exactly (but for bits 2^24 below its largest element) and K through its e4m3
+// rounding alone. cudaErrorInvalidValue: another block size or head dim, a copy of another
+// shape, or a sequence longer than the copy.
+cudaError_t append_full_row_e4m3_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, int batch,
+                                      float scale, const Geometry& g, const HistoryState& hist,
+                                      const KeyCopy& copy, void* scratch, size_t scratch_bytes,
+                                      cudaStream_t stream);
 
 // GPU-resident decode's sparse step in two kernels: the attention of every (b, kv head) over
 // the tokens block_flags select (attended_token(): sink, flagged blocks, recent), from the

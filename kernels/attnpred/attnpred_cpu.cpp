@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kernels/attnpred/attnpred.h"
+#include "kernels/common/e4m3.h"
 
 namespace kvs::kernels::attnpred {
 
@@ -120,6 +121,13 @@ void select_top_blocks_cpu(const float* scores, int count, int k, int offset, ui
     return scores[a] > scores[c] || (scores[a] == scores[c] && a < c);
   });
   for (int i = 0; i < take; ++i) flags[offset + idx[size_t(i)]] = 1;
+}
+
+void round_key_e4m3_cpu(const bf16* k, int d, float* out) {
+  float amax = 0.f;
+  for (int e = 0; e < d; ++e) amax = std::max(amax, std::fabs(bf16_to_float(k[e])));
+  const float s = e4m3_row_scale(amax);
+  for (int e = 0; e < d; ++e) out[e] = s * from_e4m3(to_e4m3(bf16_to_float(k[e]), s));
 }
 
 std::vector<int32_t> selected_tokens_cpu(const Geometry& g, int n, const uint8_t* block_flags) {

@@ -189,12 +189,10 @@ void pack_column_blocks(const float* w, int heads, int rows, int K, bf16* out);
 void pack_column_blocks_e4m3(const uint8_t* q, int heads, int rows, int K, uint8_t* out);
 
 // fp8 router weights: each row of K weights (one output of one head) becomes K e4m3 values
-// q and a float scale, w = scale * e4m3(q), with scale = max |w| / 448 so that the row's
-// largest weight maps to e4m3's largest finite value (a zero row gets scale 1). Rounding is
-// to nearest even (CUDA's own conversion). dequantized gets the weights the CUDA kernel
-// multiplies with, so that the CPU reference routes with the same weights. Halves the bytes
-// of the batch-1 router, which streams its weights. Throws std::invalid_argument naming
-// the row when a weight is not finite.
+// q and a float scale, w = scale * e4m3(q), by the rule of kernels/common/e4m3.h. dequantized gets
+// the weights the CUDA kernel multiplies with, so that the CPU reference routes with the same
+// weights. Halves the bytes of the batch-1 router, which streams its weights. Throws
+// std::invalid_argument naming the row when a weight is not finite.
 void quantize_rows_e4m3(const float* w, int64_t rows, int K, uint8_t* q, float* scale,
                         float* dequantized);
 

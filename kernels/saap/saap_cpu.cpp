@@ -1,7 +1,5 @@
 // CPU reference of SAAP: exact and simple (fp64 scores and MLP accumulation). The oracle of
 // the CUDA kernels and the CPU backend of SaapEngine.
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -12,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/common/e4m3.h"
 #include "kernels/common/rope.h"
 #include "kernels/saap/saap.h"
 
@@ -116,7 +115,6 @@ void pack_column_blocks_e4m3(const uint8_t* q, int heads, int rows, int K, uint8
 
 void quantize_rows_e4m3(const float* w, int64_t rows, int K, uint8_t* q, float* scale,
                         float* dequantized) {
-  constexpr float kE4m3Max = 448.f;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = w + r * K;
     float amax = 0.f;
@@ -126,13 +124,12 @@ void quantize_rows_e4m3(const float* w, int64_t rows, int K, uint8_t* q, float* 
                                     std::to_string(r) + " is not finite");
       amax = std::max(amax, std::fabs(row[k]));
     }
-    const float s = amax > 0.f ? amax / kE4m3Max : 1.f;
+    const float s = e4m3_row_scale(amax);
     scale[r] = s;
     for (int k = 0; k < K; ++k) {
-      // Satfinite: row[k] / s may round just above 448 in float; it saturates to 448.
-      const __nv_fp8_storage_t v = __nv_cvt_float_to_fp8(row[k] / s, __NV_SATFINITE, __NV_E4M3);
+      const uint8_t v = to_e4m3(row[k], s);
       q[r * K + k] = v;
-      dequantized[r * K + k] = s * __half2float(__half(__nv_cvt_fp8_to_halfraw(v, __NV_E4M3)));
+      dequantized[r * K + k] = s * from_e4m3(v);
     }
   }
 }

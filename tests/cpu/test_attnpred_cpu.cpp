@@ -12,6 +12,7 @@
 #include "artifacts/capture_file.h"
 #include "kernels/attnpred/attnpred.h"
 #include "kernels/dense/dense_decode.h"
+#include "kernels/saap/saap.h"
 #include "runtime/attnpred_engine.h"
 
 namespace kvs {
@@ -122,39 +123,105 @@ AttnPredParams test_params(int budget) {
   return p;
 }
 
+// The warm-up (full) row over every key; with calibration_keys e4m3 over the keys rounded as
+// the CUDA rows' copy holds them (the attention itself is unchanged).
 TEST(AttnPredCpu, WarmupRowIsThePooledFullSoftmax) {
+  for (CalibrationKeys keys : {CalibrationKeys::Bf16, CalibrationKeys::E4m3}) {
+    SCOPED_TRACE(to_string(keys));
+    Scene sc(700, 1);
+    EngineConfig cfg;
+    cfg.backend = Backend::Cpu;
+    cfg.attnpred.calibration_keys = keys;
+    AttnPredEngine e(sc.shape, cfg, test_params(256));
+    e.prefill(1, sc.kv, nullptr);
+    sc.new_query(9);
+    std::vector<bf16> out(sc.q.size());
+    e.decode(1, sc.q.data(), nullptr, sc.kv, out.data(), nullptr, nullptr);
+    const std::vector<float> rows = e.history_rows(1);
+    EXPECT_EQ(e.history_count(1)[0], 1);
+    const int mb = e.max_blocks(), H = e.geometry().history;
+    for (int qh = 0; qh < 4; ++qh) {
+      std::vector<double> s(size_t(sc.n));
+      double m = -1e300, z = 0;
+      for (int t = 0; t < sc.n; ++t) {
+        const bf16* k = sc.k.data() + (size_t(t) * 2 + qh / 2) * 64;
+        float kr[64];
+        if (keys == CalibrationKeys::E4m3) {
+          ap::round_key_e4m3_cpu(k, 64, kr);
+        } else {
+          for (int i = 0; i < 64; ++i) kr[i] = bf16_to_float(k[i]);
+        }
+        double dot = 0;
+        for (int i = 0; i < 64; ++i)
+          dot += double(bf16_to_float(sc.q[size_t(qh) * 64 + i])) * kr[i];
+        s[size_t(t)] = dot * sc.shape.scale();
+        m = std::max(m, s[size_t(t)]);
+      }
+      for (double x : s) z += std::exp(x - m);
+      const float* row = rows.data() + (size_t(qh) * H + 0) * mb;  // ring slot 0
+      for (int j = 0; j < mb; ++j) {
+        double want = 0;
+        for (int t = j * 16; t < std::min(sc.n, j * 16 + 16); ++t)
+          want = std::max(want, std::exp(s[size_t(t)] - m) / z);
+        ASSERT_NEAR(row[j], want, 1e-6 * std::max(1.0, want)) << "head " << qh << " block " << j;
+      }
+    }
+    EXPECT_TRUE(e.last_read(1, 0).empty());  // the warm-up step read every token
+  }
+}
+
+// A key in e4m3: the rule SAAP's router weights use (one rule, kernels/common/e4m3.h), each
+// element within e4m3's half step (2^-4 relative) of its bf16 value or within the smallest
+// subnormal step of the scale, the largest element kept, a zero key kept zero.
+TEST(AttnPredCpu, KeysRoundToE4m3WithAScalePerKey) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int d : {64, 128})
+    for (float spread : {1e-3f, 1.f, 300.f}) {
+      std::vector<bf16> k(static_cast<size_t>(d));
+      for (auto& x : k) x = float_to_bf16(spread * nd(rng));
+      k[size_t(d / 3)] = float_to_bf16(-4 * spread);  // the largest magnitude, negative
+      std::vector<float> got(static_cast<size_t>(d)), as_float(got.size()), saap(got.size());
+      ap::round_key_e4m3_cpu(k.data(), d, got.data());
+      float amax = 0.f;
+      for (int e = 0; e < d; ++e) {
+        as_float[size_t(e)] = bf16_to_float(k[size_t(e)]);
+        amax = std::max(amax, std::fabs(as_float[size_t(e)]));
+      }
+      std::vector<uint8_t> q(got.size());
+      float scale = 0.f;
+      kernels::saap::quantize_rows_e4m3(as_float.data(), 1, d, q.data(), &scale, saap.data());
+      EXPECT_FLOAT_EQ(scale, amax / 448.f);
+      for (int e = 0; e < d; ++e) {
+        EXPECT_EQ(got[size_t(e)], saap[size_t(e)]) << "d " << d << " element " << e;
+        const float x = as_float[size_t(e)];
+        EXPECT_LE(std::fabs(got[size_t(e)] - x), std::fabs(x) / 16 + scale * 0x1p-9f)
+            << "d " << d << " element " << e;
+      }
+      EXPECT_NEAR(got[size_t(d / 3)], as_float[size_t(d / 3)], 1e-6f * amax);
+    }
+  std::vector<bf16> zero(64, float_to_bf16(0.f));
+  std::vector<float> got(64, 1.f);
+  ap::round_key_e4m3_cpu(zero.data(), 64, got.data());
+  for (float x : got) EXPECT_EQ(x, 0.f);
+}
+
+// The e4m3 calibration keys are a GPU-resident copy: offload mode (whose rows read the host's
+// keys) refuses them by name, before any device work.
+TEST(AttnPredCpu, E4m3CalibrationKeysRefuseOffloadMode) {
   Scene sc(700, 1);
   EngineConfig cfg;
-  cfg.backend = Backend::Cpu;
-  AttnPredEngine e(sc.shape, cfg, test_params(256));
-  e.prefill(1, sc.kv, nullptr);
-  sc.new_query(9);
-  std::vector<bf16> out(sc.q.size());
-  e.decode(1, sc.q.data(), nullptr, sc.kv, out.data(), nullptr, nullptr);
-  const std::vector<float> rows = e.history_rows(1);
-  EXPECT_EQ(e.history_count(1)[0], 1);
-  const int mb = e.max_blocks(), H = e.geometry().history;
-  for (int qh = 0; qh < 4; ++qh) {
-    std::vector<double> s(size_t(sc.n));
-    double m = -1e300, z = 0;
-    for (int t = 0; t < sc.n; ++t) {
-      double dot = 0;
-      for (int i = 0; i < 64; ++i)
-        dot += double(bf16_to_float(sc.q[size_t(qh) * 64 + i])) *
-               double(bf16_to_float(sc.k[(size_t(t) * 2 + qh / 2) * 64 + i]));
-      s[size_t(t)] = dot * sc.shape.scale();
-      m = std::max(m, s[size_t(t)]);
-    }
-    for (double x : s) z += std::exp(x - m);
-    const float* row = rows.data() + (size_t(qh) * H + 0) * mb;  // ring slot 0
-    for (int j = 0; j < mb; ++j) {
-      double want = 0;
-      for (int t = j * 16; t < std::min(sc.n, j * 16 + 16); ++t)
-        want = std::max(want, std::exp(s[size_t(t)] - m) / z);
-      ASSERT_NEAR(row[j], want, 1e-6 * std::max(1.0, want)) << "head " << qh << " block " << j;
-    }
+  cfg.backend = Backend::Cuda;
+  cfg.attnpred.offload = true;
+  cfg.attnpred.calibration_keys = CalibrationKeys::E4m3;
+  try {
+    AttnPredEngine e(sc.shape, cfg, test_params(256));
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& err) {
+    EXPECT_NE(std::string(err.what()).find("calibration_keys e4m3 needs GPU-resident mode"),
+              std::string::npos)
+        << err.what();
   }
-  EXPECT_TRUE(e.last_read(1, 0).empty());  // the warm-up step read every token
 }
 
 TEST(AttnPredCpu, EngineAttendsItsSelectionAndMatchesDenseWhenTheBudgetCoversAll) {

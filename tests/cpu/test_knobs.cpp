@@ -19,6 +19,10 @@ TEST(Knobs, SpecsApplyToTheirMethodsConfig) {
   EXPECT_EQ(m.mac.threshold, MacThreshold::Paper);
   EXPECT_DOUBLE_EQ(m.mac.tau, 0.5);
   EXPECT_EQ(parse_method_spec("dense").label(), "default");
+  const EngineConfig a =
+      apply_knobs(EngineConfig{}, parse_method_spec("attnpred:calibration_keys=e4m3"));
+  EXPECT_EQ(a.attnpred.calibration_keys, CalibrationKeys::E4m3);
+  EXPECT_EQ(EngineConfig{}.attnpred.calibration_keys, CalibrationKeys::Bf16);
 }
 
 TEST(Knobs, ErrorsNameMethodKnobAndValue) {
@@ -36,6 +40,8 @@ TEST(Knobs, ErrorsNameMethodKnobAndValue) {
   const std::string bad = message("tactic:target=lots");
   EXPECT_NE(bad.find("'lots' is not a number"), std::string::npos) << bad;
   EXPECT_NE(message("mac:threshold=fuzzy").find("fuzzy"), std::string::npos);
+  const std::string keys = message("attnpred:calibration_keys=fp8");
+  EXPECT_NE(keys.find("'fp8' (known: bf16, e4m3)"), std::string::npos) << keys;
   EXPECT_NE(message("tactic:target").find("not key=value"), std::string::npos);
   EXPECT_NE(message("dense:x=1").find("has no knob"), std::string::npos);
   EXPECT_THROW(parse_method_spec("quest"), std::invalid_argument);

@@ -15,6 +15,7 @@
 #include "artifacts/capture_file.h"
 #include "kernels/attnpred/attnpred.h"
 #include "kernels/common/cuda_check.h"
+#include "kernels/common/e4m3.h"
 #include "kernels/dense/dense_decode.h"
 #include "runtime/attnpred_engine.h"
 
@@ -342,13 +343,16 @@ AttnPredParams engine_params(uint32_t seed) {
 }
 
 // grouped: AttnPredConfig::group_history (a history per kv head, the group's largest row).
-void run_against_cpu(bool offload, int predict_interval = 1, bool grouped = false) {
+// keys: AttnPredConfig::calibration_keys (the fp64 reference rounds the full rows' keys too).
+void run_against_cpu(bool offload, int predict_interval = 1, bool grouped = false,
+                     CalibrationKeys keys = CalibrationKeys::Bf16) {
   Scene sc;
   const AttnPredParams params = engine_params(3);
   EngineConfig cc;
   cc.backend = Backend::Cpu;
   cc.attnpred.predict_interval = predict_interval;
   cc.attnpred.group_history = grouped ? 1 : 0;
+  cc.attnpred.calibration_keys = keys;
   EngineConfig gc = cc;
   gc.backend = Backend::Cuda;
   gc.attnpred.offload = offload;
@@ -438,10 +442,17 @@ void run_against_cpu(bool offload, int predict_interval = 1, bool grouped = fals
         }
         std::vector<double> logit(row_tokens.size());
         double m = -INFINITY;
+        const bool rounded = full_row && keys == CalibrationKeys::E4m3;
+        std::vector<float> kf(128);
         for (size_t i = 0; i < row_tokens.size(); ++i) {
           const bf16* kr = sc.k.data() + ckv.offset(0, row_tokens[i], qh / 4);
+          if (rounded) {
+            ap::round_key_e4m3_cpu(kr, 128, kf.data());
+          } else {
+            for (int e = 0; e < 128; ++e) kf[size_t(e)] = bf16_to_float(kr[e]);
+          }
           double dot = 0;
-          for (int e = 0; e < 128; ++e) dot += double(qf[size_t(e)]) * bf16_to_float(kr[e]);
+          for (int e = 0; e < 128; ++e) dot += double(qf[size_t(e)]) * kf[size_t(e)];
           logit[i] = dot * sc.shape.scale();
           m = std::max(m, logit[i]);
         }
@@ -513,6 +524,39 @@ void run_against_cpu(bool offload, int predict_interval = 1, bool grouped = fals
   }
 }
 
+// The full row of sequence b (n tokens) that went to ring slot `slot` of each of its histories
+// (rows [heads, H, mb] of b) against fp64: each query head's softmax of score(qh, t) (already
+// scaled) over every token, max-pooled into blocks of blk, over the group's query heads when
+// grouped; columns past the sequence's blocks are 0.
+template <class Score>
+void expect_full_rows(const float* rows, int slot, int H, int mb, int hq, int hist_group, int blk,
+                      int n, int b, Score&& score) {
+  const int heads = hq / hist_group, nb = (n + blk - 1) / blk;
+  std::vector<double> want(size_t(heads) * mb, 0.0);
+  for (int qh = 0; qh < hq; ++qh) {
+    std::vector<double> sc(static_cast<size_t>(n));
+    double m = -INFINITY;
+    for (int t = 0; t < n; ++t) m = std::max(m, sc[size_t(t)] = score(qh, t));
+    double z = 0;
+    for (double v : sc) z += std::exp(v - m);
+    double* w = want.data() + size_t(qh / hist_group) * mb;
+    for (int j = 0; j < nb; ++j)
+      for (int t = j * blk; t < std::min(n, j * blk + blk); ++t)
+        w[j] = std::max(w[j], std::exp(sc[size_t(t)] - m) / z);
+  }
+  for (int hh = 0; hh < heads; ++hh) {
+    const float* row = rows + (size_t(hh) * H + slot) * mb;
+    for (int j = 0; j < mb; ++j) {
+      const double w = want[size_t(hh) * mb + j];
+      if (j >= nb) {
+        ASSERT_EQ(row[j], 0.f) << "b " << b << " history " << hh << " block " << j;
+      } else {
+        ASSERT_NEAR(row[j], w, 1e-6 + 1e-4 * w) << "b " << b << " history " << hh << " block " << j;
+      }
+    }
+  }
+}
+
 // append_row_cuda's full row against fp64: the softmax of q.k * scale over every token,
 // max-pooled into blocks, for head_dim 64 and 128, GQA groups 1, 4 and 8, keys in device
 // memory (the tensor-core scores) and in mapped host memory (the lane form), two sequences
@@ -575,43 +619,131 @@ TEST(AttnPredCuda, FullRowEqualsFp64AcrossShapes) {
           for (int b = 0; b < B; ++b) {
             EXPECT_EQ(count[size_t(b)], count_h[size_t(b)] + 1);
             EXPECT_EQ(tokens[size_t(b)], lens[b]);
-            const int n = lens[b], nb = (n + blk - 1) / blk;
-            std::vector<double> want(size_t(heads) * mb, 0.0);  // per history head
-            for (int h = 0; h < hq; ++h) {
-              std::vector<double> sc(static_cast<size_t>(n));
-              double m = -INFINITY;
-              for (int t = 0; t < n; ++t) {
-                const int pg = table[size_t(b * pages_per_seq + t / page)];
-                const bf16* kr = k.data() + ((size_t(pg) * page + t % page) * hkv + h / group) * d;
-                const bf16* qr = q.data() + (size_t(b) * hq + h) * d;
-                double dot = 0;
-                for (int e = 0; e < d; ++e)
-                  dot += double(bf16_to_float(qr[e])) * double(bf16_to_float(kr[e]));
-                sc[size_t(t)] = dot * scale;
-                m = std::max(m, sc[size_t(t)]);
-              }
-              double z = 0;
-              for (double v : sc) z += std::exp(v - m);
-              double* w = want.data() + size_t(h / hist_group) * mb;
-              for (int j = 0; j < nb; ++j)
-                for (int t = j * blk; t < std::min(n, j * blk + blk); ++t)
-                  w[j] = std::max(w[j], std::exp(sc[size_t(t)] - m) / z);
-            }
-            for (int hh = 0; hh < heads; ++hh) {
-              const float* row =
-                  got.data() + ((size_t(b) * heads + hh) * H + count_h[size_t(b)] % H) * mb;
-              for (int j = 0; j < mb; ++j) {
-                const double w = want[size_t(hh) * mb + j];
-                if (j >= nb) {
-                  ASSERT_EQ(row[j], 0.f) << "b " << b << " history " << hh << " block " << j;
-                } else {
-                  ASSERT_NEAR(row[j], w, 1e-6 + 1e-4 * w)
-                      << "b " << b << " history " << hh << " block " << j;
-                }
-              }
-            }
+            const float* rows = got.data() + size_t(b) * heads * H * mb;
+            expect_full_rows(rows, count_h[size_t(b)] % H, H, mb, hq, hist_group, blk, lens[b], b,
+                             [&](int h, int t) {
+                               const int pg = table[size_t(b * pages_per_seq + t / page)];
+                               const bf16* kr =
+                                   k.data() +
+                                   ((size_t(pg) * page + t % page) * hkv + h / group) * d;
+                               const bf16* qr = q.data() + (size_t(b) * hq + h) * d;
+                               double dot = 0;
+                               for (int e = 0; e < d; ++e)
+                                 dot += double(bf16_to_float(qr[e])) * double(bf16_to_float(kr[e]));
+                               return dot * scale;
+                             });
           }
           if (hk) cudaFreeHost(hk);
+        }
+}
+
+// append_full_row_e4m3_cuda against fp64 over the keys rounded as round_key_e4m3_cpu rounds
+// them: the copy is built by two rows (lengths growing from {300, 5003} to {700, 9001}, so the
+// second quantizes only the keys since the first), its bytes and scales equal the CPU rounding
+// bit for bit and len follows the lengths, and the second row is the pooled softmax over every
+// key, for head_dim 64 and 128, blocks of 8 and 16, GQA groups 1, 4 and 8, grouped or not.
+// Query heads far outside fp16's range (2^40 and 2^-40 times the rest) check the kernel's
+// power-of-two scaling of q.
+TEST(AttnPredCuda, FullRowFromE4m3KeysEqualsFp64OverRoundedKeys) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  const int B = 2, hq = 8, page = 16, H = 4;
+  const int first[B] = {300, 5003}, lens[B] = {700, 9001};
+  const int pages_per_seq = (9001 + page - 1) / page, num_pages = B * pages_per_seq;
+  for (int blk : {16, 8})
+    for (int d : {64, 128})
+      for (int hkv : {8, 2, 1})
+        for (bool grouped : {false, true}) {
+          if (grouped && hkv == hq) continue;
+          SCOPED_TRACE("block " + std::to_string(blk) + " d " + std::to_string(d) + " hkv " +
+                       std::to_string(hkv) + (grouped ? " grouped" : ""));
+          const ap::Geometry geo{H, blk, 64, 64};
+          const int mb = (9001 + blk - 1) / blk + 8;
+          const int group = hq / hkv, hist_group = grouped ? group : 1, heads = hq / hist_group;
+          std::mt19937 rng(uint32_t(d * 100 + hkv * 10 + grouped));
+          std::normal_distribution<float> nd(0.f, 1.f);
+          std::vector<bf16> q(size_t(B) * hq * d), k(size_t(num_pages) * page * hkv * d);
+          for (size_t i = 0; i < q.size(); ++i) {
+            const int qh = int(i / d) % hq;
+            q[i] = float_to_bf16(nd(rng) * (qh == 1 ? 0x1p40f : qh == 2 ? 0x1p-40f : 1.f));
+          }
+          for (auto& x : k) x = float_to_bf16(nd(rng) * (1 + 3 * (rng() % 2)));
+          std::vector<int32_t> table(static_cast<size_t>(num_pages));
+          for (int i = 0; i < num_pages; ++i) table[size_t(i)] = i;
+          std::shuffle(table.begin(), table.end(), rng);
+          std::vector<int32_t> len_h(first, first + B);
+          const std::vector<int32_t> count_h = {1, 6};
+          std::vector<float> rows_h(size_t(B) * heads * H * mb, 7.f);
+          Dev<bf16> dq(q), dk(k);
+          Dev<int32_t> dtable(table), dlen(len_h), dcount(count_h), dtokens(B);
+          Dev<float> drows(rows_h);
+          const PagedKV view{dk.p,      dk.p, dtable.p, dlen.p, B,
+                             num_pages, page, hkv,      d,      pages_per_seq};
+          const ap::HistoryState hist{drows.p, dcount.p, dtokens.p, B, heads, H, mb, hist_group};
+          ap::KeyCopy copy;
+          copy.max_batch = B;
+          copy.num_kv_heads = hkv;
+          copy.head_dim = d;
+          copy.max_tokens = mb * blk;
+          const size_t keys = size_t(B) * hkv * copy.max_tokens;
+          Dev<uint8_t> ck(keys * d);
+          Dev<float> cs(keys);
+          Dev<int32_t> cl(B);
+          copy.k = ck.p;
+          copy.scale = cs.p;
+          copy.len = cl.p;
+          const size_t scratch_bytes = ap::row_scratch_bytes(B, hq, mb * geo.block);
+          Dev<char> scratch(scratch_bytes);
+          const float scale = 1.f / std::sqrt(float(d));
+          KVS_CUDA_CHECK(ap::reset_key_copy_cuda(copy, B, nullptr));
+          for (int call = 0; call < 2; ++call) {
+            if (call == 1) {
+              len_h.assign(lens, lens + B);
+              KVS_CUDA_CHECK(
+                  cudaMemcpy(dlen.p, len_h.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
+              KVS_CUDA_CHECK(cudaMemcpy(dcount.p, count_h.data(), B * sizeof(int32_t),
+                                        cudaMemcpyHostToDevice));
+            }
+            KVS_CUDA_CHECK(ap::append_full_row_e4m3_cuda(dq.p, hq, view, B, scale, geo, hist, copy,
+                                                         scratch.p, scratch_bytes, nullptr));
+          }
+          KVS_CUDA_CHECK(cudaDeviceSynchronize());
+          EXPECT_EQ(cl.get(B), len_h);
+          const std::vector<uint8_t> got_k = ck.get(keys * d);
+          const std::vector<float> got_s = cs.get(keys);
+          const std::vector<float> got = drows.get(rows_h.size());
+          const std::vector<int32_t> count = dcount.get(B), tokens = dtokens.get(B);
+          std::vector<float> kr(static_cast<size_t>(d));
+          for (int b = 0; b < B; ++b) {
+            EXPECT_EQ(count[size_t(b)], count_h[size_t(b)] + 1);
+            EXPECT_EQ(tokens[size_t(b)], lens[b]);
+            const int n = lens[b];
+            // The copy: each key's scale and e4m3 bytes, exactly the CPU rule's.
+            for (int h = 0; h < hkv; ++h)
+              for (int t = 0; t < n; ++t) {
+                const int pg = table[size_t(b * pages_per_seq + t / page)];
+                const bf16* kp = k.data() + ((size_t(pg) * page + t % page) * hkv + h) * d;
+                float amax = 0.f;
+                for (int e = 0; e < d; ++e) amax = std::max(amax, std::fabs(bf16_to_float(kp[e])));
+                const size_t key = size_t(copy.key_index(b, h, t));
+                const float sk = kernels::e4m3_row_scale(amax);
+                ASSERT_EQ(got_s[key], sk) << "b " << b << " kv head " << h << " key " << t;
+                for (int e = 0; e < d; ++e)
+                  ASSERT_EQ(got_k[key * d + e], kernels::to_e4m3(bf16_to_float(kp[e]), sk))
+                      << "b " << b << " kv head " << h << " key " << t << " dim " << e;
+              }
+            const float* rows = got.data() + size_t(b) * heads * H * mb;
+            expect_full_rows(
+                rows, count_h[size_t(b)] % H, H, mb, hq, hist_group, blk, n, b, [&](int qh, int t) {
+                  const int pg = table[size_t(b * pages_per_seq + t / page)];
+                  ap::round_key_e4m3_cpu(
+                      k.data() + ((size_t(pg) * page + t % page) * hkv + qh / group) * d, d,
+                      kr.data());
+                  const bf16* qr = q.data() + (size_t(b) * hq + qh) * d;
+                  double dot = 0;
+                  for (int e = 0; e < d; ++e) dot += double(bf16_to_float(qr[e])) * kr[size_t(e)];
+                  return dot * scale;
+                });
+          }
         }
 }
 
@@ -801,13 +933,15 @@ TEST(AttnPredCuda, OffloadPrefetchesTheSelectedBlocks) {
 // step, so the history rows check that snapshot: the context grows by a token a step. Halfway,
 // every layer is prefilled again, which drops what its last step deferred (step 7 does not
 // complete it, so its deferred branches are pending then).
-void deferred_branches_match_cpu(int predict_interval) {
+void deferred_branches_match_cpu(int predict_interval,
+                                 CalibrationKeys keys = CalibrationKeys::Bf16) {
   Scene sc;
   sc.shape.num_layers = 4;
   const AttnPredParams params = engine_params(9);
   EngineConfig cc;
   cc.backend = Backend::Cpu;
   cc.attnpred.predict_interval = predict_interval;
+  cc.attnpred.calibration_keys = keys;
   EngineConfig gc = cc;
   gc.backend = Backend::Cuda;
   AttnPredEngine cpu(sc.shape, cc, params), gpu(sc.shape, gc, params);
@@ -880,6 +1014,13 @@ TEST(AttnPredCuda, DeferredBranchesMatchCpu) {
 TEST(AttnPredCuda, DeferredBranchesMatchCpuPredictingEverySecondStep) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   deferred_branches_match_cpu(2);
+}
+
+// The calibration rows from the e4m3 copy of K, deferred or not, across a prefill that resets
+// the copy (kernels/attnpred/attnpred.h KeyCopy).
+TEST(AttnPredCuda, DeferredBranchesMatchCpuWithE4m3CalibrationKeys) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  deferred_branches_match_cpu(1, CalibrationKeys::E4m3);
 }
 
 // A CUDA graph of decode steps over every layer (the way a decode loop runs the engine): the
@@ -1048,6 +1189,12 @@ TEST(AttnPredCuda, OffloadPrefetchesTheSelectedBlocksPredictingEverySecondStep) 
 TEST(AttnPredCuda, GroupedHistoryEngineMatchesCpu) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   run_against_cpu(false, 1, true);
+}
+
+TEST(AttnPredCuda, EngineWithE4m3CalibrationKeysMatchesCpu) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  run_against_cpu(false, 1, true, CalibrationKeys::E4m3);
+  run_against_cpu(false, 3, false, CalibrationKeys::E4m3);
 }
 
 TEST(AttnPredCuda, GroupedHistoryOffloadPrefetchesTheSelectedBlocksPredictingEverySecondStep) {

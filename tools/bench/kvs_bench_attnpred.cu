@@ -24,7 +24,9 @@
 // random bf16. Targets (issue): ap_offload 5.6x faster than offl_copy at 32K; ap_gpu 5x faster
 // than dense at 128K with budget 2048. --predict-interval P (AttnPredConfig::predict_interval)
 // makes the engines predict every P-th step; --group-history (AttnPredConfig::group_history)
-// gives them one history, prediction and top-K per kv head. --json writes every row
+// gives them one history, prediction and top-K per kv head; --calibration-keys e4m3
+// (AttnPredConfig::calibration_keys) has the GPU-resident engine's calibration rows, and the
+// full_row column, read an e4m3 copy of K (offload mode keeps bf16). --json writes every row
 // (docs/formats.md).
 #include <cuda_bf16.h>
 
@@ -84,7 +86,7 @@ T* dalloc(size_t n) {
 }  // namespace
 
 int main(int argc, char** argv) try {
-  std::string contexts_s, json_path;
+  std::string contexts_s, json_path, keys_s;
   int hq, hkv, d, budget, layers, steps, reps, period, interval;
   bool grouped = false;
   po::options_description opts(
@@ -101,6 +103,8 @@ int main(int argc, char** argv) try {
       "predict every P-th step (AttnPredConfig::predict_interval)")(
       "group-history", po::bool_switch(&grouped),
       "one history and top-K per kv head (AttnPredConfig::group_history)")(
+      "calibration-keys", po::value(&keys_s)->default_value("bf16"),
+      "the calibration rows' keys: bf16 or e4m3 (AttnPredConfig::calibration_keys)")(
       "layers", po::value(&layers)->default_value(4), "layers per step (prefetch overlaps them)")(
       "steps", po::value(&steps)->default_value(10), "decode steps per repetition (whole periods)")(
       "reps", po::value(&reps)->default_value(5), "repetitions (median)")(
@@ -121,6 +125,7 @@ int main(int argc, char** argv) try {
                  steps, period, interval);
     return 1;
   }
+  const kvs::CalibrationKeys keys = kvs::calibration_keys_from_string(keys_s);
   const std::vector<int> contexts = kvs::bench::parse_counts(contexts_s, "contexts");
   cudaDeviceProp prop{};
   KVS_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -133,6 +138,7 @@ int main(int argc, char** argv) try {
                      {"period", period},
                      {"predict_interval", interval},
                      {"group_history", grouped ? 1 : 0},
+                     {"calibration_keys", keys_s},
                      {"layers", layers},
                      {"steps", steps},
                      {"reps", reps}});
@@ -222,6 +228,7 @@ int main(int argc, char** argv) try {
     ec.attnpred.max_context = cap;
     ec.attnpred.predict_interval = interval;
     ec.attnpred.group_history = grouped ? 1 : 0;
+    ec.attnpred.calibration_keys = keys;
     auto run_engine = [&](kvs::AttnPredEngine& e, const std::vector<kvs::bf16*>& K,
                           const std::vector<kvs::bf16*>& V, bool graph_too) {
       void* ws = dalloc<char>(e.workspace_bytes());
@@ -309,9 +316,26 @@ int main(int argc, char** argv) try {
     });
     const size_t rs_bytes = ap::row_scratch_bytes(1, hq, mb * geo.block);
     void* rs = dalloc<char>(rs_bytes);
+    // e4m3: the copy is made by the first row, and the timed ones find it full (a decode
+    // loop's rows quantize the M keys since the last one).
+    ap::KeyCopy copy;
+    copy.max_batch = 1;
+    copy.num_kv_heads = hkv;
+    copy.head_dim = d;
+    copy.max_tokens = mb * geo.block;
+    if (keys == kvs::CalibrationKeys::E4m3) {
+      copy.k = dalloc<uint8_t>(size_t(hkv) * copy.max_tokens * d);
+      copy.scale = dalloc<float>(size_t(hkv) * copy.max_tokens);
+      copy.len = dalloc<int32_t>(1);
+      KVS_CUDA_CHECK(ap::reset_key_copy_cuda(copy, 1, stream));
+    }
     const double full_row = median_us(reps, 1, stream, [&] {
-      KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, kv0, nullptr, 0, len, 1, hkv, scale, geo, hist, rs,
-                                         rs_bytes, false, stream));
+      if (keys == kvs::CalibrationKeys::E4m3)
+        KVS_CUDA_CHECK(ap::append_full_row_e4m3_cuda(q, hq, kv0, 1, scale, geo, hist, copy, rs,
+                                                     rs_bytes, stream));
+      else
+        KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, kv0, nullptr, 0, len, 1, hkv, scale, geo, hist,
+                                           rs, rs_bytes, false, stream));
     });
 
     // Offload: pinned mapped host KV.
@@ -346,6 +370,7 @@ int main(int argc, char** argv) try {
     });
     kvs::EngineConfig eo = ec;
     eo.attnpred.offload = true;
+    eo.attnpred.calibration_keys = kvs::CalibrationKeys::Bf16;
     double ap_off = 0, late = 0, blk = 0;
     void* ws_off = nullptr;
     {
@@ -397,6 +422,7 @@ int main(int argc, char** argv) try {
     for (void* p : {(void*)cnn.edge, (void*)cnn.count, (void*)cnn.end, (void*)dparams}) cudaFree(p);
     for (void* p : {(void*)scores, (void*)flags, (void*)sel.rows, (void*)sel.tokens}) cudaFree(p);
     for (void* p : {(void*)sel.counts, sws, rs, (void*)cnn.sum, (void*)cnn.frags}) cudaFree(p);
+    for (void* p : {(void*)copy.k, (void*)copy.scale, (void*)copy.len}) cudaFree(p);
   }
   cudaStreamDestroy(stream);
   return 0;
