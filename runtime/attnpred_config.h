@@ -51,8 +51,8 @@ struct AttnPredConfig {
   bool offload = false;
   /// The keys the calibration rows score. E4m3 (GPU-resident mode): each sparse layer keeps
   /// an e4m3 copy of its keys with a scale per key, (head_dim + 4) bytes per token and kv
-  /// head (about half the KV cache's K; 138 MB a layer at 128K, 8 kv heads, d 128), which the
-  /// rows keep up to date themselves; a row then reads half the bytes (all of K every
+  /// head (about half the KV cache's K; 138 MB a layer at 128K, 8 kv heads, d 128), filled at
+  /// prefill and brought up to date by each row; a row then reads half the bytes (all of K every
   /// calibration_period steps: the largest share of what the predictor's branches take from
   /// the sparse steps beside them). Only the rows change: the history's calibrated rows come
   /// from keys rounded to e4m3 (q stays exact), the attention never does. Its fidelity

@@ -553,7 +553,7 @@ void AttnPredEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) 
   KVS_CUDA_CHECK(cudaMemsetAsync(
       ls.flags, 0, size_t(config_.max_batch) * shape_.num_kv_heads * max_blocks_, stream));
   if (ls.cache.k) KVS_CUDA_CHECK(ap::reset_block_cache_cuda(ls.cache, kv.batch, stream));
-  if (ls.keys.k) KVS_CUDA_CHECK(ap::reset_key_copy_cuda(ls.keys, kv.batch, stream));
+  if (ls.keys.k) KVS_CUDA_CHECK(ap::fill_key_copy_cuda(kv, ls.keys, kv.batch, stream));
 }
 
 void AttnPredEngine::decode(int layer, const bf16* q, const bf16* q_pre, const PagedKV& kv,

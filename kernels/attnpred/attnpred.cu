@@ -2218,9 +2218,41 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
   return cudaGetLastError();
 }
 
-cudaError_t reset_key_copy_cuda(const KeyCopy& copy, int batch, cudaStream_t stream) {
-  if (batch > copy.max_batch) return cudaErrorInvalidValue;
-  return cudaMemsetAsync(copy.len, 0, size_t(batch) * sizeof(int32_t), stream);
+// quantize_keys_kernel's grid: one CTA a kv head for the few keys since a row's last (its 8
+// warps take 8 keys at once), or as wide as the device for a prompt.
+static cudaError_t quantize_keys(const PagedKV& kv, const KeyCopy& copy, int batch, bool wide,
+                                 cudaStream_t stream) {
+  int ctas = 1;
+  if (wide) {
+    int sms = 0;
+    if (const cudaError_t e = sm_count(&sms); e != cudaSuccess) return e;
+    ctas = std::max(1, 4 * sms / (batch * kv.num_kv_heads));
+  }
+  const dim3 grid(batch * kv.num_kv_heads, ctas);
+  if (kv.head_dim == 128)
+    quantize_keys_kernel<128><<<grid, kThreads, 0, stream>>>(kv, copy);
+  else
+    quantize_keys_kernel<64><<<grid, kThreads, 0, stream>>>(kv, copy);
+  return cudaGetLastError();
+}
+
+static bool copy_fits(const PagedKV& kv, const KeyCopy& copy, int batch) {
+  return batch <= copy.max_batch && copy.num_kv_heads == kv.num_kv_heads &&
+         copy.head_dim == kv.head_dim && (kv.head_dim == 64 || kv.head_dim == 128) &&
+         copy.max_tokens % tiles::kTile == 0;
+}
+
+cudaError_t fill_key_copy_cuda(const PagedKV& kv, const KeyCopy& copy, int batch,
+                               cudaStream_t stream) {
+  if (batch <= 0) return cudaSuccess;
+  if (!copy_fits(kv, copy, batch)) return cudaErrorInvalidValue;
+  if (const cudaError_t e = cudaMemsetAsync(copy.len, 0, size_t(batch) * sizeof(int32_t), stream);
+      e != cudaSuccess)
+    return e;
+  if (const cudaError_t e = quantize_keys(kv, copy, batch, true, stream); e != cudaSuccess)
+    return e;
+  return cudaMemcpyAsync(copy.len, kv.seq_lens, size_t(batch) * sizeof(int32_t),
+                         cudaMemcpyDeviceToDevice, stream);
 }
 
 cudaError_t append_full_row_e4m3_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, int batch,
@@ -2229,25 +2261,16 @@ cudaError_t append_full_row_e4m3_cuda(const bf16* q, int num_q_heads, const Page
                                       cudaStream_t stream) {
   if (batch <= 0) return cudaSuccess;
   const int hkv = kv.num_kv_heads, group = num_q_heads / hkv;
-  if (group > kMaxGroup || (kv.head_dim != 64 && kv.head_dim != 128) ||
-      (g.block != 8 && g.block != 16) || (hist.group != 1 && hist.group != group) ||
-      hist.num_heads * hist.group != num_q_heads || batch > copy.max_batch ||
-      copy.num_kv_heads != hkv || copy.head_dim != kv.head_dim ||
-      copy.max_tokens % tiles::kTile != 0 || copy.max_tokens < hist.max_blocks * g.block)
+  if (group > kMaxGroup || !copy_fits(kv, copy, batch) || (g.block != 8 && g.block != 16) ||
+      (hist.group != 1 && hist.group != group) || hist.num_heads * hist.group != num_q_heads ||
+      copy.max_tokens < hist.max_blocks * g.block)
     return cudaErrorInvalidValue;
   const int max_tokens = hist.max_blocks * g.block;
   if (scratch_bytes < row_scratch_bytes(batch, num_q_heads, max_tokens))
     return cudaErrorInvalidValue;
   const RowScratch rs = row_scratch(scratch, batch, num_q_heads, max_tokens);
-  int sms = 0;
-  if (const cudaError_t e = sm_count(&sms); e != cudaSuccess) return e;
-  // The keys since the layer's last row: a few CTAs' worth in a decode loop, a whole prompt at
-  // the first row after a prefill (a grid-stride over them).
-  const dim3 qgrid(batch * hkv, std::max(1, 4 * sms / (batch * hkv)));
-  if (kv.head_dim == 128)
-    quantize_keys_kernel<128><<<qgrid, kThreads, 0, stream>>>(kv, copy);
-  else
-    quantize_keys_kernel<64><<<qgrid, kThreads, 0, stream>>>(kv, copy);
+  if (const cudaError_t e = quantize_keys(kv, copy, batch, false, stream); e != cudaSuccess)
+    return e;
   return launch_full_row_ring<true>(q, num_q_heads, kv, copy, kv.seq_lens, batch, scale, g, hist,
                                     rs.scores, rs.partials, score_chunks(max_tokens), rs.pool_done,
                                     stream);

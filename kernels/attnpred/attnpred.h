@@ -234,9 +234,10 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
 // t of (b, kv head h) is d e4m3 values with a scale (kernels/common/e4m3.h: one key is one
 // row), contiguous per (b, kv head). The rows keep the copy themselves: a row first quantizes
 // the keys [len[b], n) from the cache (the few a decode loop appended since the layer's last
-// row; a prefill's whole prompt at the first), then reads every key from the copy and sets
-// len[b] = n. So keys must not change once copied, until a prefill resets the copy
-// (reset_key_copy_cuda): a decode loop's cache only appends.
+// row, by a grid of one CTA a kv head), then reads every key from the copy and sets len[b] = n.
+// A prefill fills it with the prompt's keys (fill_key_copy_cuda, a grid as wide as the
+// device). So keys must not change once copied, until the next prefill: a decode loop's cache
+// only appends.
 struct KeyCopy {
   uint8_t* k = nullptr;    ///< [max_batch, Hkv, max_tokens, head_dim] e4m3
   float* scale = nullptr;  ///< [max_batch, Hkv, max_tokens]
@@ -251,8 +252,10 @@ struct KeyCopy {
   }
 };
 
-// Empties the copy of sequences [0, batch) (prefill): their next row quantizes every key.
-cudaError_t reset_key_copy_cuda(const KeyCopy& copy, int batch, cudaStream_t stream);
+// The copy of sequences [0, batch) becomes kv's keys (a prefill): len[b] = kv.seq_lens[b].
+// cudaErrorInvalidValue: a copy of another shape.
+cudaError_t fill_key_copy_cuda(const PagedKV& kv, const KeyCopy& copy, int batch,
+                               cudaStream_t stream);
 
 // append_row_cuda's full row (view = the layer's cache in device memory, blocks of 8 or 16)
 // with the keys taken from `copy`, which it brings up to the current lengths first. The

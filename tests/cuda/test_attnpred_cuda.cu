@@ -638,12 +638,12 @@ TEST(AttnPredCuda, FullRowEqualsFp64AcrossShapes) {
 }
 
 // append_full_row_e4m3_cuda against fp64 over the keys rounded as round_key_e4m3_cpu rounds
-// them: the copy is built by two rows (lengths growing from {300, 5003} to {700, 9001}, so the
-// second quantizes only the keys since the first), its bytes and scales equal the CPU rounding
-// bit for bit and len follows the lengths, and the second row is the pooled softmax over every
-// key, for head_dim 64 and 128, blocks of 8 and 16, GQA groups 1, 4 and 8, grouped or not.
-// Query heads far outside fp16's range (2^40 and 2^-40 times the rest) check the kernel's
-// power-of-two scaling of q.
+// them: the copy is filled at lengths {300, 5003} (a prefill's fill_key_copy_cuda) and the row
+// taken at {700, 9001} quantizes the keys since (or all of them, from an empty copy), its bytes and
+// scales equal the CPU rounding bit for bit and len follows the lengths, and the second row is the
+// pooled softmax over every key, for head_dim 64 and 128, blocks of 8 and 16, GQA groups 1, 4 and
+// 8, grouped or not. Query heads far outside fp16's range (2^40 and 2^-40 times the rest) check the
+// kernel's power-of-two scaling of q.
 TEST(AttnPredCuda, FullRowFromE4m3KeysEqualsFp64OverRoundedKeys) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const int B = 2, hq = 8, page = 16, H = 4;
@@ -694,18 +694,18 @@ TEST(AttnPredCuda, FullRowFromE4m3KeysEqualsFp64OverRoundedKeys) {
           const size_t scratch_bytes = ap::row_scratch_bytes(B, hq, mb * geo.block);
           Dev<char> scratch(scratch_bytes);
           const float scale = 1.f / std::sqrt(float(d));
-          KVS_CUDA_CHECK(ap::reset_key_copy_cuda(copy, B, nullptr));
-          for (int call = 0; call < 2; ++call) {
-            if (call == 1) {
-              len_h.assign(lens, lens + B);
-              KVS_CUDA_CHECK(
-                  cudaMemcpy(dlen.p, len_h.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
-              KVS_CUDA_CHECK(cudaMemcpy(dcount.p, count_h.data(), B * sizeof(int32_t),
-                                        cudaMemcpyHostToDevice));
-            }
-            KVS_CUDA_CHECK(ap::append_full_row_e4m3_cuda(dq.p, hq, view, B, scale, geo, hist, copy,
-                                                         scratch.p, scratch_bytes, nullptr));
+          // A prefill's fill at the first lengths, then the row at the longer ones, which
+          // quantizes the keys since; or (kv heads 2) the row from an empty copy.
+          if (hkv == 2) {
+            KVS_CUDA_CHECK(cudaMemset(cl.p, 0, B * sizeof(int32_t)));
+          } else {
+            KVS_CUDA_CHECK(ap::fill_key_copy_cuda(view, copy, B, nullptr));
           }
+          len_h.assign(lens, lens + B);
+          KVS_CUDA_CHECK(
+              cudaMemcpy(dlen.p, len_h.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
+          KVS_CUDA_CHECK(ap::append_full_row_e4m3_cuda(dq.p, hq, view, B, scale, geo, hist, copy,
+                                                       scratch.p, scratch_bytes, nullptr));
           KVS_CUDA_CHECK(cudaDeviceSynchronize());
           EXPECT_EQ(cl.get(B), len_h);
           const std::vector<uint8_t> got_k = ck.get(keys * d);

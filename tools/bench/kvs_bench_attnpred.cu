@@ -316,8 +316,8 @@ int main(int argc, char** argv) try {
     });
     const size_t rs_bytes = ap::row_scratch_bytes(1, hq, mb * geo.block);
     void* rs = dalloc<char>(rs_bytes);
-    // e4m3: the copy is made by the first row, and the timed ones find it full (a decode
-    // loop's rows quantize the M keys since the last one).
+    // e4m3: the copy is filled as a prefill fills it, and the timed rows find it full (a
+    // decode loop's rows quantize the M keys since the last one).
     ap::KeyCopy copy;
     copy.max_batch = 1;
     copy.num_kv_heads = hkv;
@@ -327,7 +327,7 @@ int main(int argc, char** argv) try {
       copy.k = dalloc<uint8_t>(size_t(hkv) * copy.max_tokens * d);
       copy.scale = dalloc<float>(size_t(hkv) * copy.max_tokens);
       copy.len = dalloc<int32_t>(1);
-      KVS_CUDA_CHECK(ap::reset_key_copy_cuda(copy, 1, stream));
+      KVS_CUDA_CHECK(ap::fill_key_copy_cuda(kv0, copy, 1, stream));
     }
     const double full_row = median_us(reps, 1, stream, [&] {
       if (keys == kvs::CalibrationKeys::E4m3)
