@@ -1101,7 +1101,11 @@ constexpr int kRingWarps = 4, kRingStages = 3;
 // 93 us against 78 (docs/gpu.md, 2026-11-30, fourth session). Before the last layers deferred
 // theirs, 128 CTAs gained 0.4-0.5 us and thinner rows lost (64 CTAs: 34.0 against 29.8).
 // The e4m3 form (KeyCopy; append_full_row_e4m3_cuda) reads a 16-key tile as 2 KB of e4m3 and
-// its 16 scales (half the bytes), so it keeps twice the stages in flight: the same bytes.
+// its 16 scales (half the bytes), so it keeps twice the stages in flight: the same bytes. The
+// row alone is only 5 % faster (90 us against 95 at 128K, one CTA an SM: its warps' latency
+// chain bounds it), but the steps beside it get back the DRAM it no longer takes: 128K grouped
+// over 32 layers on an H200, P 4 25.5 / 25.6 us a layer-step against 28.2 / 28.2 with bf16
+// keys (docs/gpu.md, 2026-11-30, fifth session).
 constexpr int kRingStagesE4m3 = 2 * kRingStages;
 template <int D, bool kE4m3>
 struct RingTile {
@@ -1210,7 +1214,12 @@ __global__ void __launch_bounds__(kRingWarps * 32)
   const __nv_bfloat16* q_group =
       reinterpret_cast<const __nv_bfloat16*>(q_raw) + (int64_t(b) * num_q_heads + h * group) * D;
   uint32_t qa[D / 16][2];
-  float head_scale = scale;  // e4m3: the softmax scale times q's power of two; x key scales
+  // The scores in the log2 domain (exp2f is one MUFU.EX2; expf adds its range reduction):
+  // block maxima and partials go back to natural logs where they are stored. Fewer issue
+  // slots taken from the steps beside the row: 128K grouped, 32 layers, e4m3 keys, P 4 on an
+  // H200: 25.1 / 25.2 us a layer-step against 25.3 / 25.4 (docs/gpu.md, 2026-11-30, fifth
+  // session). e4m3: the softmax scale times q's power of two, times each key's scale.
+  float head_scale = scale * tiles::kLog2e;
   if constexpr (kE4m3)
     head_scale *= load_query_fragments_f16<D>(q_group, group, lane, qa);
   else
@@ -1305,7 +1314,7 @@ __global__ void __launch_bounds__(kRingWarps * 32)
         ptx::mma_bf16_16816(sc[0], a, b0, sc[0]);
         ptx::mma_bf16_16816(sc[1], a, b1, sc[1]);
       }
-      mul[0][0] = mul[0][1] = mul[1][0] = mul[1][1] = scale;
+      mul[0][0] = mul[0][1] = mul[1][0] = mul[1][1] = head_scale;
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
     const int tb = tile_begin_of(i);
@@ -1324,16 +1333,16 @@ __global__ void __launch_bounds__(kRingWarps * 32)
     const float tile_max = fmaxf(nt_max[0], nt_max[1]);  // finite: the tile's first token < end
     if (t4 == 0 && g < group) {
       if (pool_block == 8) {
-        out[tb / 8] = nt_max[0];
-        if (tb + 8 < end) out[tb / 8 + 1] = nt_max[1];
+        out[tb / 8] = nt_max[0] * tiles::kLn2;
+        if (tb + 8 < end) out[tb / 8 + 1] = nt_max[1] * tiles::kLn2;
       } else {
-        out[tb / 16] = tile_max;
+        out[tb / 16] = tile_max * tiles::kLn2;
       }
     }
     const float m_new = fmaxf(m, tile_max);
-    l *= expf(m - m_new);
+    l *= exp2f(m - m_new);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) l += expf(x[e] - m_new);
+    for (int e = 0; e < 4; ++e) l += exp2f(x[e] - m_new);
     m = m_new;
   }
   ptx::cp_async_wait<0>();
@@ -1341,7 +1350,7 @@ __global__ void __launch_bounds__(kRingWarps * 32)
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   __syncthreads();  // the rings are free: the warps' partials go there
   float2* wp = reinterpret_cast<float2*>(ring_smem);  // [kRingWarps][kMaxGroup]
-  if (t4 == 0 && g < group) wp[warp * kMaxGroup + g] = make_float2(m, l);
+  if (t4 == 0 && g < group) wp[warp * kMaxGroup + g] = make_float2(m * tiles::kLn2, l);
   __syncthreads();
   if (threadIdx.x < group) {
     float2 pt = make_float2(-INFINITY, 0.f);
