@@ -14,7 +14,8 @@
 //      still the sparse attention, as the paper does; only the history is calibrated). Layer
 //      l's calibration phase is shifted by l, so a step's full rows are spread over the
 //      layers; GPU-resident, a full row runs on a calibration lane (a branch stream,
-//      kCalibLanes of them) from a copy of the query, beside the later layers' steps;
+//      kCalibLanes of them) from a copy of the query, beside the later layers' steps, over
+//      the cache's keys or (AttnPredConfig::calibration_keys e4m3) the layer's e4m3 copy;
 //   3. predicts the next step's block scores with the CNN and takes each query head's top
 //      (budget - sink - recent) / block candidate blocks; GPU-resident, on a prediction lane
 //      (predict_lanes()) that the decode of the last sparse layer joins, so that it runs
