@@ -1080,7 +1080,8 @@ void expect_step_kernels_outrank_the_branches(cudaGraph_t graph, bool urgent_pre
 // A CUDA graph of 6 steps over 4 layers (1 dense) against the same steps launched eagerly,
 // bit for bit, after `eager_steps` eager steps (the warm-up among them). Instantiated to
 // honour node priorities, as the README asks of a decode graph.
-void graph_of_steps_equals_eager_steps(int period, int interval, int eager_steps) {
+void graph_of_steps_equals_eager_steps(int period, int interval, int eager_steps,
+                                       CalibrationKeys keys = CalibrationKeys::Bf16) {
   Scene sc;
   sc.shape.num_layers = 4;
   const AttnPredParams params = engine_params(5);
@@ -1088,6 +1089,7 @@ void graph_of_steps_equals_eager_steps(int period, int interval, int eager_steps
   cfg.backend = Backend::Cuda;
   cfg.attnpred.calibration_period = period;
   cfg.attnpred.predict_interval = interval;
+  cfg.attnpred.calibration_keys = keys;
   AttnPredEngine eager(sc.shape, cfg, params), graphed(sc.shape, cfg, params);
   Dev<char> ws_e(eager.workspace_bytes()), ws_g(graphed.workspace_bytes());
   eager.bind_workspace({ws_e.p, eager.workspace_bytes()});
@@ -1154,6 +1156,13 @@ void graph_of_steps_equals_eager_steps(int period, int interval, int eager_steps
 TEST(AttnPredCuda, GraphOfStepsEqualsEagerSteps) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   graph_of_steps_equals_eager_steps(3, 2, 1);
+}
+
+// The e4m3 key copy inside a captured step: each replayed row quantizes the keys since the
+// layer's last row from the device lengths, as the eager rows do, bit for bit.
+TEST(AttnPredCuda, GraphOfStepsWithE4m3CalibrationKeysEqualsEagerSteps) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  graph_of_steps_equals_eager_steps(3, 2, 1, CalibrationKeys::E4m3);
 }
 
 // A prediction every step: the three sparse layers' predictions each on a lane of their own
