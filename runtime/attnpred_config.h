@@ -58,7 +58,9 @@ struct AttnPredConfig {
   /// from keys rounded to e4m3 (q stays exact), the attention never does. Its fidelity
   /// against Bf16 is in docs/results.md. The CPU backend rounds the same way, for kvs-eval.
   CalibrationKeys calibration_keys = CalibrationKeys::Bf16;
-  /// Longest sequence served (sizes history and workspace). 0: the model's max_position.
+  /// Longest sequence served (sizes history and workspace). 0: the model's max_position. A
+  /// prefill past it is an error; a CUDA decode does not read the lengths back (no sync), so a
+  /// sequence must not grow past it (the CPU backend's decode checks).
   int max_context = 0;
 };
 

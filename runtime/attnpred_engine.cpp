@@ -518,13 +518,16 @@ tk::Selection AttnPredEngine::selection() const {
 
 void AttnPredEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) {
   const std::string who = "attnpred engine prefill: ";
-  if (layer < 0 || layer >= shape_.num_layers)
-    throw std::out_of_range(who + "layer " + str(layer) + " outside [0, " + str(shape_.num_layers) +
-                            ")");
-  if (kv.batch <= 0 || kv.batch > config_.max_batch)
-    throw std::invalid_argument(who + "batch " + str(kv.batch) + " outside [1, " +
-                                str(config_.max_batch) + "] (EngineConfig.max_batch)");
+  check_prefill_args(who, layer, kv, shape_, config_.max_batch);
   if (is_dense_layer(layer)) return;
+  // The history, its CNN cache and the e4m3 key copy are sized for max_context; a CUDA decode
+  // cannot check the device lengths without a sync, so the prompt is checked here.
+  const std::vector<int32_t> lens = host_seq_lens(kv, config_.backend, stream);
+  for (int b = 0; b < kv.batch; ++b)
+    if (lens[size_t(b)] > max_context_)
+      throw std::out_of_range(who + "sequence " + str(b) + " has " + str(lens[size_t(b)]) +
+                              " tokens, above max_context " + str(max_context_) +
+                              " (AttnPredConfig.max_context)");
   LayerState& ls = allocate_layer(layer);
   ls.calls = 0;
   const ap::HistoryState& h = ls.hist;

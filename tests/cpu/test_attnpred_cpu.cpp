@@ -224,6 +224,28 @@ TEST(AttnPredCpu, E4m3CalibrationKeysRefuseOffloadMode) {
   }
 }
 
+// A prefill names what is wrong: a prompt longer than max_context, a cache of another shape.
+TEST(AttnPredCpu, PrefillRefusesPromptsPastMaxContextAndCachesOfAnotherShape) {
+  Scene sc(700, 1);
+  EngineConfig cfg;
+  cfg.backend = Backend::Cpu;
+  cfg.attnpred.max_context = 512;
+  AttnPredEngine e(sc.shape, cfg, test_params(256));
+  try {
+    e.prefill(1, sc.kv, nullptr);
+    FAIL() << "no error";
+  } catch (const std::out_of_range& err) {
+    EXPECT_NE(std::string(err.what()).find("sequence 0 has 700 tokens, above max_context 512"),
+              std::string::npos)
+        << err.what();
+  }
+  PagedKV other = sc.kv;
+  other.num_kv_heads = 1;
+  sc.len = 300;
+  EXPECT_THROW(e.prefill(1, other, nullptr), std::invalid_argument);
+  EXPECT_NO_THROW(e.prefill(1, sc.kv, nullptr));
+}
+
 TEST(AttnPredCpu, EngineAttendsItsSelectionAndMatchesDenseWhenTheBudgetCoversAll) {
   Scene sc(600, 2);
   EngineConfig cfg;
