@@ -439,7 +439,8 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
       k.max_batch = B;
       k.num_kv_heads = hkv;
       k.head_dim = shape_.head_dim;
-      k.max_tokens = max_blocks_ * geo_.block;  // whole 16-token tiles: blocks of 8 or 16
+      // Every block's tokens, in whole 16-token tiles (an odd count of 8-token blocks rounds up).
+      k.max_tokens = (max_blocks_ * geo_.block + 15) / 16 * 16;
       const int64_t keys = int64_t(B) * hkv * k.max_tokens;
       k.k = device_alloc<uint8_t>(keys * shape_.head_dim);
       k.scale = device_alloc<float>(keys);

@@ -1206,6 +1206,49 @@ TEST(AttnPredCuda, EngineWithE4m3CalibrationKeysMatchesCpu) {
   run_against_cpu(false, 3, false, CalibrationKeys::E4m3);
 }
 
+// Blocks of 8 with an odd count of them (max_context 1191: 149 blocks): the key copy still
+// holds whole 16-key tiles, and the warm-up row from it is the pooled softmax over the rounded
+// keys (fp64; the CPU engine pools by 16 only).
+TEST(AttnPredCuda, E4m3CalibrationKeysWithBlocksOfEight) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  Scene sc;
+  AttnPredParams params = engine_params(4);
+  params.block = 8;
+  EngineConfig cfg;
+  cfg.backend = Backend::Cuda;
+  cfg.attnpred.calibration_keys = CalibrationKeys::E4m3;
+  cfg.attnpred.group_history = 0;
+  cfg.attnpred.max_context = 1191;
+  AttnPredEngine e(sc.shape, cfg, params);
+  ASSERT_EQ(e.max_blocks(), 149);
+  Dev<char> ws(e.workspace_bytes());
+  e.bind_workspace({ws.p, e.workspace_bytes()});
+  Dev<bf16> dk(sc.k), dv(sc.v);
+  Dev<int32_t> tab(sc.table), len(std::vector<int32_t>{1000});
+  const PagedKV kv = sc.view(dk.p, dv.p, tab.p, len.p);
+  std::mt19937 rng(8);
+  std::normal_distribution<float> nd(0.f, 2.f);
+  std::vector<bf16> q(size_t(8) * 128);
+  for (auto& x : q) x = float_to_bf16(nd(rng));
+  Dev<bf16> dq(q), out(q.size());
+  e.prefill(1, kv, nullptr);
+  e.decode(1, dq.p, nullptr, kv, out.p, nullptr, nullptr);  // the warm-up step: a full row
+  KVS_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> rows = e.history_rows(1);
+  const float scale = float(sc.shape.scale());
+  std::vector<float> kr(128);
+  expect_full_rows(
+      rows.data(), 0, params.history, e.max_blocks(), 8, 1, 8, 1000, 0, [&](int qh, int t) {
+        ap::round_key_e4m3_cpu(
+            sc.k.data() + sc.view(nullptr, nullptr, sc.table.data(), nullptr).offset(0, t, qh / 4),
+            128, kr.data());
+        double dot = 0;
+        for (int d = 0; d < 128; ++d)
+          dot += double(bf16_to_float(q[size_t(qh) * 128 + d])) * kr[size_t(d)];
+        return dot * scale;
+      });
+}
+
 TEST(AttnPredCuda, GroupedHistoryOffloadPrefetchesTheSelectedBlocksPredictingEverySecondStep) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   run_against_cpu(true, 2, true);
