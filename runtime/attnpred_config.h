@@ -15,9 +15,11 @@ namespace kvs {
 enum class CalibrationKeys {
   Bf16,  ///< the cache's own keys
   E4m3,  ///< a per-layer e4m3 copy (kernels/attnpred/attnpred.h KeyCopy): half the bytes
+  Int4,  ///< a per-layer int4 copy, q rounded to int8 for the rows: a quarter of the bytes
 };
 const char* to_string(CalibrationKeys keys);
-CalibrationKeys calibration_keys_from_string(const std::string& name);  // "bf16" | "e4m3"; throws
+// "bf16" | "e4m3" | "int4"; throws
+CalibrationKeys calibration_keys_from_string(const std::string& name);
 
 struct AttnPredConfig {
   /// K_bud: tokens attended per query head, sink and recent included (paper 512..4096).
@@ -54,9 +56,12 @@ struct AttnPredConfig {
   /// head (about half the KV cache's K; 138 MB a layer at 128K, 8 kv heads, d 128), filled at
   /// prefill and brought up to date by each row; a row then reads half the bytes (all of K every
   /// calibration_period steps: the largest share of what the predictor's branches take from
-  /// the sparse steps beside them). Only the rows change: the history's calibrated rows come
-  /// from keys rounded to e4m3 (q stays exact), the attention never does. Its fidelity
-  /// against Bf16 is in docs/results.md. The CPU backend rounds the same way, for kvs-eval.
+  /// the sparse steps beside them). Int4: the same with (head_dim / 2 + 4) bytes (a quarter of
+  /// K; 71 MB a layer at 128K), and the rows score each query head rounded to int8 (a scale a
+  /// head) against it, in exact integer sums. Only the rows change: the history's calibrated
+  /// rows come from the rounded keys (and, int4, queries), the attention never does. The
+  /// fidelity of each against Bf16 is in docs/results.md. The CPU backend rounds the same
+  /// way, for kvs-eval.
   CalibrationKeys calibration_keys = CalibrationKeys::Bf16;
   /// Longest sequence served (sizes history and workspace). 0: the model's max_position. A
   /// prefill past it is an error; a CUDA decode does not read the lengths back (no sync), so a

@@ -100,13 +100,16 @@ void write_attnpred_params(const h5::Group& g, const AttnPredParams& p) {
 
 // ---- engine -------------------------------------------------------------------------------
 
-const char* to_string(CalibrationKeys k) { return k == CalibrationKeys::Bf16 ? "bf16" : "e4m3"; }
+const char* to_string(CalibrationKeys k) {
+  return k == CalibrationKeys::Bf16 ? "bf16" : k == CalibrationKeys::E4m3 ? "e4m3" : "int4";
+}
 
 CalibrationKeys calibration_keys_from_string(const std::string& name) {
   if (name == "bf16") return CalibrationKeys::Bf16;
   if (name == "e4m3") return CalibrationKeys::E4m3;
+  if (name == "int4") return CalibrationKeys::Int4;
   throw std::invalid_argument("unknown AttentionPredictor calibration key format '" + name +
-                              "' (known: bf16, e4m3)");
+                              "' (known: bf16, e4m3, int4)");
 }
 
 struct AttnPredEngine::LayerState {
@@ -138,7 +141,7 @@ struct AttnPredEngine::LayerState {
   ap::SparseRow row;
   bool row_pending = false;
   cudaEvent_t rowed = nullptr;
-  ap::KeyCopy keys;  // CUDA, calibration_keys e4m3: the calibration rows' keys
+  ap::KeyCopy keys;  // CUDA, calibration_keys e4m3 or int4: the calibration rows' keys
 };
 
 AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& config,
@@ -200,13 +203,17 @@ AttnPredEngine::AttnPredEngine(const ModelShape& shape, const EngineConfig& conf
   host_params_ = params.cnn;
   need(!c.offload || config_.backend == Backend::Cuda,
        "AttnPredConfig: offload needs the CUDA backend");
-  e4m3_keys_ = c.calibration_keys == CalibrationKeys::E4m3;
-  need(!(e4m3_keys_ && c.offload),
-       "AttnPredConfig: calibration_keys e4m3 needs GPU-resident mode (offload's calibration "
-       "rows read the keys in host memory)");
-  need(!e4m3_keys_ || config_.backend != Backend::Cuda || geo_.block == 8 || geo_.block == 16,
-       "attnpred engine (cuda): calibration_keys e4m3 needs a block of 8 or 16 tokens, the "
-       "bundle's is " +
+  copy_keys_ = c.calibration_keys != CalibrationKeys::Bf16;
+  copy_format_ =
+      c.calibration_keys == CalibrationKeys::Int4 ? ap::KeyFormat::Int4 : ap::KeyFormat::E4m3;
+  need(!(copy_keys_ && c.offload), std::string("AttnPredConfig: calibration_keys ") +
+                                       to_string(c.calibration_keys) +
+                                       " needs GPU-resident mode (offload's calibration "
+                                       "rows read the keys in host memory)");
+  need(!copy_keys_ || config_.backend != Backend::Cuda || geo_.block == 8 || geo_.block == 16,
+       std::string("attnpred engine (cuda): calibration_keys ") + to_string(c.calibration_keys) +
+           " needs a block of 8 or 16 tokens, the "
+           "bundle's is " +
            str(geo_.block));
   if (config_.backend == Backend::Cuda) {
     need(
@@ -310,16 +317,16 @@ void AttnPredEngine::full_row_cuda(const LayerState& ls, const bf16* q, const Pa
                                    void* scratch, size_t scratch_bytes, cudaStream_t stream) const {
   const int hkv = shape_.num_kv_heads;
   if (ls.keys.k)
-    KVS_CUDA_CHECK(ap::append_full_row_e4m3_cuda(q, shape_.num_q_heads, kv, kv.batch,
-                                                 float(shape_.scale()), geo_, ls.hist, ls.keys,
-                                                 scratch, scratch_bytes, stream));
+    KVS_CUDA_CHECK(ap::append_full_row_from_copy_cuda(q, shape_.num_q_heads, kv, kv.batch,
+                                                      float(shape_.scale()), geo_, ls.hist, ls.keys,
+                                                      scratch, scratch_bytes, stream));
   else
     KVS_CUDA_CHECK(ap::append_row_cuda(q, shape_.num_q_heads, kv, nullptr, 0, kv.seq_lens, kv.batch,
                                        hkv, float(shape_.scale()), geo_, ls.hist, scratch,
                                        scratch_bytes, ls.cache.k != nullptr, stream));
-  // e4m3: the copy's bytes (a key and its scale); the few keys quantized are not counted.
+  // A copy's bytes (a key and its scale); the few keys quantized are not counted.
   const int key_bytes =
-      ls.keys.k ? shape_.head_dim + int(sizeof(float)) : shape_.head_dim * int(sizeof(bf16));
+      ls.keys.k ? ls.keys.key_bytes() + int(sizeof(float)) : shape_.head_dim * int(sizeof(bf16));
   if (config_.collect_stats)
     KVS_CUDA_CHECK(kernels::kv_count_rows_cuda(kv.seq_lens, kv.batch, hkv * key_bytes,
                                                counters_.get() + kFullRowKeyBytes, stream));
@@ -434,15 +441,16 @@ AttnPredEngine::LayerState& AttnPredEngine::allocate_layer(int layer) {
       ls.row.done = device_alloc<unsigned int>(1);
       zero_on_device(ls.row.done, sizeof(unsigned int));
     }
-    if (e4m3_keys_) {
+    if (copy_keys_) {
       ap::KeyCopy& k = ls.keys;
+      k.format = copy_format_;
       k.max_batch = B;
       k.num_kv_heads = hkv;
       k.head_dim = shape_.head_dim;
       // Every block's tokens, in whole 16-token tiles (an odd count of 8-token blocks rounds up).
       k.max_tokens = (max_blocks_ * geo_.block + 15) / 16 * 16;
       const int64_t keys = int64_t(B) * hkv * k.max_tokens;
-      k.k = device_alloc<uint8_t>(keys * shape_.head_dim);
+      k.k = device_alloc<uint8_t>(keys * k.key_bytes());
       k.scale = device_alloc<float>(keys);
       k.len = device_alloc<int32_t>(B);
       zero_on_device(k.len, size_t(B) * sizeof(int32_t));
@@ -521,7 +529,7 @@ void AttnPredEngine::prefill(int layer, const PagedKV& kv, cudaStream_t stream) 
   const std::string who = "attnpred engine prefill: ";
   check_prefill_args(who, layer, kv, shape_, config_.max_batch);
   if (is_dense_layer(layer)) return;
-  // The history, its CNN cache and the e4m3 key copy are sized for max_context; a CUDA decode
+  // The history, its CNN cache and the key copy are sized for max_context; a CUDA decode
   // cannot check the device lengths without a sync, so the prompt is checked here.
   const std::vector<int32_t> lens = host_seq_lens(kv, config_.backend, stream);
   for (int b = 0; b < kv.batch; ++b)
@@ -743,19 +751,21 @@ std::vector<float> AttnPredEngine::pooled_row_cpu(const float* q, const PagedKV&
   const int d = shape_.head_dim, h = qh / shape_.group_size(), n = kv.seq_lens[b];
   std::vector<double> s(static_cast<size_t>(count));
   double m = -std::numeric_limits<double>::infinity();
-  // A full row with calibration_keys e4m3 scores the keys as the CUDA rows' copy holds them.
-  const bool e4m3 = tokens == nullptr && e4m3_keys_;
-  std::vector<float> kr(static_cast<size_t>(d));
+  // A full row with calibration_keys e4m3 or int4 scores the keys as the CUDA rows' copy holds
+  // them, and the query as those rows take it.
+  const bool copy = tokens == nullptr && copy_keys_;
+  std::vector<float> kr(static_cast<size_t>(d)), qr(q, q + d);
+  if (copy) ap::round_query_cpu(copy_format_, q, d, qr.data());
   for (int i = 0; i < count; ++i) {
     const int t = tokens ? tokens[i] : i;
     const bf16* k = kv.k + kv.offset(b, t, h);
-    if (e4m3) {
-      ap::round_key_e4m3_cpu(k, d, kr.data());
+    if (copy) {
+      ap::round_key_cpu(copy_format_, k, d, kr.data());
     } else {
       for (int e = 0; e < d; ++e) kr[size_t(e)] = bf16_to_float(k[e]);
     }
     double dot = 0;
-    for (int e = 0; e < d; ++e) dot += double(q[e]) * double(kr[size_t(e)]);
+    for (int e = 0; e < d; ++e) dot += double(qr[size_t(e)]) * double(kr[size_t(e)]);
     s[size_t(i)] = dot * scale;
     m = std::max(m, s[size_t(i)]);
   }

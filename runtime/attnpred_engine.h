@@ -239,7 +239,9 @@ class AttnPredEngine : public Engine {
 
   int budget_ = 0, k_blocks_ = 0, period_ = 0, warmup_ = 1, interval_ = 1;
   int hist_group_ = 1;  // query heads per history (AttnPredConfig::group_history)
-  bool e4m3_keys_ = false;  // AttnPredConfig::calibration_keys e4m3
+  // AttnPredConfig::calibration_keys: a key copy for the rows (e4m3 or int4), and its format
+  bool copy_keys_ = false;
+  kernels::attnpred::KeyFormat copy_format_ = kernels::attnpred::KeyFormat::E4m3;
   int max_context_ = 0, max_blocks_ = 0, max_tokens_ = 0, slots_per_head_ = 0;
   int list_cap_ = 0;  // blocks a kv head attends at most (the sparse step's lists)
   std::vector<int> dense_layers_;

@@ -138,14 +138,15 @@ if [ "${KVS_GPU_METHODS:-1}" = 1 ]; then
   # average one: one layer assigns the 32 tokens that left the window since its last.
   # AttentionPredictor with a history per kv head: 32 layers, so that the calibration rows and
   # predictions of a layer run beside the later layers' steps as in a model, not at the join
-  # of a 4-layer graph; last, its calibration rows from the e4m3 copy of K.
+  # of a 4-layer graph; last, its calibration rows from the e4m3 and the int4 copies of K.
   for b in "kvs_bench_tactic kvs-bench --method tactic --contexts 128K --batches 1,8" \
            "kvs_bench_mac kvs-bench-mac" "kvs_bench_magicpig kvs-bench-magicpig ${KVS_MAGICPIG_ARGS:-}" \
            "kvs_bench_saap kvs-bench-saap --generated 31 --layers 32" "kvs_bench_attnpred kvs-bench-attnpred" \
            "kvs_bench_attnpred_p4 kvs-bench-attnpred --predict-interval 4 --steps 20" \
            "kvs_bench_attnpred_grouped kvs-bench-attnpred --group-history --steps 20 --layers 32" \
            "kvs_bench_attnpred_grouped_p4 kvs-bench-attnpred --group-history --predict-interval 4 --steps 20 --layers 32" \
-           "kvs_bench_attnpred_grouped_p4_e4m3 kvs-bench-attnpred --group-history --predict-interval 4 --steps 20 --layers 32 --calibration-keys e4m3"; do
+           "kvs_bench_attnpred_grouped_p4_e4m3 kvs-bench-attnpred --group-history --predict-interval 4 --steps 20 --layers 32 --calibration-keys e4m3" \
+           "kvs_bench_attnpred_grouped_p4_int4 kvs-bench-attnpred --group-history --predict-interval 4 --steps 20 --layers 32 --calibration-keys int4"; do
     read -r name exe args <<< "$b"
     # shellcheck disable=SC2086
     [ -x "$BUILD/tools/$exe" ] && run_step "$exe $args" 120 methods.log "$BUILD/tools/$exe" $args \

@@ -61,7 +61,7 @@ step "capture held-out text"
 step "eval"
 "$bin/kvs-eval" --capture "$out/capture.h5" --bundle "$out/bundle.h5" --backend $backend \
   --methods dense tactic mac magicpig saap:recent_tokens=256,probes=8 attnpred \
-  attnpred:calibration_keys=e4m3 \
+  attnpred:calibration_keys=e4m3 attnpred:calibration_keys=int4 \
   --budgets 0.05,0.1,0.2 --per-layer \
   --json "$out/eval.json" --csv "$out/eval.csv" --plot "$out/eval.png"
 # The same methods inside the model's decode loop (prefill dense, then every layer through the

@@ -25,7 +25,8 @@ gnuplot they are skipped with a note. Python 3 standard library only.
   kvs_bench_attnpred.json   kvs-bench-attnpred --json
   kvs_bench_attnpred_*.json kvs-bench-attnpred --json with --predict-interval 4 (_p4),
                             --group-history (_grouped) or both (_grouped_p4), and
-                            --calibration-keys e4m3 (_grouped_p4_e4m3)
+                            --calibration-keys e4m3 or int4 (_grouped_p4_e4m3,
+                            _grouped_p4_int4)
 """
 import argparse
 import json
@@ -126,6 +127,9 @@ METHODS = [
     ("kvs_bench_attnpred_grouped_p4_e4m3.json", "kvs_attnpred",
      "AttentionPredictor, a history per kv head, a prediction every 4 steps, calibration rows "
      "from e4m3 keys", ATTNPRED_COLUMNS, "speedup_gpu"),
+    ("kvs_bench_attnpred_grouped_p4_int4.json", "kvs_attnpred",
+     "AttentionPredictor, a history per kv head, a prediction every 4 steps, calibration rows "
+     "from int4 keys", ATTNPRED_COLUMNS, "speedup_gpu"),
 ]
 
 INPUTS = ["eval.json", "ppl.json", "needle.json", "kvs_bench.json", "kvs_bench_shuffled.json",

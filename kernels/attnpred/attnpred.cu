@@ -50,6 +50,7 @@
 #include "kernels/common/attend_tiles.cuh"
 #include "kernels/common/e4m3.h"
 #include "kernels/common/float_key.cuh"
+#include "kernels/common/int_rows.h"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/ptx.cuh"
 
@@ -1100,22 +1101,25 @@ constexpr int kRingWarps = 4, kRingStages = 3;
 // P 4: 28.3 us a layer-step against 29.0 with four waves of 2 CTAs an SM; the row alone takes
 // 93 us against 78 (docs/gpu.md, 2026-11-30, fourth session). Before the last layers deferred
 // theirs, 128 CTAs gained 0.4-0.5 us and thinner rows lost (64 CTAs: 34.0 against 29.8).
-// The e4m3 form (KeyCopy; append_full_row_e4m3_cuda) reads a 16-key tile as 2 KB of e4m3 and
+// The e4m3 form (KeyCopy; append_full_row_from_copy_cuda) reads a 16-key tile as 2 KB of e4m3 and
 // its 16 scales (half the bytes), so it keeps twice the stages in flight: the same bytes. The
 // row alone is only 5 % faster (90 us against 95 at 128K, one CTA an SM: its warps' latency
 // chain bounds it), but the steps beside it get back the DRAM it no longer takes: 128K grouped
 // over 32 layers on an H200, P 4 25.5 / 25.6 us a layer-step against 28.2 / 28.2 with bf16
 // keys (docs/gpu.md, 2026-11-30, fifth session).
-constexpr int kRingStagesE4m3 = 2 * kRingStages;
-template <int D, bool kE4m3>
+// The int4 form reads a quarter of bf16's bytes (1 KB a tile) through four times the stages.
+enum class RingKeys { Bf16, E4m3, Int4 };
+template <int D, RingKeys K>
 struct RingTile {
-  static constexpr int kDataSlots = tiles::kTile * D / (kE4m3 ? 16 : 8);           // 16-byte slots
-  static constexpr int kSlots = kDataSlots + (kE4m3 ? tiles::kTile * 4 / 16 : 0);  // + scales
-  static constexpr int kStages = kE4m3 ? kRingStagesE4m3 : kRingStages;
+  static constexpr bool kCopy = K != RingKeys::Bf16;  // keys from a KeyCopy, with scales
+  static constexpr int kKeyBytes = K == RingKeys::Bf16 ? 2 * D : K == RingKeys::E4m3 ? D : D / 2;
+  static constexpr int kDataSlots = tiles::kTile * kKeyBytes / 16;                 // 16-byte slots
+  static constexpr int kSlots = kDataSlots + (kCopy ? tiles::kTile * 4 / 16 : 0);  // + scales
+  static constexpr int kStages = kRingStages * (2 * D / kKeyBytes);
 };
-template <int D, bool kE4m3>
+template <int D, RingKeys K>
 constexpr size_t ring_smem_bytes() {
-  using T = RingTile<D, kE4m3>;
+  using T = RingTile<D, K>;
   return size_t(kRingWarps) * T::kStages * T::kSlots * sizeof(uint4);
 }
 // At most kRingCtasPerSm ring CTAs an SM, whatever their own rings need: each launch asks
@@ -1190,38 +1194,85 @@ __device__ __forceinline__ void e4m3_b_fragments(const uint4& piece, uint32_t (&
       b[j][h] = uint32_t(x.x) | (uint32_t(x.y) << 16);
     }
 }
-template <int D, bool kE4m3>
+// The group's query rows in int8 for keys in int4 (kernels/common/int_rows.h: a scale a head,
+// which it returns; 1 for g >= group), as the B fragments of m16n8k32 (column g = head g):
+// lane (g, t4) holds head g's dims [D/4 t4, D/4 (t4 + 1)), and k-step j takes from them the
+// dims of the key copy's word w = D/32 t4 + j (dims 8w .. 8w + 7, one a nibble, the lower dim
+// in the low one): its even dims 8w + 2b as b0's bytes b (A's k 4 t4 + b, the low nibbles of
+// the keys' words) and its odd ones 8w + 2b + 1 as b1's (k 16 + 4 t4 + b, the high ones).
+template <int D>
+__device__ __forceinline__ float load_query_int8(const __nv_bfloat16* q_group, int group, int lane,
+                                                 uint32_t (&qb)[D / 32][2]) {
+  constexpr int kDims = D / 4;
+  const int g = lane / 4, t4 = lane % 4;
+  const bool has = g < group;
+  const uint4* src = reinterpret_cast<const uint4*>(q_group + (has ? g : 0) * D + kDims * t4);
+  float v[kDims];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kDims / 8; ++i) {
+    const uint4 w = src[i];
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      v[8 * i + 2 * e] = has ? __uint_as_float(words[e] << 16) : 0.f;
+      v[8 * i + 2 * e + 1] = has ? __uint_as_float(words[e] & 0xffff0000u) : 0.f;
+      amax = fmaxf(amax, fmaxf(fabsf(v[8 * i + 2 * e]), fabsf(v[8 * i + 2 * e + 1])));
+    }
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  const float s = int_row_scale(amax, kInt8Max);
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j)
+#pragma unroll
+    for (int hb = 0; hb < 2; ++hb) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int bt = 0; bt < 4; ++bt)
+        word |= (uint32_t(to_int_level(v[8 * j + 2 * bt + hb], s, kInt8Max)) & 0xffu) << (8 * bt);
+      qb[j][hb] = word;
+    }
+  return s;
+}
+template <int D, RingKeys K>
 __global__ void __launch_bounds__(kRingWarps * 32)
     row_max_ring_kernel(const bf16* __restrict__ q_raw, int num_q_heads, PagedKV view, KeyCopy copy,
                         int num_kv_heads, float scale, float* __restrict__ block_max,
                         float2* __restrict__ partials, int num_parts, HistoryState hist,
                         int pool_block, unsigned int* pool_done) {
-  using T = RingTile<D, kE4m3>;
-  constexpr int kStages = T::kStages, kPieces = D / (kE4m3 ? 16 : 8);
+  using T = RingTile<D, K>;
+  constexpr bool kCopy = T::kCopy, kE4m3 = K == RingKeys::E4m3, kInt4 = K == RingKeys::Int4;
+  constexpr int kStages = T::kStages, kPieces = T::kKeyBytes / 16;
   constexpr int kCopies = T::kDataSlots / 32;  // 16-byte copies of key data per lane per tile
   extern __shared__ uint4 ring_smem[];
   const int bh = blockIdx.x, b = bh / num_kv_heads, h = bh % num_kv_heads;
   const int group = num_q_heads / num_kv_heads;
   zero_history_share(hist, b, h, group, pool_done);
-  // e4m3: the copy's keys, which quantize_keys_kernel brought up to n before (never past
-  // max_tokens, the engine's max_context).
-  const int n = kE4m3 ? min(view.seq_lens[b], copy.max_tokens) : view.seq_lens[b];
-  if (kE4m3 && blockIdx.y == 0 && h == 0 && threadIdx.x == 0) copy.len[b] = n;
+  // A copy's keys, which quantize_keys_kernel brought up to n before (never past max_tokens,
+  // the engine's max_context).
+  const int n = kCopy ? min(view.seq_lens[b], copy.max_tokens) : view.seq_lens[b];
+  if (kCopy && blockIdx.y == 0 && h == 0 && threadIdx.x == 0) copy.len[b] = n;
   const int per =
       ((n + num_parts - 1) / num_parts + tiles::kTile - 1) / tiles::kTile * tiles::kTile;
   const int begin = min(n, int(blockIdx.y) * per), end = min(n, begin + per);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
   const __nv_bfloat16* q_group =
       reinterpret_cast<const __nv_bfloat16*>(q_raw) + (int64_t(b) * num_q_heads + h * group) * D;
-  uint32_t qa[D / 16][2];
+  uint32_t qa[D / 16][2];  // bf16, e4m3: head g's row as A fragments
+  uint32_t qb[D / 32][2];  // int4: the heads as B's columns, in int8
   // The scores in the log2 domain (exp2f is one MUFU.EX2; expf adds its range reduction):
   // block maxima and partials go back to natural logs where they are stored. Fewer issue
   // slots taken from the steps beside the row: 128K grouped, 32 layers, e4m3 keys, P 4 on an
   // H200: 25.1 / 25.2 us a layer-step against 25.3 / 25.4 (docs/gpu.md, 2026-11-30, fifth
-  // session). e4m3: the softmax scale times q's power of two, times each key's scale.
+  // session). e4m3: the softmax scale times q's power of two, times each key's scale. int4:
+  // times q's scale and 1 / 16 (each int4 sits in the high nibble of its int8), times each
+  // key's scale.
   float head_scale = scale * tiles::kLog2e;
   if constexpr (kE4m3)
     head_scale *= load_query_fragments_f16<D>(q_group, group, lane, qa);
+  else if constexpr (kInt4)
+    head_scale *= load_query_int8<D>(q_group, group, lane, qb) * (1.f / 16.f);
   else
     tiles::load_query_fragments<D>(q_group, group, lane, qa);
   const tiles::WarpRun mine =
@@ -1238,21 +1289,22 @@ __global__ void __launch_bounds__(kRingWarps * 32)
   // a tile a stage ahead. e4m3: the copy's keys, contiguous.
   const int32_t* table = view.page_table + int64_t(b) * view.max_pages_per_seq;
   auto tile_row = [&](int i) -> int {  // KV row of this lane's token (lane % 16) of tile i
-    if (kE4m3 || i >= my_tiles) return -1;
+    if (kCopy || i >= my_tiles) return -1;
     const int t = tile_begin_of(i) + lane % tiles::kTile;
     if (t >= end) return -1;
     return (table[t / view.page_size] * view.page_size + t % view.page_size) * num_kv_heads + h;
   };
-  const int64_t key0 = kE4m3 ? copy.key_index(b, h, 0) : 0;
+  const int64_t key0 = kCopy ? copy.key_index(b, h, 0) : 0;
   auto issue = [&](int i, int row_of_lane) {
     uint4* ks = ring + (i % kStages) * T::kSlots;
-    if constexpr (kE4m3) {
+    if constexpr (kCopy) {
       const int tb = tile_begin_of(i);
 #pragma unroll
-      for (int c = 0; c < kCopies; ++c) {
+      for (int c = 0; c < kCopies; ++c) {  // int4: a key's pieces in order (no bank conflict)
         const int j = lane + 32 * c, r = j / kPieces, piece = j % kPieces;
-        ptx::cp_async_16(ptx::smem_addr(ks + e4m3_slot<D>(r, piece)),
-                         copy.k + (key0 + tb + r) * D + piece * 16, tb + r < end, policy);
+        ptx::cp_async_16(ptx::smem_addr(ks + (kE4m3 ? e4m3_slot<D>(r, piece) : j)),
+                         copy.k + (key0 + tb + r) * T::kKeyBytes + piece * 16, tb + r < end,
+                         policy);
       }
       if (lane < 4)  // the tile's 16 scales (the copy holds whole tiles: max_tokens % 16 == 0)
         ptx::cp_async_16(ptx::smem_addr(ks + T::kDataSlots + lane),
@@ -1273,9 +1325,19 @@ __global__ void __launch_bounds__(kRingWarps * 32)
     ptx::cp_async_commit();
   }
   int pending_row = tile_row(kStages - 1);
-  float m = -INFINITY, l = 0.f;  // head row g's partial over this lane's tokens (natural log)
+  float m = -INFINITY, l = 0.f;  // head row g's partial over this lane's tokens (log2)
   float* out =
       block_max + (int64_t(b) * num_q_heads + h * group + min(g, group - 1)) * hist.max_blocks;
+  // int4: the C fragment's columns 2 t4 + e are the heads, its rows the tile's keys g, g + 8
+  float m2[2] = {-INFINITY, -INFINITY}, l2[2] = {0.f, 0.f}, col_scale[2];
+  float* out2[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int col = 2 * t4 + e;
+    col_scale[e] = __shfl_sync(0xffffffffu, head_scale, 4 * col);
+    out2[e] =
+        block_max + (int64_t(b) * num_q_heads + h * group + min(col, group - 1)) * hist.max_blocks;
+  }
   for (int i = 0; i < my_tiles; ++i) {
     if (i + kStages - 1 < my_tiles) issue(i + kStages - 1, pending_row);
     ptx::cp_async_commit();
@@ -1283,6 +1345,65 @@ __global__ void __launch_bounds__(kRingWarps * 32)
     ptx::cp_async_wait<kStages - 1>();
     __syncwarp();
     const uint4* ks = ring + (i % kStages) * T::kSlots;
+    if constexpr (kInt4) {
+      // The tile's keys are A's rows and the group's heads B's columns (4 MMAs a tile at
+      // head dim 128, where the fp16 forms' 16 leave three quarters of A's rows empty). A
+      // word of 8 nibbles is two A registers by two masks: the even dims' nibbles shifted
+      // into the high halves of their bytes, the odd ones' already there (16 x the int4, as
+      // an int8; head_scale takes the 1 / 16).
+      constexpr int kWords = D / 32;  // a lane's words of a key: its k-steps
+      uint32_t w0[kWords], w1[kWords];
+      if constexpr (D == 128) {
+        const uint4 k0 = ks[g * 4 + t4], k1 = ks[(g + 8) * 4 + t4];
+        w0[0] = k0.x, w0[1] = k0.y, w0[2] = k0.z, w0[3] = k0.w;
+        w1[0] = k1.x, w1[1] = k1.y, w1[2] = k1.z, w1[3] = k1.w;
+      } else {
+        const uint2* k8 = reinterpret_cast<const uint2*>(ks);
+        const uint2 k0 = k8[g * 4 + t4], k1 = k8[(g + 8) * 4 + t4];
+        w0[0] = k0.x, w0[1] = k0.y, w1[0] = k1.x, w1[1] = k1.y;
+      }
+      int acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};  // two chains of exact int32 sums
+#pragma unroll
+      for (int j = 0; j < kWords; ++j) {
+        const uint32_t a[4] = {(w0[j] << 4) & 0xf0f0f0f0u, (w1[j] << 4) & 0xf0f0f0f0u,
+                               w0[j] & 0xf0f0f0f0u, w1[j] & 0xf0f0f0f0u};
+        ptx::mma_s8_16832(acc[j & 1], a, qb[j], acc[j & 1]);
+      }
+      const float* kscale = reinterpret_cast<const float*>(ks + T::kDataSlots);
+      const float s_lo = kscale[g], s_hi = kscale[g + 8];
+      __syncwarp();  // every lane is done with this stage before it is refilled
+      const int tb = tile_begin_of(i);
+      const bool in_lo = tb + g < end, in_hi = tb + g + 8 < end;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x_lo = in_lo ? float(acc[0][e] + acc[1][e]) * s_lo * col_scale[e] : -INFINITY;
+        const float x_hi =
+            in_hi ? float(acc[0][2 + e] + acc[1][2 + e]) * s_hi * col_scale[e] : -INFINITY;
+        // The maxima of the tile's 8-key halves (blocks of 8) or of the whole tile, over the
+        // lanes that hold its rows.
+        float lo = x_lo, hi = x_hi;
+        if (pool_block != 8) lo = fmaxf(x_lo, x_hi);
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+          lo = fmaxf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+          if (pool_block == 8) hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+        }
+        if (pool_block != 8) hi = lo;
+        const float tile_max = fmaxf(lo, hi);  // finite: the tile's first token < end
+        if (g == 0 && 2 * t4 + e < group) {
+          if (pool_block == 8) {
+            out2[e][tb / 8] = lo * tiles::kLn2;
+            if (tb + 8 < end) out2[e][tb / 8 + 1] = hi * tiles::kLn2;
+          } else {
+            out2[e][tb / 16] = tile_max * tiles::kLn2;
+          }
+        }
+        const float m_new = fmaxf(m2[e], tile_max);
+        l2[e] = l2[e] * exp2f(m2[e] - m_new) + exp2f(x_lo - m_new) + exp2f(x_hi - m_new);
+        m2[e] = m_new;
+      }
+      continue;
+    }
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     float mul[2][2];  // what each score is multiplied by
     if constexpr (kE4m3) {
@@ -1346,11 +1467,21 @@ __global__ void __launch_bounds__(kRingWarps * 32)
     m = m_new;
   }
   ptx::cp_async_wait<0>();
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
   __syncthreads();  // the rings are free: the warps' partials go there
   float2* wp = reinterpret_cast<float2*>(ring_smem);  // [kRingWarps][kMaxGroup]
-  if (t4 == 0 && g < group) wp[warp * kMaxGroup + g] = make_float2(m * tiles::kLn2, l);
+  if constexpr (kInt4) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) l2[e] += __shfl_xor_sync(0xffffffffu, l2[e], o);
+      if (g == 0 && 2 * t4 + e < group)
+        wp[warp * kMaxGroup + 2 * t4 + e] = make_float2(m2[e] * tiles::kLn2, l2[e]);
+    }
+  } else {
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t4 == 0 && g < group) wp[warp * kMaxGroup + g] = make_float2(m * tiles::kLn2, l);
+  }
   __syncthreads();
   if (threadIdx.x < group) {
     float2 pt = make_float2(-INFINITY, 0.f);
@@ -1361,8 +1492,9 @@ __global__ void __launch_bounds__(kRingWarps * 32)
 
 // Brings a KeyCopy up to the current lengths: keys [len[b], min(n, max_tokens)) of every (b,
 // kv head), a warp a key (grid-stride over the keys), each lane quantizing d / 32 elements
-// after the warp's max. len is advanced by the row kernel that reads the copy next.
-template <int D>
+// after the warp's max (e4m3: a byte each; int4: a nibble each, the lower dim in the low
+// nibble). len is advanced by the row kernel that reads the copy next.
+template <int D, KeyFormat F>
 __global__ void __launch_bounds__(kThreads) quantize_keys_kernel(PagedKV view, KeyCopy copy) {
   constexpr int kPer = D / 32;  // elements a lane
   const int bh = blockIdx.x, b = bh / copy.num_kv_heads, h = bh % copy.num_kv_heads;
@@ -1385,16 +1517,30 @@ __global__ void __launch_bounds__(kThreads) quantize_keys_kernel(PagedKV view, K
     for (int e = 0; e < kPer; ++e) amax = fmaxf(amax, fabsf(x[e]));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = e4m3_row_scale(amax);
-    uint32_t packed = 0;
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) packed |= uint32_t(to_e4m3(x[e], s)) << (8 * e);
     const int64_t key = copy.key_index(b, h, t);
-    uint8_t* dst = copy.k + key * D + lane * kPer;
-    if constexpr (kPer == 4)
-      *reinterpret_cast<uint32_t*>(dst) = packed;
-    else
-      *reinterpret_cast<uint16_t*>(dst) = uint16_t(packed);
+    float s;
+    if constexpr (F == KeyFormat::E4m3) {
+      s = e4m3_row_scale(amax);
+      uint32_t packed = 0;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) packed |= uint32_t(to_e4m3(x[e], s)) << (8 * e);
+      uint8_t* dst = copy.k + key * D + lane * kPer;
+      if constexpr (kPer == 4)
+        *reinterpret_cast<uint32_t*>(dst) = packed;
+      else
+        *reinterpret_cast<uint16_t*>(dst) = uint16_t(packed);
+    } else {
+      s = int_row_scale(amax, kInt4Max);
+      uint32_t packed = 0;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e)
+        packed |= (uint32_t(to_int_level(x[e], s, kInt4Max)) & 0xfu) << (4 * e);
+      uint8_t* dst = copy.k + key * (D / 2) + lane * (kPer / 2);
+      if constexpr (kPer == 4)
+        *reinterpret_cast<uint16_t*>(dst) = uint16_t(packed);
+      else
+        *dst = uint8_t(packed);
+    }
     if (lane == 0) copy.scale[key] = s;
   }
 }
@@ -2137,21 +2283,21 @@ static RowScratch row_scratch(void* scratch, int batch, int num_q_heads, int max
           reinterpret_cast<unsigned int*>(partials + heads * score_chunks(max_tokens))};
 }
 
-// A full row by the ring kernel (bf16 keys from the cache, or e4m3 ones from a KeyCopy) and
-// the pool: its CTAs over the batch's kv heads in one wave, its parts' partials in place of the
-// chunks' (at most `chunks` of them).
-template <bool kE4m3>
+// A full row by the ring kernel (bf16 keys from the cache, or e4m3 or int4 ones from a
+// KeyCopy) and the pool: its CTAs over the batch's kv heads in one wave, its parts' partials in
+// place of the chunks' (at most `chunks` of them).
+template <RingKeys K>
 static cudaError_t launch_full_row_ring(const bf16* q, int num_q_heads, const PagedKV& view,
                                         const KeyCopy& copy, const int32_t* kv_lens, int batch,
                                         float scale, const Geometry& g, const HistoryState& hist,
                                         float* scores, float2* partials, int chunks,
                                         unsigned int* pool_done, cudaStream_t stream) {
   const int num_kv_heads = view.num_kv_heads, d = view.head_dim;
-  auto ring = d == 128 ? row_max_ring_kernel<128, kE4m3> : row_max_ring_kernel<64, kE4m3>;
+  auto ring = d == 128 ? row_max_ring_kernel<128, K> : row_max_ring_kernel<64, K>;
   SmInfo info;
   if (const cudaError_t e = sm_info(&info); e != cudaSuccess) return e;
-  const size_t smem = ring_launch_smem(
-      d == 128 ? ring_smem_bytes<128, kE4m3>() : ring_smem_bytes<64, kE4m3>(), info);
+  const size_t smem =
+      ring_launch_smem(d == 128 ? ring_smem_bytes<128, K>() : ring_smem_bytes<64, K>(), info);
   int per_sm = 0;  // also lets the kernel take its shared memory past 48 KB
   if (const cudaError_t e =
           resident_ctas_per_sm(reinterpret_cast<const void*>(ring), kRingWarps * 32, smem, &per_sm);
@@ -2199,8 +2345,9 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
   // Blocks of 8 or 16 from device memory whose rows fit in int32: the ring kernel.
   if (pooled && g.block != 32 &&
       int64_t(view.num_pages) * view.page_size * view.num_kv_heads <= INT_MAX)
-    return launch_full_row_ring<false>(q, num_q_heads, view, KeyCopy{}, kv_lens, batch, scale, g,
-                                       hist, scores, partials, chunks, pool_done, stream);
+    return launch_full_row_ring<RingKeys::Bf16>(q, num_q_heads, view, KeyCopy{}, kv_lens, batch,
+                                                scale, g, hist, scores, partials, chunks, pool_done,
+                                                stream);
   auto kernel = view.head_dim == 128 ? (keys_on_host ? row_scores_kernel<128>
                                         : pooled     ? row_scores_mma_kernel<128, true>
                                                      : row_scores_mma_kernel<128, false>)
@@ -2238,10 +2385,12 @@ static cudaError_t quantize_keys(const PagedKV& kv, const KeyCopy& copy, int bat
     ctas = std::max(1, 4 * sms / (batch * kv.num_kv_heads));
   }
   const dim3 grid(batch * kv.num_kv_heads, ctas);
-  if (kv.head_dim == 128)
-    quantize_keys_kernel<128><<<grid, kThreads, 0, stream>>>(kv, copy);
-  else
-    quantize_keys_kernel<64><<<grid, kThreads, 0, stream>>>(kv, copy);
+  const bool int4 = copy.format == KeyFormat::Int4;
+  auto kernel = kv.head_dim == 128 ? (int4 ? quantize_keys_kernel<128, KeyFormat::Int4>
+                                           : quantize_keys_kernel<128, KeyFormat::E4m3>)
+                                   : (int4 ? quantize_keys_kernel<64, KeyFormat::Int4>
+                                           : quantize_keys_kernel<64, KeyFormat::E4m3>);
+  kernel<<<grid, kThreads, 0, stream>>>(kv, copy);
   return cudaGetLastError();
 }
 
@@ -2264,10 +2413,11 @@ cudaError_t fill_key_copy_cuda(const PagedKV& kv, const KeyCopy& copy, int batch
                          cudaMemcpyDeviceToDevice, stream);
 }
 
-cudaError_t append_full_row_e4m3_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, int batch,
-                                      float scale, const Geometry& g, const HistoryState& hist,
-                                      const KeyCopy& copy, void* scratch, size_t scratch_bytes,
-                                      cudaStream_t stream) {
+cudaError_t append_full_row_from_copy_cuda(const bf16* q, int num_q_heads, const PagedKV& kv,
+                                           int batch, float scale, const Geometry& g,
+                                           const HistoryState& hist, const KeyCopy& copy,
+                                           void* scratch, size_t scratch_bytes,
+                                           cudaStream_t stream) {
   if (batch <= 0) return cudaSuccess;
   const int hkv = kv.num_kv_heads, group = num_q_heads / hkv;
   if (group > kMaxGroup || !copy_fits(kv, copy, batch) || (g.block != 8 && g.block != 16) ||
@@ -2280,9 +2430,10 @@ cudaError_t append_full_row_e4m3_cuda(const bf16* q, int num_q_heads, const Page
   const RowScratch rs = row_scratch(scratch, batch, num_q_heads, max_tokens);
   if (const cudaError_t e = quantize_keys(kv, copy, batch, false, stream); e != cudaSuccess)
     return e;
-  return launch_full_row_ring<true>(q, num_q_heads, kv, copy, kv.seq_lens, batch, scale, g, hist,
-                                    rs.scores, rs.partials, score_chunks(max_tokens), rs.pool_done,
-                                    stream);
+  auto launch = copy.format == KeyFormat::Int4 ? launch_full_row_ring<RingKeys::Int4>
+                                               : launch_full_row_ring<RingKeys::E4m3>;
+  return launch(q, num_q_heads, kv, copy, kv.seq_lens, batch, scale, g, hist, rs.scores,
+                rs.partials, score_chunks(max_tokens), rs.pool_done, stream);
 }
 
 // Workspace of sparse_attend_cuda: partial lse [items, group] | partial o [items, group, D] |

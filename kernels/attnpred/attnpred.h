@@ -128,9 +128,20 @@ void append_row_cpu(const HistoryState& hist, int b, int h, const float* pooled,
 // union). k >= count selects everything.
 void select_top_blocks_cpu(const float* scores, int count, int k, int offset, uint8_t* flags);
 
-// A key as the calibration rows see it from a KeyCopy: out[e] = s * e4m3(k[e] / s), the
-// scale s of the key's d values (kernels/common/e4m3.h), as quantize_keys_kernel rounds it.
-void round_key_e4m3_cpu(const bf16* k, int d, float* out);
+// How a KeyCopy holds a key (AttnPredConfig::calibration_keys).
+enum class KeyFormat : uint8_t {
+  E4m3,  ///< d e4m3 values and a float scale (kernels/common/e4m3.h)
+  Int4,  ///< d int4 values, two a byte (the lower dim in the low nibble), and a float scale
+         ///< (kernels/common/int_rows.h); the rows score q rounded to int8 against them
+};
+
+// A key as the calibration rows see it from a KeyCopy: out[e] = s * e4m3(k[e] / s) or
+// s * int4(k[e] / s), with the scale s of the key's d values, as quantize_keys_kernel rounds it.
+void round_key_cpu(KeyFormat f, const bf16* k, int d, float* out);
+
+// A query head as the calibration rows score it against a KeyCopy: exact for E4m3 (the
+// kernel's fp16 takes it whole, scaled by a power of two), s * int8(q[e] / s) for Int4.
+void round_query_cpu(KeyFormat f, const float* q, int d, float* out);
 
 // The tokens attended by a sequence of n tokens under block_flags, ascending.
 std::vector<int32_t> selected_tokens_cpu(const Geometry& g, int n, const uint8_t* block_flags);
@@ -229,24 +240,28 @@ cudaError_t append_row_cuda(const bf16* q, int num_q_heads, const PagedKV& view,
                             const HistoryState& hist, void* scratch, size_t scratch_bytes,
                             bool keys_on_host, cudaStream_t stream);
 
-// The calibration rows' keys in e4m3 (AttnPredConfig::calibration_keys): a per-layer copy of
-// K that the full rows read instead of the bf16 cache, half its bytes and no page table. Key
-// t of (b, kv head h) is d e4m3 values with a scale (kernels/common/e4m3.h: one key is one
-// row), contiguous per (b, kv head). The rows keep the copy themselves: a row first quantizes
-// the keys [len[b], n) from the cache (the few a decode loop appended since the layer's last
-// row, by a grid of one CTA a kv head), then reads every key from the copy and sets len[b] = n.
-// A prefill fills it with the prompt's keys (fill_key_copy_cuda, a grid as wide as the
-// device). So keys must not change once copied, until the next prefill: a decode loop's cache
-// only appends.
+// The calibration rows' keys in e4m3 or int4 (AttnPredConfig::calibration_keys): a per-layer
+// copy of K that the full rows read instead of the bf16 cache, half (e4m3) or a quarter (int4)
+// of its bytes and no page table. Key t of (b, kv head h) is key_bytes() of values with a
+// scale (KeyFormat: one key is one row), contiguous per (b, kv head). The rows keep the copy
+// themselves: a row first quantizes the keys [len[b], n) from the cache (the few a decode loop
+// appended since the layer's last row, by a grid of one CTA a kv head), then reads every key from
+// the copy and sets len[b] = n. A prefill fills it with the prompt's keys (fill_key_copy_cuda, a
+// grid as wide as the device). So keys must not change once copied, until the next prefill: a
+// decode loop's cache only appends.
 struct KeyCopy {
-  uint8_t* k = nullptr;    ///< [max_batch, Hkv, max_tokens, head_dim] e4m3
+  uint8_t* k = nullptr;    ///< [max_batch, Hkv, max_tokens, key_bytes()]
   float* scale = nullptr;  ///< [max_batch, Hkv, max_tokens]
   int32_t* len = nullptr;  ///< [max_batch] keys copied
   int max_batch = 0;
   int num_kv_heads = 0;
   int max_tokens = 0;  ///< a multiple of 16 (the row reads whole 16-key tiles)
   int head_dim = 0;
+  KeyFormat format = KeyFormat::E4m3;
 
+  KVS_HOST_DEVICE int key_bytes() const {
+    return format == KeyFormat::Int4 ? head_dim / 2 : head_dim;
+  }
   KVS_HOST_DEVICE int64_t key_index(int b, int h, int t) const {
     return (int64_t(b) * num_kv_heads + h) * max_tokens + t;
   }
@@ -258,16 +273,18 @@ cudaError_t fill_key_copy_cuda(const PagedKV& kv, const KeyCopy& copy, int batch
                                cudaStream_t stream);
 
 // append_row_cuda's full row (view = the layer's cache in device memory, blocks of 8 or 16)
-// with the keys taken from `copy`, which it brings up to the current lengths first. The
-// scores are fp32 sums of exact products of q in fp16 and the keys' e4m3 values, times the
-// keys' scales: each query head is scaled by a power of two into fp16's range first, so q
+// with the keys taken from `copy`, which it brings up to the current lengths first. E4m3:
+// the scores are fp32 sums of exact products of q in fp16 and the keys' e4m3 values, times
+// the keys' scales: each query head is scaled by a power of two into fp16's range first, so q
 // enters exactly (but for bits 2^24 below its largest element) and K through its e4m3
-// rounding alone. cudaErrorInvalidValue: another block size or head dim, a copy of another
-// shape, or a sequence longer than the copy.
-cudaError_t append_full_row_e4m3_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, int batch,
-                                      float scale, const Geometry& g, const HistoryState& hist,
-                                      const KeyCopy& copy, void* scratch, size_t scratch_bytes,
-                                      cudaStream_t stream);
+// rounding alone. Int4: exact int32 sums of q rounded to int8 (round_query_cpu) times the
+// keys' int4 values, times both scales. cudaErrorInvalidValue: another block size or head
+// dim, a copy of another shape, or a sequence longer than the copy.
+cudaError_t append_full_row_from_copy_cuda(const bf16* q, int num_q_heads, const PagedKV& kv,
+                                           int batch, float scale, const Geometry& g,
+                                           const HistoryState& hist, const KeyCopy& copy,
+                                           void* scratch, size_t scratch_bytes,
+                                           cudaStream_t stream);
 
 // GPU-resident decode's sparse step in two kernels: the attention of every (b, kv head) over
 // the tokens block_flags select (attended_token(): sink, flagged blocks, recent), from the

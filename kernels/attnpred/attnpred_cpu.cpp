@@ -11,6 +11,7 @@
 
 #include "kernels/attnpred/attnpred.h"
 #include "kernels/common/e4m3.h"
+#include "kernels/common/int_rows.h"
 
 namespace kvs::kernels::attnpred {
 
@@ -123,11 +124,27 @@ void select_top_blocks_cpu(const float* scores, int count, int k, int offset, ui
   for (int i = 0; i < take; ++i) flags[offset + idx[size_t(i)]] = 1;
 }
 
-void round_key_e4m3_cpu(const bf16* k, int d, float* out) {
+void round_key_cpu(KeyFormat f, const bf16* k, int d, float* out) {
   float amax = 0.f;
   for (int e = 0; e < d; ++e) amax = std::max(amax, std::fabs(bf16_to_float(k[e])));
-  const float s = e4m3_row_scale(amax);
-  for (int e = 0; e < d; ++e) out[e] = s * from_e4m3(to_e4m3(bf16_to_float(k[e]), s));
+  if (f == KeyFormat::E4m3) {
+    const float s = e4m3_row_scale(amax);
+    for (int e = 0; e < d; ++e) out[e] = s * from_e4m3(to_e4m3(bf16_to_float(k[e]), s));
+  } else {
+    const float s = int_row_scale(amax, kInt4Max);
+    for (int e = 0; e < d; ++e) out[e] = s * float(to_int_level(bf16_to_float(k[e]), s, kInt4Max));
+  }
+}
+
+void round_query_cpu(KeyFormat f, const float* q, int d, float* out) {
+  if (f == KeyFormat::E4m3) {
+    std::copy(q, q + d, out);
+    return;
+  }
+  float amax = 0.f;
+  for (int e = 0; e < d; ++e) amax = std::max(amax, std::fabs(q[e]));
+  const float s = int_row_scale(amax, kInt8Max);
+  for (int e = 0; e < d; ++e) out[e] = s * float(to_int_level(q[e], s, kInt8Max));
 }
 
 std::vector<int32_t> selected_tokens_cpu(const Geometry& g, int n, const uint8_t* block_flags) {

@@ -107,6 +107,17 @@ __device__ __forceinline__ void mma_f16_16816(float (&d)[4], const uint32_t (&a)
         "f"(c[2]), "f"(c[3]));
 }
 
+// The same with A and B in int8 (m16n8k32; each register four int8, the lower k first),
+// accumulating exactly in int32.
+__device__ __forceinline__ void mma_s8_16832(int (&d)[4], const uint32_t (&a)[4],
+                                             const uint32_t (&b)[2], const int (&c)[4]) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(c[0]), "r"(c[1]),
+        "r"(c[2]), "r"(c[3]));
+}
+
 // Two floats as a bf16x2 word (round to nearest even); lo lands in the low half, which is
 // the lower column index in every fragment.
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {

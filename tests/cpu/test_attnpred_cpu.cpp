@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <set>
 
 #include "artifacts/bundle.h"
 #include "artifacts/capture_file.h"
@@ -123,10 +124,12 @@ AttnPredParams test_params(int budget) {
   return p;
 }
 
-// The warm-up (full) row over every key; with calibration_keys e4m3 over the keys rounded as
-// the CUDA rows' copy holds them (the attention itself is unchanged).
+// The warm-up (full) row over every key; with calibration_keys e4m3 or int4 over the keys
+// rounded as the CUDA rows' copy holds them and (int4) q rounded to int8 as those rows take it
+// (the attention itself is unchanged).
 TEST(AttnPredCpu, WarmupRowIsThePooledFullSoftmax) {
-  for (CalibrationKeys keys : {CalibrationKeys::Bf16, CalibrationKeys::E4m3}) {
+  for (CalibrationKeys keys :
+       {CalibrationKeys::Bf16, CalibrationKeys::E4m3, CalibrationKeys::Int4}) {
     SCOPED_TRACE(to_string(keys));
     Scene sc(700, 1);
     EngineConfig cfg;
@@ -140,20 +143,27 @@ TEST(AttnPredCpu, WarmupRowIsThePooledFullSoftmax) {
     const std::vector<float> rows = e.history_rows(1);
     EXPECT_EQ(e.history_count(1)[0], 1);
     const int mb = e.max_blocks(), H = e.geometry().history;
+    const ap::KeyFormat format =
+        keys == CalibrationKeys::Int4 ? ap::KeyFormat::Int4 : ap::KeyFormat::E4m3;
     for (int qh = 0; qh < 4; ++qh) {
       std::vector<double> s(size_t(sc.n));
       double m = -1e300, z = 0;
+      float qf[64], qr[64];
+      for (int i = 0; i < 64; ++i) qf[i] = bf16_to_float(sc.q[size_t(qh) * 64 + i]);
+      if (keys == CalibrationKeys::Bf16)
+        std::copy(qf, qf + 64, qr);
+      else
+        ap::round_query_cpu(format, qf, 64, qr);
       for (int t = 0; t < sc.n; ++t) {
         const bf16* k = sc.k.data() + (size_t(t) * 2 + qh / 2) * 64;
         float kr[64];
-        if (keys == CalibrationKeys::E4m3) {
-          ap::round_key_e4m3_cpu(k, 64, kr);
+        if (keys != CalibrationKeys::Bf16) {
+          ap::round_key_cpu(format, k, 64, kr);
         } else {
           for (int i = 0; i < 64; ++i) kr[i] = bf16_to_float(k[i]);
         }
         double dot = 0;
-        for (int i = 0; i < 64; ++i)
-          dot += double(bf16_to_float(sc.q[size_t(qh) * 64 + i])) * kr[i];
+        for (int i = 0; i < 64; ++i) dot += double(qr[i]) * kr[i];
         s[size_t(t)] = dot * sc.shape.scale();
         m = std::max(m, s[size_t(t)]);
       }
@@ -182,7 +192,7 @@ TEST(AttnPredCpu, KeysRoundToE4m3WithAScalePerKey) {
       for (auto& x : k) x = float_to_bf16(spread * nd(rng));
       k[size_t(d / 3)] = float_to_bf16(-4 * spread);  // the largest magnitude, negative
       std::vector<float> got(static_cast<size_t>(d)), as_float(got.size()), saap(got.size());
-      ap::round_key_e4m3_cpu(k.data(), d, got.data());
+      ap::round_key_cpu(ap::KeyFormat::E4m3, k.data(), d, got.data());
       float amax = 0.f;
       for (int e = 0; e < d; ++e) {
         as_float[size_t(e)] = bf16_to_float(k[size_t(e)]);
@@ -202,24 +212,81 @@ TEST(AttnPredCpu, KeysRoundToE4m3WithAScalePerKey) {
     }
   std::vector<bf16> zero(64, float_to_bf16(0.f));
   std::vector<float> got(64, 1.f);
-  ap::round_key_e4m3_cpu(zero.data(), 64, got.data());
+  ap::round_key_cpu(ap::KeyFormat::E4m3, zero.data(), 64, got.data());
   for (float x : got) EXPECT_EQ(x, 0.f);
 }
 
-// The e4m3 calibration keys are a GPU-resident copy: offload mode (whose rows read the host's
-// keys) refuses them by name, before any device work.
-TEST(AttnPredCpu, E4m3CalibrationKeysRefuseOffloadMode) {
+// A key in int4 and a query head in int8 (kernels/common/int_rows.h): each element the
+// nearest multiple of the row's scale max |x| / L (L = 7, 127) within [-L, L], ties to even,
+// so within half a step of its value; the largest element kept exactly (+-L steps), a zero
+// row kept zero. The E4m3 format leaves a query as it is.
+TEST(AttnPredCpu, KeysRoundToInt4AndQueriesToInt8WithAScalePerRow) {
+  std::mt19937 rng(6);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int d : {64, 128})
+    for (float spread : {1e-3f, 1.f, 300.f}) {
+      SCOPED_TRACE("d " + std::to_string(d) + " spread " + std::to_string(spread));
+      std::vector<bf16> k(static_cast<size_t>(d));
+      for (auto& x : k) x = float_to_bf16(spread * nd(rng));
+      k[size_t(d / 3)] = float_to_bf16(-4 * spread);  // the largest magnitude, negative
+      std::vector<float> kf(static_cast<size_t>(d)), got(kf.size()), qgot(kf.size());
+      float amax = 0.f;
+      for (int e = 0; e < d; ++e)
+        amax = std::max(amax, std::fabs(kf[size_t(e)] = bf16_to_float(k[size_t(e)])));
+      ap::round_key_cpu(ap::KeyFormat::Int4, k.data(), d, got.data());
+      ap::round_query_cpu(ap::KeyFormat::Int4, kf.data(), d, qgot.data());
+      const float s4 = amax / 7.f, s8 = amax / 127.f;
+      std::set<float> levels;
+      for (int e = 0; e < d; ++e) {
+        const float x = kf[size_t(e)];
+        const float l4 = got[size_t(e)] / s4, l8 = qgot[size_t(e)] / s8;
+        EXPECT_NEAR(l4, std::nearbyint(l4), 1e-4f) << "element " << e;  // a whole level
+        EXPECT_LE(std::fabs(l4), 7.f + 1e-4f);
+        EXPECT_LE(std::fabs(got[size_t(e)] - x), 0.5f * s4 * (1 + 1e-5f)) << "element " << e;
+        EXPECT_LE(std::fabs(qgot[size_t(e)] - x), 0.5f * s8 * (1 + 1e-5f)) << "element " << e;
+        EXPECT_NEAR(l8, std::nearbyint(l8), 1e-3f) << "element " << e;
+        levels.insert(std::nearbyint(l4));
+      }
+      EXPECT_FLOAT_EQ(got[size_t(d / 3)], -7 * s4);
+      EXPECT_FLOAT_EQ(qgot[size_t(d / 3)], -127 * s8);
+      EXPECT_GE(levels.size(), 8u);  // a normal row uses most of the 15 levels
+      ap::round_query_cpu(ap::KeyFormat::E4m3, kf.data(), d, qgot.data());
+      EXPECT_EQ(qgot, kf);
+    }
+  std::vector<bf16> zero(64, float_to_bf16(0.f));
+  std::vector<float> got(64, 1.f), zf(64, 0.f);
+  ap::round_key_cpu(ap::KeyFormat::Int4, zero.data(), 64, got.data());
+  for (float x : got) EXPECT_EQ(x, 0.f);
+  ap::round_query_cpu(ap::KeyFormat::Int4, zf.data(), 64, got.data());
+  for (float x : got) EXPECT_EQ(x, 0.f);
+}
+
+// The e4m3 and int4 calibration keys are a GPU-resident copy: offload mode (whose rows read
+// the host's keys) refuses them by name, before any device work; an unknown format is named.
+TEST(AttnPredCpu, CopiedCalibrationKeysRefuseOffloadMode) {
   Scene sc(700, 1);
-  EngineConfig cfg;
-  cfg.backend = Backend::Cuda;
-  cfg.attnpred.offload = true;
-  cfg.attnpred.calibration_keys = CalibrationKeys::E4m3;
+  for (CalibrationKeys keys : {CalibrationKeys::E4m3, CalibrationKeys::Int4}) {
+    EngineConfig cfg;
+    cfg.backend = Backend::Cuda;
+    cfg.attnpred.offload = true;
+    cfg.attnpred.calibration_keys = keys;
+    try {
+      AttnPredEngine e(sc.shape, cfg, test_params(256));
+      FAIL() << "no error";
+    } catch (const std::invalid_argument& err) {
+      EXPECT_NE(std::string(err.what())
+                    .find(std::string("calibration_keys ") + to_string(keys) +
+                          " needs GPU-resident mode"),
+                std::string::npos)
+          << err.what();
+    }
+  }
+  EXPECT_EQ(calibration_keys_from_string("int4"), CalibrationKeys::Int4);
   try {
-    AttnPredEngine e(sc.shape, cfg, test_params(256));
+    calibration_keys_from_string("int3");
     FAIL() << "no error";
   } catch (const std::invalid_argument& err) {
-    EXPECT_NE(std::string(err.what()).find("calibration_keys e4m3 needs GPU-resident mode"),
-              std::string::npos)
+    EXPECT_NE(std::string(err.what()).find("'int3' (known: bf16, e4m3, int4)"), std::string::npos)
         << err.what();
   }
 }

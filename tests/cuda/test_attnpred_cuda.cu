@@ -16,6 +16,7 @@
 #include "kernels/attnpred/attnpred.h"
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/e4m3.h"
+#include "kernels/common/int_rows.h"
 #include "kernels/dense/dense_decode.h"
 #include "runtime/attnpred_engine.h"
 
@@ -23,6 +24,11 @@ namespace kvs {
 namespace {
 
 namespace ap = kernels::attnpred;
+
+// The key copy's format of a calibration_keys other than bf16.
+ap::KeyFormat format_of(CalibrationKeys k) {
+  return k == CalibrationKeys::Int4 ? ap::KeyFormat::Int4 : ap::KeyFormat::E4m3;
+}
 
 template <class T>
 struct Dev {
@@ -442,17 +448,18 @@ void run_against_cpu(bool offload, int predict_interval = 1, bool grouped = fals
         }
         std::vector<double> logit(row_tokens.size());
         double m = -INFINITY;
-        const bool rounded = full_row && keys == CalibrationKeys::E4m3;
-        std::vector<float> kf(128);
+        const bool rounded = full_row && keys != CalibrationKeys::Bf16;
+        std::vector<float> kf(128), qr = qf;
+        if (rounded) ap::round_query_cpu(format_of(keys), qf.data(), 128, qr.data());
         for (size_t i = 0; i < row_tokens.size(); ++i) {
           const bf16* kr = sc.k.data() + ckv.offset(0, row_tokens[i], qh / 4);
           if (rounded) {
-            ap::round_key_e4m3_cpu(kr, 128, kf.data());
+            ap::round_key_cpu(format_of(keys), kr, 128, kf.data());
           } else {
             for (int e = 0; e < 128; ++e) kf[size_t(e)] = bf16_to_float(kr[e]);
           }
           double dot = 0;
-          for (int e = 0; e < 128; ++e) dot += double(qf[size_t(e)]) * kf[size_t(e)];
+          for (int e = 0; e < 128; ++e) dot += double(qr[size_t(e)]) * kf[size_t(e)];
           logit[i] = dot * sc.shape.scale();
           m = std::max(m, logit[i]);
         }
@@ -637,114 +644,136 @@ TEST(AttnPredCuda, FullRowEqualsFp64AcrossShapes) {
         }
 }
 
-// append_full_row_e4m3_cuda against fp64 over the keys rounded as round_key_e4m3_cpu rounds
-// them: the copy is filled at lengths {300, 5003} (a prefill's fill_key_copy_cuda) and the row
-// taken at {700, 9001} quantizes the keys since (or all of them, from an empty copy), its bytes and
-// scales equal the CPU rounding bit for bit and len follows the lengths, and the second row is the
-// pooled softmax over every key, for head_dim 64 and 128, blocks of 8 and 16, GQA groups 1, 4 and
-// 8, grouped or not. Query heads far outside fp16's range (2^40 and 2^-40 times the rest) check the
-// kernel's power-of-two scaling of q.
-TEST(AttnPredCuda, FullRowFromE4m3KeysEqualsFp64OverRoundedKeys) {
+// append_full_row_from_copy_cuda against fp64 over the keys (and, int4, the queries) rounded as
+// round_key_cpu (round_query_cpu) rounds them: the copy is filled at lengths {300, 5003} (a
+// prefill's fill_key_copy_cuda) and the row taken at {700, 9001} quantizes the keys since (or all
+// of them, from an empty copy), its bytes and scales equal the CPU rounding bit for bit and len
+// follows the lengths, and the second row is the pooled softmax over every key, for both
+// formats, head_dim 64 and 128, blocks of 8 and 16, GQA groups 1, 4 and 8, grouped or not.
+// Query heads far outside fp16's range (2^40 and 2^-40 times the rest) check the e4m3 kernel's
+// power-of-two scaling of q and the int4 kernel's scale per head.
+TEST(AttnPredCuda, FullRowFromKeyCopyEqualsFp64OverRoundedKeys) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const int B = 2, hq = 8, page = 16, H = 4;
   const int first[B] = {300, 5003}, lens[B] = {700, 9001};
   const int pages_per_seq = (9001 + page - 1) / page, num_pages = B * pages_per_seq;
-  for (int blk : {16, 8})
-    for (int d : {64, 128})
-      for (int hkv : {8, 2, 1})
-        for (bool grouped : {false, true}) {
-          if (grouped && hkv == hq) continue;
-          SCOPED_TRACE("block " + std::to_string(blk) + " d " + std::to_string(d) + " hkv " +
-                       std::to_string(hkv) + (grouped ? " grouped" : ""));
-          const ap::Geometry geo{H, blk, 64, 64};
-          const int mb = (9001 + blk - 1) / blk + 8;
-          const int group = hq / hkv, hist_group = grouped ? group : 1, heads = hq / hist_group;
-          std::mt19937 rng(uint32_t(d * 100 + hkv * 10 + grouped));
-          std::normal_distribution<float> nd(0.f, 1.f);
-          std::vector<bf16> q(size_t(B) * hq * d), k(size_t(num_pages) * page * hkv * d);
-          for (size_t i = 0; i < q.size(); ++i) {
-            const int qh = int(i / d) % hq;
-            q[i] = float_to_bf16(nd(rng) * (qh == 1 ? 0x1p40f : qh == 2 ? 0x1p-40f : 1.f));
-          }
-          for (auto& x : k) x = float_to_bf16(nd(rng) * (1 + 3 * (rng() % 2)));
-          std::vector<int32_t> table(static_cast<size_t>(num_pages));
-          for (int i = 0; i < num_pages; ++i) table[size_t(i)] = i;
-          std::shuffle(table.begin(), table.end(), rng);
-          std::vector<int32_t> len_h(first, first + B);
-          const std::vector<int32_t> count_h = {1, 6};
-          std::vector<float> rows_h(size_t(B) * heads * H * mb, 7.f);
-          Dev<bf16> dq(q), dk(k);
-          Dev<int32_t> dtable(table), dlen(len_h), dcount(count_h), dtokens(B);
-          Dev<float> drows(rows_h);
-          const PagedKV view{dk.p,      dk.p, dtable.p, dlen.p, B,
-                             num_pages, page, hkv,      d,      pages_per_seq};
-          const ap::HistoryState hist{drows.p, dcount.p, dtokens.p, B, heads, H, mb, hist_group};
-          ap::KeyCopy copy;
-          copy.max_batch = B;
-          copy.num_kv_heads = hkv;
-          copy.head_dim = d;
-          copy.max_tokens = mb * blk;
-          const size_t keys = size_t(B) * hkv * copy.max_tokens;
-          Dev<uint8_t> ck(keys * d);
-          Dev<float> cs(keys);
-          Dev<int32_t> cl(B);
-          copy.k = ck.p;
-          copy.scale = cs.p;
-          copy.len = cl.p;
-          const size_t scratch_bytes = ap::row_scratch_bytes(B, hq, mb * geo.block);
-          Dev<char> scratch(scratch_bytes);
-          const float scale = 1.f / std::sqrt(float(d));
-          // A prefill's fill at the first lengths, then the row at the longer ones, which
-          // quantizes the keys since; or (kv heads 2) the row from an empty copy.
-          if (hkv == 2) {
-            KVS_CUDA_CHECK(cudaMemset(cl.p, 0, B * sizeof(int32_t)));
-          } else {
-            KVS_CUDA_CHECK(ap::fill_key_copy_cuda(view, copy, B, nullptr));
-          }
-          len_h.assign(lens, lens + B);
-          KVS_CUDA_CHECK(
-              cudaMemcpy(dlen.p, len_h.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
-          KVS_CUDA_CHECK(ap::append_full_row_e4m3_cuda(dq.p, hq, view, B, scale, geo, hist, copy,
-                                                       scratch.p, scratch_bytes, nullptr));
-          KVS_CUDA_CHECK(cudaDeviceSynchronize());
-          EXPECT_EQ(cl.get(B), len_h);
-          const std::vector<uint8_t> got_k = ck.get(keys * d);
-          const std::vector<float> got_s = cs.get(keys);
-          const std::vector<float> got = drows.get(rows_h.size());
-          const std::vector<int32_t> count = dcount.get(B), tokens = dtokens.get(B);
-          std::vector<float> kr(static_cast<size_t>(d));
-          for (int b = 0; b < B; ++b) {
-            EXPECT_EQ(count[size_t(b)], count_h[size_t(b)] + 1);
-            EXPECT_EQ(tokens[size_t(b)], lens[b]);
-            const int n = lens[b];
-            // The copy: each key's scale and e4m3 bytes, exactly the CPU rule's.
-            for (int h = 0; h < hkv; ++h)
-              for (int t = 0; t < n; ++t) {
-                const int pg = table[size_t(b * pages_per_seq + t / page)];
-                const bf16* kp = k.data() + ((size_t(pg) * page + t % page) * hkv + h) * d;
-                float amax = 0.f;
-                for (int e = 0; e < d; ++e) amax = std::max(amax, std::fabs(bf16_to_float(kp[e])));
-                const size_t key = size_t(copy.key_index(b, h, t));
-                const float sk = kernels::e4m3_row_scale(amax);
-                ASSERT_EQ(got_s[key], sk) << "b " << b << " kv head " << h << " key " << t;
-                for (int e = 0; e < d; ++e)
-                  ASSERT_EQ(got_k[key * d + e], kernels::to_e4m3(bf16_to_float(kp[e]), sk))
-                      << "b " << b << " kv head " << h << " key " << t << " dim " << e;
-              }
-            const float* rows = got.data() + size_t(b) * heads * H * mb;
-            expect_full_rows(
-                rows, count_h[size_t(b)] % H, H, mb, hq, hist_group, blk, n, b, [&](int qh, int t) {
+  for (ap::KeyFormat fmt : {ap::KeyFormat::E4m3, ap::KeyFormat::Int4})
+    for (int blk : {16, 8})
+      for (int d : {64, 128})
+        for (int hkv : {8, 2, 1})
+          for (bool grouped : {false, true}) {
+            if (grouped && hkv == hq) continue;
+            const bool int4 = fmt == ap::KeyFormat::Int4;
+            SCOPED_TRACE(std::string(int4 ? "int4" : "e4m3") + " block " + std::to_string(blk) +
+                         " d " + std::to_string(d) + " hkv " + std::to_string(hkv) +
+                         (grouped ? " grouped" : ""));
+            const ap::Geometry geo{H, blk, 64, 64};
+            const int mb = (9001 + blk - 1) / blk + 8;
+            const int group = hq / hkv, hist_group = grouped ? group : 1, heads = hq / hist_group;
+            std::mt19937 rng(uint32_t(d * 100 + hkv * 10 + grouped));
+            std::normal_distribution<float> nd(0.f, 1.f);
+            std::vector<bf16> q(size_t(B) * hq * d), k(size_t(num_pages) * page * hkv * d);
+            for (size_t i = 0; i < q.size(); ++i) {
+              const int qh = int(i / d) % hq;
+              q[i] = float_to_bf16(nd(rng) * (qh == 1 ? 0x1p40f : qh == 2 ? 0x1p-40f : 1.f));
+            }
+            for (auto& x : k) x = float_to_bf16(nd(rng) * (1 + 3 * (rng() % 2)));
+            std::vector<int32_t> table(static_cast<size_t>(num_pages));
+            for (int i = 0; i < num_pages; ++i) table[size_t(i)] = i;
+            std::shuffle(table.begin(), table.end(), rng);
+            std::vector<int32_t> len_h(first, first + B);
+            const std::vector<int32_t> count_h = {1, 6};
+            std::vector<float> rows_h(size_t(B) * heads * H * mb, 7.f);
+            Dev<bf16> dq(q), dk(k);
+            Dev<int32_t> dtable(table), dlen(len_h), dcount(count_h), dtokens(B);
+            Dev<float> drows(rows_h);
+            const PagedKV view{dk.p,      dk.p, dtable.p, dlen.p, B,
+                               num_pages, page, hkv,      d,      pages_per_seq};
+            const ap::HistoryState hist{drows.p, dcount.p, dtokens.p, B, heads, H, mb, hist_group};
+            ap::KeyCopy copy;
+            copy.max_batch = B;
+            copy.num_kv_heads = hkv;
+            copy.head_dim = d;
+            copy.max_tokens = mb * blk;
+            copy.format = fmt;
+            const size_t keys = size_t(B) * hkv * copy.max_tokens, kb = size_t(copy.key_bytes());
+            Dev<uint8_t> ck(keys * kb);
+            Dev<float> cs(keys);
+            Dev<int32_t> cl(B);
+            copy.k = ck.p;
+            copy.scale = cs.p;
+            copy.len = cl.p;
+            const size_t scratch_bytes = ap::row_scratch_bytes(B, hq, mb * geo.block);
+            Dev<char> scratch(scratch_bytes);
+            const float scale = 1.f / std::sqrt(float(d));
+            // A prefill's fill at the first lengths, then the row at the longer ones, which
+            // quantizes the keys since; or (kv heads 2) the row from an empty copy.
+            if (hkv == 2) {
+              KVS_CUDA_CHECK(cudaMemset(cl.p, 0, B * sizeof(int32_t)));
+            } else {
+              KVS_CUDA_CHECK(ap::fill_key_copy_cuda(view, copy, B, nullptr));
+            }
+            len_h.assign(lens, lens + B);
+            KVS_CUDA_CHECK(
+                cudaMemcpy(dlen.p, len_h.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
+            KVS_CUDA_CHECK(ap::append_full_row_from_copy_cuda(
+                dq.p, hq, view, B, scale, geo, hist, copy, scratch.p, scratch_bytes, nullptr));
+            KVS_CUDA_CHECK(cudaDeviceSynchronize());
+            EXPECT_EQ(cl.get(B), len_h);
+            const std::vector<uint8_t> got_k = ck.get(keys * kb);
+            const std::vector<float> got_s = cs.get(keys);
+            const std::vector<float> got = drows.get(rows_h.size());
+            const std::vector<int32_t> count = dcount.get(B), tokens = dtokens.get(B);
+            std::vector<float> kr(static_cast<size_t>(d));
+            for (int b = 0; b < B; ++b) {
+              EXPECT_EQ(count[size_t(b)], count_h[size_t(b)] + 1);
+              EXPECT_EQ(tokens[size_t(b)], lens[b]);
+              const int n = lens[b];
+              // The copy: each key's scale and bytes (int4: nibbles, the lower dim in the low
+              // one), exactly the CPU rule's.
+              for (int h = 0; h < hkv; ++h)
+                for (int t = 0; t < n; ++t) {
                   const int pg = table[size_t(b * pages_per_seq + t / page)];
-                  ap::round_key_e4m3_cpu(
-                      k.data() + ((size_t(pg) * page + t % page) * hkv + qh / group) * d, d,
-                      kr.data());
-                  const bf16* qr = q.data() + (size_t(b) * hq + qh) * d;
-                  double dot = 0;
-                  for (int e = 0; e < d; ++e) dot += double(bf16_to_float(qr[e])) * kr[size_t(e)];
-                  return dot * scale;
-                });
+                  const bf16* kp = k.data() + ((size_t(pg) * page + t % page) * hkv + h) * d;
+                  float amax = 0.f;
+                  for (int e = 0; e < d; ++e)
+                    amax = std::max(amax, std::fabs(bf16_to_float(kp[e])));
+                  const size_t key = size_t(copy.key_index(b, h, t));
+                  const float sk = int4 ? kernels::int_row_scale(amax, kernels::kInt4Max)
+                                        : kernels::e4m3_row_scale(amax);
+                  ASSERT_EQ(got_s[key], sk) << "b " << b << " kv head " << h << " key " << t;
+                  for (int e = 0; e < d; ++e) {
+                    const float x = bf16_to_float(kp[e]);
+                    const int got = int4 ? (got_k[key * kb + e / 2] >> (4 * (e % 2))) & 0xf
+                                         : got_k[key * kb + e];
+                    const int want = int4 ? kernels::to_int_level(x, sk, kernels::kInt4Max) & 0xf
+                                          : kernels::to_e4m3(x, sk);
+                    ASSERT_EQ(got, want)
+                        << "b " << b << " kv head " << h << " key " << t << " dim " << e;
+                  }
+                }
+              const float* rows = got.data() + size_t(b) * heads * H * mb;
+              std::vector<float> qr(size_t(hq) * d);  // the query heads as the kernel takes them
+              for (int qh = 0; qh < hq; ++qh) {
+                std::vector<float> qf(static_cast<size_t>(d));
+                for (int e = 0; e < d; ++e)
+                  qf[size_t(e)] = bf16_to_float(q[(size_t(b) * hq + qh) * d + size_t(e)]);
+                ap::round_query_cpu(fmt, qf.data(), d, qr.data() + size_t(qh) * d);
+              }
+              expect_full_rows(
+                  rows, count_h[size_t(b)] % H, H, mb, hq, hist_group, blk, n, b,
+                  [&](int qh, int t) {
+                    const int pg = table[size_t(b * pages_per_seq + t / page)];
+                    ap::round_key_cpu(
+                        fmt, k.data() + ((size_t(pg) * page + t % page) * hkv + qh / group) * d, d,
+                        kr.data());
+                    double dot = 0;
+                    for (int e = 0; e < d; ++e)
+                      dot += double(qr[size_t(qh) * d + size_t(e)]) * kr[size_t(e)];
+                    return dot * scale;
+                  });
+            }
           }
-        }
 }
 
 // The GPU-resident sparse step (sparse_attend_cuda) against fp64 over the tokens the flags
@@ -1023,6 +1052,11 @@ TEST(AttnPredCuda, DeferredBranchesMatchCpuWithE4m3CalibrationKeys) {
   deferred_branches_match_cpu(1, CalibrationKeys::E4m3);
 }
 
+TEST(AttnPredCuda, DeferredBranchesMatchCpuWithInt4CalibrationKeys) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  deferred_branches_match_cpu(1, CalibrationKeys::Int4);
+}
+
 // A CUDA graph of decode steps over every layer (the way a decode loop runs the engine): the
 // predictions on their branch, joined by the last sparse layer's decode, must give exactly
 // the eager calls' outputs, histories and selections. Layers 1-3 sparse (0 dense), a
@@ -1165,6 +1199,11 @@ TEST(AttnPredCuda, GraphOfStepsWithE4m3CalibrationKeysEqualsEagerSteps) {
   graph_of_steps_equals_eager_steps(3, 2, 1, CalibrationKeys::E4m3);
 }
 
+TEST(AttnPredCuda, GraphOfStepsWithInt4CalibrationKeysEqualsEagerSteps) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  graph_of_steps_equals_eager_steps(3, 2, 1, CalibrationKeys::Int4);
+}
+
 // A prediction every step: the three sparse layers' predictions each on a lane of their own
 // (predict_lanes(1) is 4), all urgent, joined by the last sparse layer.
 TEST(AttnPredCuda, GraphPredictingEveryStepEqualsEagerSteps) {
@@ -1206,17 +1245,23 @@ TEST(AttnPredCuda, EngineWithE4m3CalibrationKeysMatchesCpu) {
   run_against_cpu(false, 3, false, CalibrationKeys::E4m3);
 }
 
+TEST(AttnPredCuda, EngineWithInt4CalibrationKeysMatchesCpu) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  run_against_cpu(false, 1, true, CalibrationKeys::Int4);
+  run_against_cpu(false, 3, false, CalibrationKeys::Int4);
+}
+
 // Blocks of 8 with an odd count of them (max_context 1191: 149 blocks): the key copy still
 // holds whole 16-key tiles, and the warm-up row from it is the pooled softmax over the rounded
-// keys (fp64; the CPU engine pools by 16 only).
-TEST(AttnPredCuda, E4m3CalibrationKeysWithBlocksOfEight) {
-  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+// keys and queries (fp64; the CPU engine pools by 16 only).
+void copied_keys_with_blocks_of_eight(CalibrationKeys keys) {
+  SCOPED_TRACE(to_string(keys));
   Scene sc;
   AttnPredParams params = engine_params(4);
   params.block = 8;
   EngineConfig cfg;
   cfg.backend = Backend::Cuda;
-  cfg.attnpred.calibration_keys = CalibrationKeys::E4m3;
+  cfg.attnpred.calibration_keys = keys;
   cfg.attnpred.group_history = 0;
   cfg.attnpred.max_context = 1191;
   AttnPredEngine e(sc.shape, cfg, params);
@@ -1236,17 +1281,26 @@ TEST(AttnPredCuda, E4m3CalibrationKeysWithBlocksOfEight) {
   KVS_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<float> rows = e.history_rows(1);
   const float scale = float(sc.shape.scale());
-  std::vector<float> kr(128);
+  std::vector<float> kr(128), qf(q.size()), qr(q.size());
+  for (size_t i = 0; i < q.size(); ++i) qf[i] = bf16_to_float(q[i]);
+  for (int qh = 0; qh < 8; ++qh)
+    ap::round_query_cpu(format_of(keys), qf.data() + qh * 128, 128, qr.data() + qh * 128);
   expect_full_rows(
       rows.data(), 0, params.history, e.max_blocks(), 8, 1, 8, 1000, 0, [&](int qh, int t) {
-        ap::round_key_e4m3_cpu(
+        ap::round_key_cpu(
+            format_of(keys),
             sc.k.data() + sc.view(nullptr, nullptr, sc.table.data(), nullptr).offset(0, t, qh / 4),
             128, kr.data());
         double dot = 0;
-        for (int d = 0; d < 128; ++d)
-          dot += double(bf16_to_float(q[size_t(qh) * 128 + d])) * kr[size_t(d)];
+        for (int d = 0; d < 128; ++d) dot += double(qr[size_t(qh) * 128 + d]) * kr[size_t(d)];
         return dot * scale;
       });
+}
+
+TEST(AttnPredCuda, CopiedCalibrationKeysWithBlocksOfEight) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  for (CalibrationKeys keys : {CalibrationKeys::E4m3, CalibrationKeys::Int4})
+    copied_keys_with_blocks_of_eight(keys);
 }
 
 TEST(AttnPredCuda, GroupedHistoryOffloadPrefetchesTheSelectedBlocksPredictingEverySecondStep) {

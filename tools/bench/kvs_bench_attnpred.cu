@@ -24,10 +24,10 @@
 // random bf16. Targets (issue): ap_offload 5.6x faster than offl_copy at 32K; ap_gpu 5x faster
 // than dense at 128K with budget 2048. --predict-interval P (AttnPredConfig::predict_interval)
 // makes the engines predict every P-th step; --group-history (AttnPredConfig::group_history)
-// gives them one history, prediction and top-K per kv head; --calibration-keys e4m3
+// gives them one history, prediction and top-K per kv head; --calibration-keys e4m3 or int4
 // (AttnPredConfig::calibration_keys) has the GPU-resident engine's calibration rows, and the
-// full_row column, read an e4m3 copy of K (offload mode keeps bf16). --json writes every row
-// (docs/formats.md).
+// full_row column, read an e4m3 or int4 copy of K (offload mode keeps bf16). --json writes every
+// row (docs/formats.md).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -104,7 +104,7 @@ int main(int argc, char** argv) try {
       "group-history", po::bool_switch(&grouped),
       "one history and top-K per kv head (AttnPredConfig::group_history)")(
       "calibration-keys", po::value(&keys_s)->default_value("bf16"),
-      "the calibration rows' keys: bf16 or e4m3 (AttnPredConfig::calibration_keys)")(
+      "the calibration rows' keys: bf16, e4m3 or int4 (AttnPredConfig::calibration_keys)")(
       "layers", po::value(&layers)->default_value(4), "layers per step (prefetch overlaps them)")(
       "steps", po::value(&steps)->default_value(10), "decode steps per repetition (whole periods)")(
       "reps", po::value(&reps)->default_value(5), "repetitions (median)")(
@@ -316,23 +316,25 @@ int main(int argc, char** argv) try {
     });
     const size_t rs_bytes = ap::row_scratch_bytes(1, hq, mb * geo.block);
     void* rs = dalloc<char>(rs_bytes);
-    // e4m3: the copy is filled as a prefill fills it, and the timed rows find it full (a
+    // e4m3, int4: the copy is filled as a prefill fills it, and the timed rows find it full (a
     // decode loop's rows quantize the M keys since the last one).
+    const bool copied = keys != kvs::CalibrationKeys::Bf16;
     ap::KeyCopy copy;
     copy.max_batch = 1;
     copy.num_kv_heads = hkv;
     copy.head_dim = d;
     copy.max_tokens = mb * geo.block;
-    if (keys == kvs::CalibrationKeys::E4m3) {
-      copy.k = dalloc<uint8_t>(size_t(hkv) * copy.max_tokens * d);
+    copy.format = keys == kvs::CalibrationKeys::Int4 ? ap::KeyFormat::Int4 : ap::KeyFormat::E4m3;
+    if (copied) {
+      copy.k = dalloc<uint8_t>(size_t(hkv) * copy.max_tokens * copy.key_bytes());
       copy.scale = dalloc<float>(size_t(hkv) * copy.max_tokens);
       copy.len = dalloc<int32_t>(1);
       KVS_CUDA_CHECK(ap::fill_key_copy_cuda(kv0, copy, 1, stream));
     }
     const double full_row = median_us(reps, 1, stream, [&] {
-      if (keys == kvs::CalibrationKeys::E4m3)
-        KVS_CUDA_CHECK(ap::append_full_row_e4m3_cuda(q, hq, kv0, 1, scale, geo, hist, copy, rs,
-                                                     rs_bytes, stream));
+      if (copied)
+        KVS_CUDA_CHECK(ap::append_full_row_from_copy_cuda(q, hq, kv0, 1, scale, geo, hist, copy, rs,
+                                                          rs_bytes, stream));
       else
         KVS_CUDA_CHECK(ap::append_row_cuda(q, hq, kv0, nullptr, 0, len, 1, hkv, scale, geo, hist,
                                            rs, rs_bytes, false, stream));
