@@ -1107,7 +1107,11 @@ constexpr int kRingWarps = 4, kRingStages = 3;
 // chain bounds it), but the steps beside it get back the DRAM it no longer takes: 128K grouped
 // over 32 layers on an H200, P 4 25.5 / 25.6 us a layer-step against 28.2 / 28.2 with bf16
 // keys (docs/gpu.md, 2026-11-30, fifth session).
-// The int4 form reads a quarter of bf16's bytes (1 KB a tile) through four times the stages.
+// The int4 form reads a quarter of bf16's bytes (1 KB a tile) through four times the stages,
+// and the steps beside it get back more DRAM again: P 4 23.7-23.8 us a layer-step against
+// 25.0-25.1 with e4m3 keys, P 1 36.4 against 38.0 (docs/gpu.md, 2026-11-30, sixth session).
+// Halving the e4m3 row's instructions instead (q in e4m3 too, 8 fp8 MMAs a tile, no
+// conversion) made the row alone 5-8 % faster and the step no faster.
 enum class RingKeys { Bf16, E4m3, Int4 };
 template <int D, RingKeys K>
 struct RingTile {
