@@ -41,7 +41,7 @@ TEST(Knobs, ErrorsNameMethodKnobAndValue) {
   EXPECT_NE(bad.find("'lots' is not a number"), std::string::npos) << bad;
   EXPECT_NE(message("mac:threshold=fuzzy").find("fuzzy"), std::string::npos);
   const std::string keys = message("attnpred:calibration_keys=fp8");
-  EXPECT_NE(keys.find("'fp8' (known: bf16, e4m3)"), std::string::npos) << keys;
+  EXPECT_NE(keys.find("'fp8' (known: bf16, e4m3, int4)"), std::string::npos) << keys;
   EXPECT_NE(message("tactic:target").find("not key=value"), std::string::npos);
   EXPECT_NE(message("dense:x=1").find("has no knob"), std::string::npos);
   EXPECT_THROW(parse_method_spec("quest"), std::invalid_argument);
