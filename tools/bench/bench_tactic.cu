@@ -120,6 +120,9 @@ bool bench_one(const TacticBenchArgs& a, int n, int B, cudaStream_t stream, Resu
   tk::KMeansParams km;
   tk::FitParams fit;
   fit.target = a.p;
+  fit.exact_fraction = a.exact_fraction;
+  fit.window_fraction = a.window_fraction;
+  fit.window_min = a.window_min;
   const int C = tk::max_clusters_for(n, km.cluster_size);
   const size_t subs = size_t(B) * a.hkv;
   const size_t per_layer = 2 * kv_elems * sizeof(bf16) + subs * C * a.d * sizeof(bf16) +
@@ -279,6 +282,10 @@ int run_tactic_bench(const TacticBenchArgs& a) {
   if (a.hq / a.hkv > 8) throw std::invalid_argument("--method tactic supports GQA groups up to 8");
   if (a.layers < 1 || a.components < 1)
     throw std::invalid_argument("--layers and --components must be >= 1");
+  if (!(a.exact_fraction > 0.0 && a.exact_fraction <= 1.0))
+    throw std::invalid_argument("--exact-fraction must be in (0, 1]");
+  if (!(a.window_fraction >= 0.0 && a.window_fraction < 0.5) || a.window_min < 1)
+    throw std::invalid_argument("--window-fraction must be in [0, 0.5) and --window-min >= 1");
   int dev = 0;
   KVS_CUDA_CHECK(cudaGetDevice(&dev));
   cudaDeviceProp prop;
@@ -294,14 +301,17 @@ int run_tactic_bench(const TacticBenchArgs& a) {
                      {"page_size", a.page_size},
                      {"layers", a.layers},
                      {"components", a.components},
+                     {"exact_fraction", a.exact_fraction},
+                     {"window_fraction", a.window_fraction},
+                     {"window_min", a.window_min},
                      {"iters", a.iters},
                      {"prefill_tflops", a.prefill_tflops}});
   report.save();
   std::printf(
       "kvs-bench tactic decode: %s, %d SMs; Hq %d Hkv %d d %d page %d; P %.2f; %d layers "
-      "per replay; %d key components\n",
+      "per replay; %d key components; exact %.4f, window %.4f (min %d)\n",
       prop.name, prop.multiProcessorCount, a.hq, a.hkv, a.d, a.page_size, a.p, a.layers,
-      a.components);
+      a.components, a.exact_fraction, a.window_fraction, a.window_min);
   std::printf("%8s %5s | %9s %9s %7s %8s | %9s %9s %9s %9s %7s | %7s %7s %6s %6s %7s\n", "context",
               "batch", "clust_ms", "pfill_ms", "ratio", "km_TFLOP", "dense_us", "tactic_us",
               "select_us", "attn_us", "speedup", "union%", "head%", "mass", "m_min", "sel_MB");

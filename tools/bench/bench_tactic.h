@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/tactic/tactic_fit.h"
+
 namespace kvs {
 
 struct TacticBenchArgs {
@@ -15,6 +17,10 @@ struct TacticBenchArgs {
   double p = 0.9;               ///< target cumulative attention mass P
   int layers = 4;               ///< KV sets (layers) per replay, rotated to defeat the L2
   int components = 512;         ///< Gaussian key components per (sequence, kv head)
+  // The fit's sampling knobs (TacticConfig's), defaults from FitParams.
+  double exact_fraction = kernels::tactic::FitParams{}.exact_fraction;    ///< N / n
+  double window_fraction = kernels::tactic::FitParams{}.window_fraction;  ///< w / n
+  int window_min = kernels::tactic::FitParams{}.window_min;               ///< w at least this
   double prefill_tflops = 500;  ///< assumed dense prefill attention throughput (estimate)
   std::string json_path;        ///< --json: write the rows here (empty: no file)
   std::string command;          ///< the command line, for the JSON's meta

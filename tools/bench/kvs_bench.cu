@@ -175,7 +175,13 @@ int run(int argc, char** argv) {
       "layers", po::value(&tactic.layers)->default_value(4),
       "tactic: KV sets (layers) decoded per graph replay")(
       "components", po::value(&tactic.components)->default_value(512),
-      "tactic: Gaussian key components per sequence and kv head");
+      "tactic: Gaussian key components per sequence and kv head")(
+      "exact-fraction", po::value(&tactic.exact_fraction)->default_value(tactic.exact_fraction),
+      "tactic: leading sorted tokens with exact exponentials, fraction of the list")(
+      "window-fraction", po::value(&tactic.window_fraction)->default_value(tactic.window_fraction),
+      "tactic: fit window width, fraction of the list")(
+      "window-min", po::value(&tactic.window_min)->default_value(tactic.window_min),
+      "tactic: smallest fit window width (tokens)");
   if (!cli::parse_options(argc, argv, desc)) return 0;
   const std::vector<int> contexts = parse_counts(contexts_text, "contexts");
   const std::vector<int> batches = parse_counts(batches_text, "batches");
