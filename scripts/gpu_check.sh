@@ -182,6 +182,10 @@ fi
 # shellcheck disable=SC2086
 PYTHONUNBUFFERED=1 run_step "bench_sdpa.py" 150 bench.log python3 scripts/bench_sdpa.py \
   --json "$OUT/sdpa_bench.json" $BENCH_ARGS
+# The dense reference for Tactic's clustering at prefill: causal prefill attention over the
+# shapes of its benchmark above (results.py joins them).
+PYTHONUNBUFFERED=1 run_step "bench_sdpa.py --prefill" 120 bench.log python3 scripts/bench_sdpa.py \
+  --prefill --contexts 128K --batches 1,8 --json "$OUT/sdpa_prefill.json"
 # The Markdown report of this visit's JSON, for a first look; plots are drawn where the JSON
 # becomes docs/results.md (docs/gpu.md).
 run_step "results.py" 60 results.log python3 scripts/results.py "$OUT" --no-plots

@@ -18,6 +18,8 @@ gnuplot they are skipped with a note. Python 3 standard library only.
   kvs_bench.json            kvs-bench --json                       dense decode speed
   kvs_bench_shuffled.json   kvs-bench --page-order shuffled --json (random page table)
   sdpa_bench.json           scripts/bench_sdpa.py --json           torch SDPA, timed the same way
+  sdpa_prefill.json         scripts/bench_sdpa.py --prefill --json torch SDPA causal prefill,
+                            Tactic's clustering time's dense reference
   kvs_bench_tactic.json     kvs-bench --method tactic --json       each method against the
   kvs_bench_mac.json        kvs-bench-mac --json                   dense kernel in the same run
   kvs_bench_magicpig.json   kvs-bench-magicpig --json
@@ -63,6 +65,10 @@ NEEDLE_COLUMNS = [
     ("method", "method", "str"), ("knobs", "knobs", "str"), ("context", "context", "ctx"),
     ("depth", "depth", "g"), ("trials", "trials", "int"), ("correct", "correct", "int"),
     ("accuracy", "accuracy", "f3"), ("kv_read_fraction", "KV read", "f3"),
+]
+PREFILL_COLUMNS = [
+    ("context", "context", "ctx"), ("batch", "batch", "int"), ("ms", "ms", "f2"),
+    ("tflops", "TFLOPS", "f1"),
 ]
 DENSE_COLUMNS = [
     ("context", "context", "ctx"), ("batch", "batch", "int"), ("us", "us", "f1"),
@@ -133,7 +139,7 @@ METHODS = [
 ]
 
 INPUTS = ["eval.json", "ppl.json", "needle.json", "kvs_bench.json", "kvs_bench_shuffled.json",
-          "sdpa_bench.json"] + [m[0] for m in METHODS]
+          "sdpa_bench.json", "sdpa_prefill.json"] + [m[0] for m in METHODS]
 
 
 # ---------------------------------------------------------------------------- reading
@@ -232,6 +238,8 @@ LOADERS = {
     "kvs_bench.json": lambda p: load_bench(p, "kvs_dense"),
     "kvs_bench_shuffled.json": lambda p: load_bench(p, "kvs_dense"),
     "sdpa_bench.json": lambda p: load_bench(p, "torch_sdpa"),
+    "sdpa_prefill.json": lambda p: load_object(p, PREFILL_COLUMNS, ("impl", "device", "command"),
+                                               "torch_sdpa_prefill"),
 }
 for _file, _impl, *_ in METHODS:
     LOADERS[_file] = lambda p, impl=_impl: load_bench(p, impl)
@@ -431,6 +439,35 @@ def dense_section(found, plots):
     return out
 
 
+def clustering_vs_prefill(tactic, prefill):
+    """Tactic's prefill clustering of one layer against torch SDPA's causal prefill attention
+    over the same context and batch (measured, where sdpa_prefill.json is there)."""
+    if not prefill:
+        return []
+    by_shape = {(r["context"], r["batch"]): r for r in prefill["rows"]}
+    body = []
+    for r in tactic["rows"]:
+        p = by_shape.get((r["context"], r["batch"]))
+        if p is None:
+            continue
+        ratio = r["cluster_ms"] / p["ms"] if r["cluster_ms"] is not None and p["ms"] else None
+        body.append([cell(r["context"], "ctx"), cell(r["batch"], "int"),
+                     cell(r["cluster_ms"], "f2"), cell(p["ms"], "f2"), cell(ratio, "f3"),
+                     cell(p["tflops"], "f1")])
+    out = ["", "Clustering at prefill against dense prefill attention, measured: one layer's "
+           "k-means (cluster ms above) against torch SDPA's causal attention over the same "
+           "context and batch (Hq, Hkv and d as above).", "",
+           source_line("sdpa_prefill.json", prefill["meta"]), ""]
+    if body:
+        out.append(md_table(["context", "batch", "cluster ms", "SDPA prefill ms",
+                             "cluster / prefill", "SDPA TFLOPS"], body))
+    else:
+        out.append("No shape of the Tactic rows was timed by the prefill run.")
+    if prefill["skipped"]:
+        out += ["", "Skipped:", ""] + skipped_lines(prefill)
+    return out
+
+
 def methods_section(found, plots):
     out = ["## Each method against the dense kernel, same run (kvs-bench-*)", "",
            "Per layer and decode step, microseconds; speedup = dense / method (the dense "
@@ -444,6 +481,8 @@ def methods_section(found, plots):
                 column_table(data["rows"], columns)]
         if data["skipped"]:
             out += ["", "Skipped:", ""] + skipped_lines(data)
+        if name == "kvs_bench_tactic.json":
+            out += clustering_vs_prefill(data, found.get("sdpa_prefill.json"))
         for r in data["rows"]:
             label = f"{title} {context_text(r['context'])} b{int(r['batch'])}"
             if "mode" in r:

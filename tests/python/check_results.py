@@ -77,6 +77,13 @@ def main():
         # each method beside the dense time of its run, with device, command and knobs
         "### Tactic",
         "| 128K | 8 | 1037.1 | 789.9 | 1.31x | 764.8 | 27.1 | 0.91 | 1.49 | 0.879 | 0.690 |",
+        # its clustering against the measured prefill attention of the same shape
+        "| context | batch | cluster ms | SDPA prefill ms | cluster / prefill | SDPA TFLOPS |",
+        "| 128K | 1 | 223.10 | 301.50 | 0.740 | 466.8 |",
+        "- skipped prefill context 131072 batch 8: needs 20480 MiB, 16000 MiB free",
+        "command `bench_sdpa.py --prefill --contexts 128K --batches 1,8 --json "
+        "out/sdpa_prefill.json`; mode enable_gqa, torch 2.11.0+cu130, hq 32, hkv 8, "
+        "head_dim 128, iters 5.",
         "### MAC-Attention",
         "Source: `kvs_bench_mac.json`; device NVIDIA H200; command `kvs-bench-mac --batches 1 "
         "--json out/kvs_bench_mac.json`; hq 32, hkv 8, head_dim 128, page_size 16, window 512, "
@@ -148,6 +155,8 @@ def main():
                                           lambda d: d["meta"].pop("command")),
          "kvs_bench_tactic.json: meta.command is missing"),
         ("eval.json", '{"rows": 3}', "eval.json: no 'meta' object"),
+        ("sdpa_prefill.json", mutated("sdpa_bench.json", lambda d: None),
+         "sdpa_prefill.json: meta.impl is 'torch_sdpa', expected 'torch_sdpa_prefill'"),
         ("needle.json", "[]", "needle.json: the top level is list, expected an object"),
     ]
     for i, (name, text, message) in enumerate(cases):
