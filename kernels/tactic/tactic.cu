@@ -1,9 +1,9 @@
 // CUDA side of Tactic (see tactic.h for the state layout and the k-means definition).
 //
 // Prefill k-means, per batch of (sequence, kv head) problems, `iterations` times:
-//   assign  fused bf16 tensor-core product keys x centroids (WMMA 16x16x16, fp32
+//   assign  fused bf16 tensor-core product keys x centroids (mma.m16n8k16, fp32
 //           accumulate) with the argmin of ||mu||^2 - 2 k.mu in the epilogue: a 64-key tile
-//           streams every centroid through shared memory in 64-centroid chunks, so the
+//           streams every centroid through a ring of two 64-centroid chunks, so the
 //           n x C distance matrix never reaches memory. At n = 128K, C = 8192, d = 128 one
 //           iteration is n*C*d = 1.37e11 MACs (2.75e11 FLOP) per kv head, 2.75 TFLOP for
 //           10 iterations, while a materialised fp32 distance matrix would be 4 GiB per
@@ -41,7 +41,6 @@
 // it (the CSR offsets, the query, the sorted prefix) before griddepcontrol.wait.
 // Attention is then the dense split-KV kernel over the sub-request view (tactic.h).
 #include <cuda_bf16.h>
-#include <mma.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -66,8 +65,7 @@ constexpr int kCsrBlock = 512;      // threads of the prefill CSR kernel
 constexpr int kBlockThreads = 256;  // threads of the re-clustering CTA
 constexpr int kTileRows = 64;       // keys per assign tile
 constexpr int kTileCols = 64;       // centroids per assign chunk
-constexpr int kPad = 16;            // bf16 row padding: keeps WMMA rows 32-byte aligned
-constexpr int kScorePad = 4;
+constexpr int kAssignPad = 8;       // bf16 row padding: a fragment load's 8 rows on distinct banks
 constexpr int kMaxGroup = 8;
 constexpr int kBlockSmemLimit = 160 * 1024;
 
@@ -216,80 +214,133 @@ __global__ void __launch_bounds__(256)
                         norms + p.cscratch + c, threadIdx.x % 32);
 }
 
+// The assignment of a 64-key tile (16 keys a warp) against every centroid of its problem, on
+// the tensor cores (bf16 mma.m16n8k16, fp32 accumulation): the warp's keys are the A
+// fragments, held in registers for the whole pass; the centroids stream through shared memory
+// in chunks of kTileCols, two chunks in a ring (cp.async), so that the next chunk and its
+// norms load while this one is multiplied; each thread keeps the best of its 2 keys from the
+// accumulator fragments (||mu||^2 - 2 k.mu, ascending c, strict: ties to the lowest index) and
+// the 4 threads of a key row settle it by shuffles at the end. The WMMA form (a chunk loaded,
+// then multiplied, its scores stored to shared memory and scanned by one thread a key) ran the
+// k-means at about 100 TFLOPS at 128K on an H200, 0.91 of torch SDPA's causal prefill
+// attention over the same context (docs/gpu.md).
 template <int D>
 constexpr size_t assign_smem_bytes() {
-  return size_t(kTileRows + kTileCols) * (D + kPad) * sizeof(bf) +
-         size_t(kTileRows) * (kTileCols + kScorePad) * sizeof(float) + kTileCols * sizeof(float);
+  return size_t(kTileRows + 2 * kTileCols) * (D + kAssignPad) * sizeof(bf) +
+         2 * size_t(kTileCols) * sizeof(float);
 }
 
 template <int D>
 __global__ void __launch_bounds__(128)
     assign_kernel(PagedKV kv, const Problem* probs, ClusterState st, const float* norms,
                   int32_t* labels) {
-  namespace wmma = nvcuda::wmma;
-  constexpr int LD = D + kPad, LDS = kTileCols + kScorePad, kChunks = D / 8;
+  static_assert(kTileRows == 64 && kTileCols % 8 == 0, "a 16-key m-tile per warp of 4");
+  constexpr int LD = D + kAssignPad, kChunks = D / 8, kWords = LD / 2;  // 32-bit words a row
   const Problem p = probs[blockIdx.y];
   const int i0 = blockIdx.x * kTileRows;
   if (i0 >= p.n) return;
   extern __shared__ __align__(128) unsigned char smem[];
   bf* ks = reinterpret_cast<bf*>(smem);
-  bf* cs = ks + kTileRows * LD;
-  float* sc = reinterpret_cast<float*>(cs + kTileCols * LD);
-  float* nrm = sc + kTileRows * LDS;
-
-  for (int x = threadIdx.x; x < kTileRows * kChunks; x += blockDim.x) {
-    const int r = x / kChunks, ch = x % kChunks;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (i0 + r < p.n)
-      v = reinterpret_cast<const uint4*>(key_row(kv, p.b, p.start + i0 + r, p.h))[ch];
-    *reinterpret_cast<uint4*>(ks + r * LD + ch * 8) = v;
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = warp * 16 + lane / 2, half = lane % 2;
+  bf* cs = ks + kTileRows * LD;                                    // [2][kTileCols][LD]
+  float* nrm = reinterpret_cast<float*>(cs + 2 * kTileCols * LD);  // [2][kTileCols]
   const bf* cbase = reinterpret_cast<const bf*>(st.centroid(p.b, p.h, p.c0));
-  float best = INFINITY;
-  int arg = 0;
-  for (int c0 = 0; c0 < p.C; c0 += kTileCols) {
-    __syncthreads();  // the previous chunk is consumed (and the key tile is in place)
-    for (int x = threadIdx.x; x < kTileCols * kChunks; x += blockDim.x) {
+  const float* nbase = norms + p.cscratch;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, cq = lane % 4;
+  // A chunk's centroids into ring slot `slot` (zeros past C) and its norms (INFINITY past C,
+  // so that padding never wins), as cp.async groups of the calling thread.
+  const auto stage = [&](int c0, int slot) {
+    bf* dst = cs + slot * kTileCols * LD;
+    for (int x = tid; x < kTileCols * kChunks; x += blockDim.x) {
       const int r = x / kChunks, ch = x % kChunks;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (c0 + r < p.C) v = reinterpret_cast<const uint4*>(cbase + int64_t(c0 + r) * D)[ch];
-      *reinterpret_cast<uint4*>(cs + r * LD + ch * 8) = v;
+      const bool valid = c0 + r < p.C;
+      ptx::cp_async_16(ptx::smem_addr(dst + r * LD + ch * 8),
+                       cbase + int64_t(valid ? c0 + r : 0) * D + ch * 8, valid);
     }
-    for (int r = threadIdx.x; r < kTileCols; r += blockDim.x)
-      nrm[r] = c0 + r < p.C ? norms[p.cscratch + c0 + r] : INFINITY;  // padding never wins
-    __syncthreads();
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kTileCols / 16];
+  };
+  const auto stage_norms = [&](int c0, int slot) {
+    for (int r = tid; r < kTileCols; r += blockDim.x)
+      nrm[slot * kTileCols + r] = c0 + r < p.C ? nbase[c0 + r] : INFINITY;
+  };
+  for (int x = tid; x < kTileRows * kChunks; x += blockDim.x) {
+    const int r = x / kChunks, ch = x % kChunks;
+    const bool valid = i0 + r < p.n;
+    ptx::cp_async_16(ptx::smem_addr(ks + r * LD + ch * 8),
+                     key_row(kv, p.b, p.start + i0 + (valid ? r : 0), p.h) + ch * 8, valid);
+  }
+  stage(0, 0);
+  ptx::cp_async_commit();
+  stage_norms(0, 0);
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+  // The warp's 16 keys as A fragments: rows g and g + 8, dims 16k + 2cq (+1) and + 8 (+9).
+  uint32_t a[D / 16][4];
+  {
+    const uint32_t* k0 = reinterpret_cast<const uint32_t*>(ks + (warp * 16 + g) * LD) + cq;
+    const uint32_t* k8 = k0 + 8 * kWords;
 #pragma unroll
-    for (int j = 0; j < kTileCols / 16; ++j) wmma::fill_fragment(acc[j], 0.f);
-#pragma unroll
-    for (int k = 0; k < D; k += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> a;
-      wmma::load_matrix_sync(a, ks + warp * 16 * LD + k, LD);
-#pragma unroll
-      for (int j = 0; j < kTileCols / 16; ++j) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::col_major> bm;
-        wmma::load_matrix_sync(bm, cs + j * 16 * LD + k, LD);
-        wmma::mma_sync(acc[j], a, bm, acc[j]);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kTileCols / 16; ++j)
-      wmma::store_matrix_sync(sc + warp * 16 * LDS + j * 16, acc[j], LDS, wmma::mem_row_major);
-    __syncwarp();  // each warp reads back only its own 16 rows
-    for (int cc = half * (kTileCols / 2); cc < (half + 1) * (kTileCols / 2); ++cc) {
-      const float dist = nrm[cc] - 2.f * sc[row * LDS + cc];
-      if (dist < best) {  // strict, ascending c: ties go to the lowest index
-        best = dist;
-        arg = c0 + cc;
-      }
+    for (int k = 0; k < D / 16; ++k) {
+      a[k][0] = k0[8 * k];
+      a[k][1] = k8[8 * k];
+      a[k][2] = k0[8 * k + 4];
+      a[k][3] = k8[8 * k + 4];
     }
   }
-  const float ob = __shfl_xor_sync(0xffffffffu, best, 1);
-  const int oa = __shfl_xor_sync(0xffffffffu, arg, 1);
-  if (ob < best || (ob == best && oa < arg)) arg = oa;
-  if (half == 0 && i0 + row < p.n) labels[p.scratch + i0 + row] = arg;
+  float best[2] = {INFINITY, INFINITY};
+  int arg[2] = {0, 0};
+  const int num = (p.C + kTileCols - 1) / kTileCols;
+  for (int it = 0; it < num; ++it) {
+    const int slot = it % 2, c0 = it * kTileCols;
+    if (it + 1 < num) stage(c0 + kTileCols, slot ^ 1);  // in flight during this chunk
+    ptx::cp_async_commit();
+    float next_norm = INFINITY;
+    if (it + 1 < num && tid < kTileCols && c0 + kTileCols + tid < p.C)
+      next_norm = nbase[c0 + kTileCols + tid];
+    const uint32_t* crow =
+        reinterpret_cast<const uint32_t*>(cs + slot * kTileCols * LD) + g * kWords + cq;
+    const float* cn = nrm + slot * kTileCols;
+#pragma unroll 2
+    for (int n0 = 0; n0 < kTileCols; n0 += 8) {
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int k = 0; k < D / 16; ++k) {
+        const uint32_t b[2] = {crow[n0 * kWords + 8 * k], crow[n0 * kWords + 8 * k + 4]};
+        ptx::mma_bf16_16816(d, a[k], b, d);
+      }
+      // d[0], d[1]: key g against centroids n0 + 2cq, + 1; d[2], d[3]: key g + 8.
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float nc = cn[n0 + 2 * cq + e];
+        const int c = c0 + n0 + 2 * cq + e;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float dist = nc - 2.f * d[2 * r + e];
+          if (dist < best[r]) {
+            best[r] = dist;
+            arg[r] = c;
+          }
+        }
+      }
+    }
+    ptx::cp_async_wait<0>();
+    if (tid < kTileCols) nrm[(slot ^ 1) * kTileCols + tid] = next_norm;
+    __syncthreads();  // the next chunk is in; this one may be overwritten after the next wait
+  }
+  // The 4 threads of a key row hold interleaved columns: the smaller distance, ties to the
+  // lower index.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best[r], o);
+      const int oa = __shfl_xor_sync(0xffffffffu, arg[r], o);
+      if (ob < best[r] || (ob == best[r] && oa < arg[r])) {
+        best[r] = ob;
+        arg[r] = oa;
+      }
+    }
+    const int row = warp * 16 + g + 8 * r;
+    if (cq == 0 && i0 + row < p.n) labels[p.scratch + i0 + row] = arg[r];
+  }
 }
 
 __global__ void __launch_bounds__(kCsrBlock)

@@ -113,7 +113,7 @@ cudaError_t prepare_cuda(int head_dim);
 // on the host (the caller reads them once; prefill is not part of a captured step). The
 // workspace is caller-owned device memory of cluster_prefill_workspace_bytes(kv.batch,
 // kv.num_kv_heads, max over b of seq_lens_host[b], km.cluster_size).
-// Distances are a fused bf16 tensor-core product (WMMA) with the argmin in the epilogue: the
+// Distances are a fused bf16 tensor-core product (mma.sync) with the argmin in the epilogue: the
 // n x C distance matrix never reaches memory. Supports head_dim 64 and 128.
 size_t cluster_prefill_workspace_bytes(int batch, int num_kv_heads, int max_len, int cluster_size);
 cudaError_t cluster_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host, int layer,
