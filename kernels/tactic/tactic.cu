@@ -2,7 +2,7 @@
 //
 // Prefill k-means, per batch of (sequence, kv head) problems, `iterations` times:
 //   assign  fused bf16 tensor-core product keys x centroids (mma.m16n8k16, fp32
-//           accumulate) with the argmin of ||mu||^2 - 2 k.mu in the epilogue: a 64-key tile
+//           accumulate) with the argmin of ||mu||^2 - 2 k.mu in the epilogue: a 128-key tile
 //           streams every centroid through a ring of two 64-centroid chunks, so the
 //           n x C distance matrix never reaches memory. At n = 128K, C = 8192, d = 128 one
 //           iteration is n*C*d = 1.37e11 MACs (2.75e11 FLOP) per kv head, 2.75 TFLOP for
@@ -63,7 +63,8 @@ using bf = __nv_bfloat16;
 
 constexpr int kCsrBlock = 512;      // threads of the prefill CSR kernel
 constexpr int kBlockThreads = 256;  // threads of the re-clustering CTA
-constexpr int kTileRows = 64;       // keys per assign tile
+constexpr int kAssignMTiles = 2;    // 16-key m-tiles per assign warp: a B fragment serves each
+constexpr int kTileRows = 4 * 16 * kAssignMTiles;  // keys per assign tile (4 warps)
 constexpr int kTileCols = 64;       // centroids per assign chunk
 constexpr int kAssignPad = 8;       // bf16 row padding: a fragment load's 8 rows on distinct banks
 constexpr int kMaxGroup = 8;
@@ -214,11 +215,12 @@ __global__ void __launch_bounds__(256)
                         norms + p.cscratch + c, threadIdx.x % 32);
 }
 
-// The assignment of a 64-key tile (16 keys a warp) against every centroid of its problem, on
-// the tensor cores (bf16 mma.m16n8k16, fp32 accumulation): the warp's keys are the A
-// fragments, held in registers for the whole pass; the centroids stream through shared memory
-// in chunks of kTileCols, two chunks in a ring (cp.async), so that the next chunk and its
-// norms load while this one is multiplied; each thread keeps the best of its 2 keys from the
+// The assignment of a tile of kTileRows keys (kAssignMTiles x 16 a warp) against every
+// centroid of its problem, on the tensor cores (bf16 mma.m16n8k16, fp32 accumulation): the
+// warp's keys are the A fragments, held in registers for the whole pass, and each B fragment
+// is loaded once for all of them; the centroids stream through shared memory in chunks of
+// kTileCols, two chunks in a ring (cp.async), so that the next chunk and its norms load while
+// this one is multiplied; each thread keeps the best of its 2 kAssignMTiles keys from the
 // accumulator fragments (||mu||^2 - 2 k.mu, ascending c, strict: ties to the lowest index) and
 // the 4 threads of a key row settle it by shuffles at the end. The WMMA form (a chunk loaded,
 // then multiplied, its scores stored to shared memory and scanned by one thread a key) ran the
@@ -234,7 +236,8 @@ template <int D>
 __global__ void __launch_bounds__(128)
     assign_kernel(PagedKV kv, const Problem* probs, ClusterState st, const float* norms,
                   int32_t* labels) {
-  static_assert(kTileRows == 64 && kTileCols % 8 == 0, "a 16-key m-tile per warp of 4");
+  constexpr int M = kAssignMTiles;
+  static_assert(kTileRows == 4 * 16 * M && kTileCols % 8 == 0, "M 16-key m-tiles a warp of 4");
   constexpr int LD = D + kAssignPad, kChunks = D / 8, kWords = LD / 2;  // 32-bit words a row
   const Problem p = probs[blockIdx.y];
   const int i0 = blockIdx.x * kTileRows;
@@ -272,21 +275,31 @@ __global__ void __launch_bounds__(128)
   stage_norms(0, 0);
   ptx::cp_async_wait<0>();
   __syncthreads();
-  // The warp's 16 keys as A fragments: rows g and g + 8, dims 16k + 2cq (+1) and + 8 (+9).
-  uint32_t a[D / 16][4];
-  {
-    const uint32_t* k0 = reinterpret_cast<const uint32_t*>(ks + (warp * 16 + g) * LD) + cq;
+  // The warp's M x 16 keys as A fragments: of m-tile m, rows g and g + 8, dims 16k + 2cq (+1)
+  // and + 8 (+9).
+  uint32_t a[M][D / 16][4];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const uint32_t* k0 =
+        reinterpret_cast<const uint32_t*>(ks + ((warp * M + m) * 16 + g) * LD) + cq;
     const uint32_t* k8 = k0 + 8 * kWords;
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
-      a[k][0] = k0[8 * k];
-      a[k][1] = k8[8 * k];
-      a[k][2] = k0[8 * k + 4];
-      a[k][3] = k8[8 * k + 4];
+      a[m][k][0] = k0[8 * k];
+      a[m][k][1] = k8[8 * k];
+      a[m][k][2] = k0[8 * k + 4];
+      a[m][k][3] = k8[8 * k + 4];
     }
   }
-  float best[2] = {INFINITY, INFINITY};
-  int arg[2] = {0, 0};
+  float best[M][2];
+  int arg[M][2];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      best[m][r] = INFINITY;
+      arg[m][r] = 0;
+    }
   const int num = (p.C + kTileCols - 1) / kTileCols;
   for (int it = 0; it < num; ++it) {
     const int slot = it % 2, c0 = it * kTileCols;
@@ -300,25 +313,31 @@ __global__ void __launch_bounds__(128)
     const float* cn = nrm + slot * kTileCols;
 #pragma unroll 2
     for (int n0 = 0; n0 < kTileCols; n0 += 8) {
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      float d[M][4];
+#pragma unroll
+      for (int m = 0; m < M; ++m) d[m][0] = d[m][1] = d[m][2] = d[m][3] = 0.f;
 #pragma unroll
       for (int k = 0; k < D / 16; ++k) {
         const uint32_t b[2] = {crow[n0 * kWords + 8 * k], crow[n0 * kWords + 8 * k + 4]};
-        ptx::mma_bf16_16816(d, a[k], b, d);
+#pragma unroll
+        for (int m = 0; m < M; ++m) ptx::mma_bf16_16816(d[m], a[m][k], b, d[m]);
       }
-      // d[0], d[1]: key g against centroids n0 + 2cq, + 1; d[2], d[3]: key g + 8.
+      // d[m][0], d[m][1]: key g of m-tile m against centroids n0 + 2cq, + 1; d[m][2],
+      // d[m][3]: key g + 8.
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float nc = cn[n0 + 2 * cq + e];
         const int c = c0 + n0 + 2 * cq + e;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float dist = nc - 2.f * d[2 * r + e];
-          if (dist < best[r]) {
-            best[r] = dist;
-            arg[r] = c;
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float dist = nc - 2.f * d[m][2 * r + e];
+            if (dist < best[m][r]) {
+              best[m][r] = dist;
+              arg[m][r] = c;
+            }
           }
-        }
       }
     }
     ptx::cp_async_wait<0>();
@@ -328,19 +347,21 @@ __global__ void __launch_bounds__(128)
   // The 4 threads of a key row hold interleaved columns: the smaller distance, ties to the
   // lower index.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int m = 0; m < M; ++m)
 #pragma unroll
-    for (int o = 1; o < 4; o <<= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best[r], o);
-      const int oa = __shfl_xor_sync(0xffffffffu, arg[r], o);
-      if (ob < best[r] || (ob == best[r] && oa < arg[r])) {
-        best[r] = ob;
-        arg[r] = oa;
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int o = 1; o < 4; o <<= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best[m][r], o);
+        const int oa = __shfl_xor_sync(0xffffffffu, arg[m][r], o);
+        if (ob < best[m][r] || (ob == best[m][r] && oa < arg[m][r])) {
+          best[m][r] = ob;
+          arg[m][r] = oa;
+        }
       }
+      const int row = (warp * M + m) * 16 + g + 8 * r;
+      if (cq == 0 && i0 + row < p.n) labels[p.scratch + i0 + row] = arg[m][r];
     }
-    const int row = warp * 16 + g + 8 * r;
-    if (cq == 0 && i0 + row < p.n) labels[p.scratch + i0 + row] = arg[r];
-  }
 }
 
 __global__ void __launch_bounds__(kCsrBlock)
