@@ -239,6 +239,7 @@ __global__ void __launch_bounds__(128)
   constexpr int M = kAssignMTiles;
   static_assert(kTileRows == 4 * 16 * M && kTileCols % 8 == 0, "M 16-key m-tiles a warp of 4");
   constexpr int LD = D + kAssignPad, kChunks = D / 8, kWords = LD / 2;  // 32-bit words a row
+  static_assert(D % 32 == 0, "ldmatrix x4 covers 32 dims");
   const Problem p = probs[blockIdx.y];
   const int i0 = blockIdx.x * kTileRows;
   if (i0 >= p.n) return;
@@ -308,8 +309,11 @@ __global__ void __launch_bounds__(128)
     float next_norm = INFINITY;
     if (it + 1 < num && tid < kTileCols && c0 + kTileCols + tid < p.C)
       next_norm = nbase[c0 + kTileCols + tid];
-    const uint32_t* crow =
-        reinterpret_cast<const uint32_t*>(cs + slot * kTileCols * LD) + g * kWords + cq;
+    // B fragments by ldmatrix: lanes 8j..8j+7 address the 8 centroids' rows at dims 8j of a
+    // 32-dim block, so one x4 load gives the fragments of two k-steps (b0, b1 of k-step 2kk:
+    // registers 0, 1; of 2kk + 1: 2, 3), where 32-bit loads took 8.
+    const uint32_t bbase =
+        ptx::smem_addr(cs + slot * kTileCols * LD + (lane % 8) * LD + (lane / 8) * 8);
     const float* cn = nrm + slot * kTileCols;
 #pragma unroll 2
     for (int n0 = 0; n0 < kTileCols; n0 += 8) {
@@ -317,10 +321,15 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
       for (int m = 0; m < M; ++m) d[m][0] = d[m][1] = d[m][2] = d[m][3] = 0.f;
 #pragma unroll
-      for (int k = 0; k < D / 16; ++k) {
-        const uint32_t b[2] = {crow[n0 * kWords + 8 * k], crow[n0 * kWords + 8 * k + 4]};
+      for (int kk = 0; kk < D / 32; ++kk) {
+        uint32_t r[4];
+        ptx::ldmatrix_x4(r, bbase + uint32_t((n0 * LD + 32 * kk) * sizeof(bf)));
+        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
 #pragma unroll
-        for (int m = 0; m < M; ++m) ptx::mma_bf16_16816(d[m], a[m][k], b, d[m]);
+        for (int m = 0; m < M; ++m) {
+          ptx::mma_bf16_16816(d[m], a[m][2 * kk], b0, d[m]);
+          ptx::mma_bf16_16816(d[m], a[m][2 * kk + 1], b1, d[m]);
+        }
       }
       // d[m][0], d[m][1]: key g of m-tile m against centroids n0 + 2cq, + 1; d[m][2],
       // d[m][3]: key g + 8.
