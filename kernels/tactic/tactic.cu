@@ -9,13 +9,16 @@
 //           10 iterations, while a materialised fp32 distance matrix would be 4 GiB per
 //           head per iteration: a cuBLAS GEMM + argmin pass would be bound by that traffic
 //           (2d / 4 = 64 FLOP per byte), the fused kernel only by the tensor cores.
-//   csr     one CTA per problem: histogram, scan, and a stable scatter (block radix sort of
-//           each 512-token chunk by label), so members are ascending within a cluster,
-//           exactly as on the CPU, whatever the cluster sizes.
+//   csr     one device-wide radix sort of every problem's (problem, label) keys with the
+//           token as value (stable, so members stay ascending within a cluster, exactly as on
+//           the CPU), then a scatter kernel that writes the members and, at each change of
+//           label, the offsets. One CTA per problem (a chain of 256 block sorts at 128K)
+//           took 14 % of the k-means at 128K and 31 % at 32K on an H200 (docs/gpu.md).
 //   update  one warp per cluster: fp32 mean of its members in member order, rounded to bf16;
 //           an empty cluster keeps its centroid.
 // Decode-time block re-clustering runs the same steps inside one CTA per (sequence, kv head)
-// (SIMT distances: a block is 2048 x 128 x d), sharing the csr and update device code.
+// (SIMT distances: a block is 2048 x 128 x d; the CSR by the CTA, cta_build_csr), sharing
+// the update's device code.
 //
 // Decode selection (one launch each, no host sync, graph-safe):
 //   score   q.centroid for the g query heads of a kv head, one CTA per 128-cluster tile that
@@ -61,7 +64,7 @@ namespace {
 
 using bf = __nv_bfloat16;
 
-constexpr int kCsrBlock = 512;      // threads of the prefill CSR kernel
+constexpr int kCsrThreads = 256;    // threads of the prefill CSR scatter kernel
 constexpr int kBlockThreads = 256;  // threads of the re-clustering CTA
 constexpr int kAssignMTiles = 2;    // 16-key m-tiles per assign warp: a B fragment serves each
 constexpr int kTileRows = 4 * 16 * kAssignMTiles;  // keys per assign tile (4 warps)
@@ -99,9 +102,9 @@ struct CsrTemp {
   unsigned sorted_label[BLOCK];
 };
 
-// Builds the CSR of one problem from labels [n] (labels < C), by the whole CTA: offsets_out
-// [C + 1] get base + local offsets, members_out [n] get token_base + i, ascending within a
-// cluster. cursor [C] is scratch. Stability comes from sorting each BLOCK-token chunk by
+// Builds the CSR of one re-clustered block from labels [n] (labels < C), by the whole CTA:
+// offsets_out [C + 1] get base + local offsets, members_out [n] get token_base + i, ascending
+// within a cluster. cursor [C] is scratch. Stability comes from sorting each BLOCK-token chunk by
 // label (radix sort is stable) and ranking tokens within runs of equal labels, so the cost
 // does not depend on how uneven the clusters are.
 template <int BLOCK>
@@ -234,8 +237,8 @@ constexpr size_t assign_smem_bytes() {
 
 template <int D>
 __global__ void __launch_bounds__(128)
-    assign_kernel(PagedKV kv, const Problem* probs, ClusterState st, const float* norms,
-                  int32_t* labels) {
+    assign_kernel(PagedKV kv, const Problem* probs, ClusterState st, const float* norms, int cbits,
+                  uint32_t* keys, int32_t* tokens) {
   constexpr int M = kAssignMTiles;
   static_assert(kTileRows == 4 * 16 * M && kTileCols % 8 == 0, "M 16-key m-tiles a warp of 4");
   constexpr int LD = D + kAssignPad, kChunks = D / 8, kWords = LD / 2;  // 32-bit words a row
@@ -369,18 +372,41 @@ __global__ void __launch_bounds__(128)
         }
       }
       const int row = (warp * M + m) * 16 + g + 8 * r;
-      if (cq == 0 && i0 + row < p.n) labels[p.scratch + i0 + row] = arg[m][r];
+      if (cq == 0 && i0 + row < p.n) {
+        keys[p.scratch + i0 + row] = (uint32_t(blockIdx.y) << cbits) | uint32_t(arg[m][r]);
+        tokens[p.scratch + i0 + row] = i0 + row;
+      }
     }
 }
 
-__global__ void __launch_bounds__(kCsrBlock)
-    csr_kernel(const Problem* probs, ClusterState st, const int32_t* labels, int32_t* cursor) {
-  __shared__ CsrTemp<kCsrBlock> tmp;
-  const Problem p = probs[blockIdx.x];
-  if (p.n == 0) return;
-  cta_build_csr<kCsrBlock>(labels + p.scratch, p.n, p.C, cursor + p.cscratch,
-                           st.offsets_of(p.b, p.h) + p.c0, p.start,
-                           st.members_of(p.b, p.h) + p.start, p.start, tmp);
+// Bits that hold every value in [0, v) (at least one).
+int bits_for(int64_t v) {
+  int b = 1;
+  while ((int64_t(1) << b) < v) ++b;
+  return b;
+}
+
+// The CSR of every problem from its tokens sorted by (problem, label): sorted position j holds
+// token tokens[j] of problem keys[j] >> cbits, label keys[j] & mask. Problem q's tokens are
+// positions [q.scratch, q.scratch + q.n), so position j is its member j - q.scratch; the
+// thread at a change of label writes the offsets of the labels it passes over (empty
+// clusters included), and the problem's last token those up to C.
+__global__ void __launch_bounds__(kCsrThreads)
+    csr_scatter_kernel(const Problem* probs, ClusterState st, const uint32_t* keys,
+                       const int32_t* tokens, int64_t total, int cbits) {
+  const int64_t j = int64_t(blockIdx.x) * kCsrThreads + threadIdx.x;
+  if (j >= total) return;
+  const uint32_t mask = (1u << cbits) - 1u;
+  const uint32_t key = keys[j];
+  const Problem p = probs[key >> cbits];
+  const int c = int(key & mask);
+  const int local = int(j - p.scratch);
+  st.members_of(p.b, p.h)[p.start + local] = p.start + tokens[j];
+  int32_t* off = st.offsets_of(p.b, p.h) + p.c0;
+  const int prev = local > 0 ? int(keys[j - 1] & mask) : -1;
+  for (int x = prev + 1; x <= c; ++x) off[x] = p.start + local;
+  if (local == p.n - 1)
+    for (int x = c + 1; x <= p.C; ++x) off[x] = p.start + p.n;
 }
 
 template <int D>
@@ -395,20 +421,45 @@ __global__ void __launch_bounds__(256)
                           norms + p.cscratch + c, threadIdx.x % 32);
 }
 
-struct PrefillLayout {
-  size_t problems, labels, cursor, norms, total;
+// The sort's bits: the problem above the label.
+struct SortBits {
+  int cbits, total;
 };
+
+SortBits sort_bits(int num_problems, int max_clusters) {
+  const int cbits = bits_for(max_clusters), pbits = bits_for(num_problems);
+  return SortBits{cbits, cbits + pbits};
+}
+
+struct PrefillLayout {
+  size_t problems, keys_a, keys_b, tokens_a, tokens_b, norms, sort_temp, sort_bytes, total;
+  int64_t max_items;
+};
+
+size_t prefill_sort_bytes(int64_t items, int end_bit) {
+  size_t bytes = 0;
+  cub::DoubleBuffer<uint32_t> keys(nullptr, nullptr);
+  cub::DoubleBuffer<int32_t> tokens(nullptr, nullptr);
+  cub::DeviceRadixSort::SortPairs(nullptr, bytes, keys, tokens, items, 0, end_bit);
+  return bytes;
+}
 
 PrefillLayout prefill_layout(int batch, int num_kv_heads, int max_len, int cluster_size) {
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
   const size_t P = size_t(batch) * num_kv_heads;
-  const size_t C = size_t(kmeans_num_clusters(max_len, cluster_size));
+  const int C = kmeans_num_clusters(max_len, cluster_size);
+  const size_t items = P * size_t(max_len);
   PrefillLayout l;
+  l.max_items = int64_t(items);
   l.problems = 0;
-  l.labels = up(P * sizeof(Problem));
-  l.cursor = l.labels + up(P * size_t(max_len) * sizeof(int32_t));
-  l.norms = l.cursor + up(P * C * sizeof(int32_t));
-  l.total = l.norms + up(P * C * sizeof(float));
+  l.keys_a = up(P * sizeof(Problem));
+  l.keys_b = l.keys_a + up(items * sizeof(uint32_t));
+  l.tokens_a = l.keys_b + up(items * sizeof(uint32_t));
+  l.tokens_b = l.tokens_a + up(items * sizeof(int32_t));
+  l.norms = l.tokens_b + up(items * sizeof(int32_t));
+  l.sort_temp = l.norms + up(P * size_t(C) * sizeof(float));
+  l.sort_bytes = prefill_sort_bytes(l.max_items, sort_bits(int(P), C).total);
+  l.total = l.sort_temp + up(l.sort_bytes);
   return l;
 }
 
@@ -420,9 +471,13 @@ cudaError_t launch_prefill(const PagedKV& kv, const std::vector<Problem>& probs,
   if (err != cudaSuccess) return err;
   const int P = int(probs.size());
   auto* d_probs = reinterpret_cast<Problem*>(ws + l.problems);
-  auto* labels = reinterpret_cast<int32_t*>(ws + l.labels);
-  auto* cursor = reinterpret_cast<int32_t*>(ws + l.cursor);
   auto* norms = reinterpret_cast<float*>(ws + l.norms);
+  if (probs.empty()) return cudaErrorInvalidValue;
+  const int64_t items = probs.back().scratch + probs.back().n;  // problems are contiguous
+  const SortBits bits = sort_bits(P, max_c);
+  if (bits.total > 32 || items > l.max_items ||
+      prefill_sort_bytes(items, bits.total) > l.sort_bytes)
+    return cudaErrorInvalidValue;
   err = cudaMemcpyAsync(d_probs, probs.data(), probs.size() * sizeof(Problem),
                         cudaMemcpyHostToDevice, stream);
   if (err != cudaSuccess) return err;
@@ -432,10 +487,22 @@ cudaError_t launch_prefill(const PagedKV& kv, const std::vector<Problem>& probs,
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   if (max_n == 0) return cudaSuccess;
   const dim3 tiles(unsigned((max_n + kTileRows - 1) / kTileRows), unsigned(P));
+  const unsigned scatter_ctas = unsigned((items + kCsrThreads - 1) / kCsrThreads);
   for (int it = 0; it < iterations; ++it) {
-    assign_kernel<D>
-        <<<tiles, 128, assign_smem_bytes<D>(), stream>>>(kv, d_probs, st, norms, labels);
-    csr_kernel<<<P, kCsrBlock, 0, stream>>>(d_probs, st, labels, cursor);
+    // The sort ping-pongs between the two buffers; the assignment always writes the first.
+    cub::DoubleBuffer<uint32_t> keys(reinterpret_cast<uint32_t*>(ws + l.keys_a),
+                                     reinterpret_cast<uint32_t*>(ws + l.keys_b));
+    cub::DoubleBuffer<int32_t> tokens(reinterpret_cast<int32_t*>(ws + l.tokens_a),
+                                      reinterpret_cast<int32_t*>(ws + l.tokens_b));
+    assign_kernel<D><<<tiles, 128, assign_smem_bytes<D>(), stream>>>(
+        kv, d_probs, st, norms, bits.cbits, keys.Current(), tokens.Current());
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    size_t temp_bytes = l.sort_bytes;
+    err = cub::DeviceRadixSort::SortPairs(ws + l.sort_temp, temp_bytes, keys, tokens, items, 0,
+                                          bits.total, stream);
+    if (err != cudaSuccess) return err;
+    csr_scatter_kernel<<<scatter_ctas, kCsrThreads, 0, stream>>>(
+        d_probs, st, keys.Current(), tokens.Current(), items, bits.cbits);
     update_kernel<D><<<per_cluster, 256, 0, stream>>>(kv, d_probs, st, norms);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }

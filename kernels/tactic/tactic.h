@@ -112,7 +112,8 @@ cudaError_t prepare_cuda(int head_dim);
 // replacing what state held for those slots. seq_lens_host are the lengths in kv.seq_lens,
 // on the host (the caller reads them once; prefill is not part of a captured step). The
 // workspace is caller-owned device memory of cluster_prefill_workspace_bytes(kv.batch,
-// kv.num_kv_heads, max over b of seq_lens_host[b], km.cluster_size).
+// kv.num_kv_heads, max over b of seq_lens_host[b], km.cluster_size): about 16 bytes a token
+// of every (b, h) (the CSR's sort keys and tokens, double-buffered), plus the sort's own.
 // Distances are a fused bf16 tensor-core product (mma.sync) with the argmin in the epilogue: the
 // n x C distance matrix never reaches memory. Supports head_dim 64 and 128.
 size_t cluster_prefill_workspace_bytes(int batch, int num_kv_heads, int max_len, int cluster_size);

@@ -247,6 +247,57 @@ TEST(TacticCuda, PrefillKMeansMatchesCpu) {
   }
 }
 
+// The prefill's CSR where most clusters are empty and one sequence of the batch is: keys
+// that take 5 distinct rows per (sequence, kv head), so that the initial centroids repeat,
+// every token goes to the lowest-numbered copy of its row and the other copies stay empty.
+// Both backends then cluster identically, so the offsets (across the runs of empty clusters
+// and at the problems' edges) and the members are compared exactly.
+TEST(TacticCuda, PrefillCsrWithEmptyClustersAndAnEmptySequence) {
+  KVS_SKIP_WITHOUT_CUDA();
+  const ModelShape s = shape(8, 2, 128);
+  const std::vector<int> lens = {640, 0, 480, 1};
+  Pair p(s, lens, 2048, 5);
+  std::normal_distribution<float> N01(0.f, 1.f);
+  const int d = s.head_dim, row = s.num_kv_heads * d;
+  for (size_t b = 0; b < lens.size(); ++b) {
+    const int n = lens[b];
+    if (n == 0) continue;
+    std::vector<bf16> distinct(size_t(5) * row), k(size_t(n) * row), v(k.size());
+    for (auto& x : distinct) x = float_to_bf16(N01(p.gen));
+    for (auto& x : v) x = float_to_bf16(N01(p.gen));
+    for (int t = 0; t < n; ++t)
+      std::copy_n(distinct.begin() + (t * 7 % 5) * row, row, k.begin() + size_t(t) * row);
+    p.cpu.write(0, int(b), 0, n, k.data(), v.data());
+    DeviceBuffer<bf16> dk(k), dv(v);
+    p.gpu.write(0, int(b), 0, n, dk.get(), dv.get());
+  }
+  auto ge = make(s, Backend::Cuda, int(lens.size()), 0.9),
+       ce = make(s, Backend::Cpu, int(lens.size()), 0.9);
+  ge->prefill(0, p.gpu.view(0), nullptr);
+  ce->prefill(0, p.cpu.view(0), nullptr);
+  const HostState got = download(dynamic_cast<TacticEngine&>(*ge).cluster_state(0));
+  const tk::ClusterState& ref = dynamic_cast<TacticEngine&>(*ce).cluster_state(0);
+  int empty = 0;
+  for (size_t b = 0; b < lens.size(); ++b)
+    for (int h = 0; h < s.num_kv_heads; ++h) {
+      const std::string where = "b " + std::to_string(b) + " h " + std::to_string(h);
+      const int C = ref.num_clusters[ref.slot(int(b), h)];
+      ASSERT_EQ(got.nc[size_t(got.view.slot(int(b), h))], C) << where;
+      ASSERT_EQ(got.cl[size_t(got.view.slot(int(b), h))], lens[b]) << where;
+      if (lens[b] == 0) continue;
+      for (int c = 0; c <= C; ++c)
+        ASSERT_EQ(got.view.offsets_of(int(b), h)[c], ref.offsets_of(int(b), h)[c])
+            << where << " offset " << c;
+      for (int c = 0; c < C; ++c)
+        empty += ref.offsets_of(int(b), h)[c + 1] == ref.offsets_of(int(b), h)[c];
+      for (int m = 0; m < lens[b]; ++m)
+        ASSERT_EQ(got.view.members_of(int(b), h)[m], ref.members_of(int(b), h)[m])
+            << where << " member " << m;
+    }
+  // 40 + 30 + 1 clusters per kv head, at most 5 + 5 + 1 of them used.
+  EXPECT_GE(empty, 2 * (40 + 30 + 1 - 11));
+}
+
 // Selection, union and attention of the GPU against the CPU reference run on the GPU's own
 // cluster state (so that only the selection and attention arithmetic is compared).
 void check_decode(int hq, int hkv, int d, const std::vector<int>& lens, double P, uint32_t seed,
