@@ -15,6 +15,8 @@
 //   tactic  = re-cluster check + selection + sparse attention (the engine's decode path)
 //   select  = selection only,  attn = sparse attention only (over the selection made)
 //   dense   = dense_decode_cuda over the same KV
+// reclu_ms: one layer's step that re-clusters a block of the last 2048 decoded tokens (all
+// sequences and kv heads at once), which the timed replays never take.
 // Tokens: the union per (sequence, kv head) and the per-query-head selection, as a percent of
 // the context. Mass: exp(lse_tactic - lse_dense) per (sequence, query head): the attention
 // mass the selection achieved (mean and min).
@@ -105,9 +107,13 @@ struct Layer {
   tk::Selection sel;
 };
 
+// Tokens decoded after the last clustering that are clustered as one block (the engine's
+// default recluster_interval).
+constexpr int kBlockTokens = 2048;
+
 struct Result {
   int context, batch, layers;
-  double cluster_ms, prefill_est_ms, kmeans_tflop;
+  double cluster_ms, prefill_est_ms, kmeans_tflop, recluster_ms;
   double dense_us, tactic_us, select_us, attn_us;
   double union_pct, head_pct, mass_mean, mass_min, sel_mb;
 };
@@ -199,8 +205,6 @@ bool bench_one(const TacticBenchArgs& a, int n, int B, cudaStream_t stream, Resu
       if (li == 0) KVS_CUDA_CHECK(cudaEventElapsedTime(&cluster_ms, e0, e1));
     }
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
 
   Dev<bf16> q(size_t(B) * a.hq * a.d), o(size_t(B) * a.hq * a.d), od(size_t(B) * a.hq * a.d);
   Dev<float> lse(size_t(B) * a.hq), lse_dense(size_t(B) * a.hq);
@@ -211,7 +215,7 @@ bool bench_one(const TacticBenchArgs& a, int n, int B, cudaStream_t stream, Resu
   const float scale = 1.f / std::sqrt(float(a.d));
   const int g = a.hq / a.hkv;
   auto select = [&](Layer& l, int li) {
-    KVS_CUDA_CHECK(tk::recluster_blocks_cuda(view(l), li, 2048, km, l.st, stream));
+    KVS_CUDA_CHECK(tk::recluster_blocks_cuda(view(l), li, kBlockTokens, km, l.st, stream));
     KVS_CUDA_CHECK(tk::select_tokens_cuda(q.p, a.hq, view(l), scale, fit, l.st, l.sel, nullptr,
                                           ws_sel.p, sel_ws, stream));
   };
@@ -255,7 +259,40 @@ bool bench_one(const TacticBenchArgs& a, int n, int B, cudaStream_t stream, Resu
   const double union_tokens = std::accumulate(counts.begin(), counts.end(), 0.0) / counts.size();
   const double head_tokens =
       std::accumulate(selected.begin(), selected.end(), 0.0) / selected.size();
+  // The step that re-clusters, which the replays above never take (every token is clustered
+  // at prefill): layer 0's state rewound as if its last kBlockTokens tokens had been decoded
+  // since (clustered_len n - kBlockTokens, their clusters not yet appended), then one
+  // recluster_blocks_cuda call timed with events, median of 5. It overwrites the state of the
+  // rewound tokens, so it runs after every other measurement.
+  double recluster_ms = std::nan("");  // null in the JSON: a context shorter than two blocks
+  if (n >= 2 * kBlockTokens) {
+    const int c0 = tk::max_clusters_for(n - kBlockTokens, km.cluster_size);
+    const std::vector<int32_t> nc(subs, c0), cl(subs, n - kBlockTokens);
+    std::vector<float> ms;
+    for (int rep = 0; rep < 5; ++rep) {
+      KVS_CUDA_CHECK(cudaMemcpyAsync(L[0].nc->p, nc.data(), subs * sizeof(int32_t),
+                                     cudaMemcpyHostToDevice, stream));
+      KVS_CUDA_CHECK(cudaMemcpyAsync(L[0].cl->p, cl.data(), subs * sizeof(int32_t),
+                                     cudaMemcpyHostToDevice, stream));
+      KVS_CUDA_CHECK(cudaEventRecord(e0, stream));
+      KVS_CUDA_CHECK(tk::recluster_blocks_cuda(view(L[0]), 0, kBlockTokens, km, L[0].st, stream));
+      KVS_CUDA_CHECK(cudaEventRecord(e1, stream));
+      KVS_CUDA_CHECK(cudaEventSynchronize(e1));
+      float t = 0.f;
+      KVS_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+      ms.push_back(t);
+    }
+    // Every slot must have clustered its block, or the figure timed the early return.
+    const std::vector<int32_t> after = L[0].cl->get();
+    for (int32_t c : after)
+      if (c != n) throw std::runtime_error("kvs-bench tactic: the re-clustering step did not run");
+    std::sort(ms.begin(), ms.end());
+    recluster_ms = ms[ms.size() / 2];
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
   const tk::FitPlan plan = tk::make_fit_plan(n, fit);
+  r->recluster_ms = recluster_ms;
   r->context = n;
   r->batch = B;
   r->layers = a.layers;
@@ -312,9 +349,10 @@ int run_tactic_bench(const TacticBenchArgs& a) {
       "per replay; %d key components; exact %.4f, window %.4f (min %d)\n",
       prop.name, prop.multiProcessorCount, a.hq, a.hkv, a.d, a.page_size, a.p, a.layers,
       a.components, a.exact_fraction, a.window_fraction, a.window_min);
-  std::printf("%8s %5s | %9s %9s %7s %8s | %9s %9s %9s %9s %7s | %7s %7s %6s %6s %7s\n", "context",
-              "batch", "clust_ms", "pfill_ms", "ratio", "km_TFLOP", "dense_us", "tactic_us",
-              "select_us", "attn_us", "speedup", "union%", "head%", "mass", "m_min", "sel_MB");
+  std::printf("%8s %5s | %9s %9s %7s %8s %9s | %9s %9s %9s %9s %7s | %7s %7s %6s %6s %7s\n",
+              "context", "batch", "clust_ms", "pfill_ms", "ratio", "km_TFLOP", "reclu_ms",
+              "dense_us", "tactic_us", "select_us", "attn_us", "speedup", "union%", "head%", "mass",
+              "m_min", "sel_MB");
   for (int n : a.contexts)
     for (int B : a.batches) {
       Result r;
@@ -325,11 +363,11 @@ int run_tactic_bench(const TacticBenchArgs& a) {
         continue;
       }
       std::printf(
-          "%8d %5d | %9.2f %9.2f %7.3f %8.2f | %9.1f %9.1f %9.1f %9.1f %7.2f | %7.2f "
+          "%8d %5d | %9.2f %9.2f %7.3f %8.2f %9.3f | %9.1f %9.1f %9.1f %9.1f %7.2f | %7.2f "
           "%7.2f %6.3f %6.3f %7.1f\n",
           r.context, r.batch, r.cluster_ms, r.prefill_est_ms, r.cluster_ms / r.prefill_est_ms,
-          r.kmeans_tflop, r.dense_us, r.tactic_us, r.select_us, r.attn_us, r.dense_us / r.tactic_us,
-          r.union_pct, r.head_pct, r.mass_mean, r.mass_min, r.sel_mb);
+          r.kmeans_tflop, r.recluster_ms, r.dense_us, r.tactic_us, r.select_us, r.attn_us,
+          r.dense_us / r.tactic_us, r.union_pct, r.head_pct, r.mass_mean, r.mass_min, r.sel_mb);
       std::fflush(stdout);
       report.add_row({{"context", r.context},
                       {"batch", r.batch},
@@ -337,6 +375,7 @@ int run_tactic_bench(const TacticBenchArgs& a) {
                       {"prefill_est_ms", r.prefill_est_ms},
                       {"cluster_ratio", r.cluster_ms / r.prefill_est_ms},
                       {"kmeans_tflop", r.kmeans_tflop},
+                      {"recluster_ms", r.recluster_ms},
                       {"dense_us", r.dense_us},
                       {"tactic_us", r.tactic_us},
                       {"select_us", r.select_us},
