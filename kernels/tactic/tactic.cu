@@ -16,9 +16,8 @@
 //           took 14 % of the k-means at 128K and 31 % at 32K on an H200 (docs/gpu.md).
 //   update  one warp per cluster: fp32 mean of its members in member order, rounded to bf16;
 //           an empty cluster keeps its centroid.
-// Decode-time block re-clustering runs the same steps inside one CTA per (sequence, kv head)
-// (SIMT distances: a block is 2048 x 128 x d; the CSR by the CTA, cta_build_csr), sharing
-// the update's device code.
+// Decode-time block re-clustering runs the same steps in a thread-block cluster per (sequence,
+// kv head), sharing the assignment's and the update's device code (see recluster_kernel).
 //
 // Decode selection (one launch each, no host sync, graph-safe):
 //   score   q.centroid for the g query heads of a kv head, one CTA per 128-cluster tile that
@@ -43,6 +42,7 @@
 // before them: their CTAs get resident while it ends and issue the loads that do not depend on
 // it (the CSR offsets, the query, the sorted prefix) before griddepcontrol.wait.
 // Attention is then the dense split-KV kernel over the sub-request view (tactic.h).
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -65,7 +65,6 @@ namespace {
 using bf = __nv_bfloat16;
 
 constexpr int kCsrThreads = 256;    // threads of the prefill CSR scatter kernel
-constexpr int kBlockThreads = 256;  // threads of the re-clustering CTA
 constexpr int kAssignMTiles = 2;    // 16-key m-tiles per assign warp: a B fragment serves each
 constexpr int kTileRows = 4 * 16 * kAssignMTiles;  // keys per assign tile (4 warps)
 constexpr int kTileCols = 64;       // centroids per assign chunk
@@ -81,7 +80,6 @@ struct Problem {
 };
 
 struct MaxOp {
-  __device__ __forceinline__ int operator()(int a, int b) const { return a > b ? a : b; }
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 
@@ -91,65 +89,19 @@ __device__ __forceinline__ const bf* key_row(const PagedKV& kv, int b, int t, in
 
 // ---- shared k-means pieces ----------------------------------------------------------------
 
-template <int BLOCK>
-struct CsrTemp {
-  using Scan = cub::BlockScan<int, BLOCK>;
-  using Sort = cub::BlockRadixSort<unsigned, BLOCK, 1, int>;
-  union {
-    typename Scan::TempStorage scan;
-    typename Sort::TempStorage sort;
-  } u;
-  unsigned sorted_label[BLOCK];
-};
-
-// Builds the CSR of one re-clustered block from labels [n] (labels < C), by the whole CTA:
-// offsets_out [C + 1] get base + local offsets, members_out [n] get token_base + i, ascending
-// within a cluster. cursor [C] is scratch. Stability comes from sorting each BLOCK-token chunk by
-// label (radix sort is stable) and ranking tokens within runs of equal labels, so the cost
-// does not depend on how uneven the clusters are.
-template <int BLOCK>
-__device__ void cta_build_csr(const int32_t* labels, int n, int C, int32_t* cursor,
-                              int32_t* offsets_out, int base, int32_t* members_out, int token_base,
-                              CsrTemp<BLOCK>& tmp) {
-  using Scan = typename CsrTemp<BLOCK>::Scan;
-  using Sort = typename CsrTemp<BLOCK>::Sort;
-  for (int c = threadIdx.x; c < C; c += BLOCK) cursor[c] = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < n; i += BLOCK) atomicAdd(&cursor[labels[i]], 1);
-  __syncthreads();
-  int carry = 0;
-  for (int c0 = 0; c0 < C; c0 += BLOCK) {
-    const int c = c0 + threadIdx.x;
-    int excl, total;
-    Scan(tmp.u.scan).ExclusiveSum(c < C ? cursor[c] : 0, excl, total);
-    __syncthreads();
-    if (c < C) {
-      cursor[c] = carry + excl;
-      offsets_out[c] = base + carry + excl;
-    }
-    carry += total;
+// ||centroid||^2 of bf16 values by one warp (lane l sums dims [l D/32, (l + 1) D/32)).
+template <int D>
+__device__ __forceinline__ float warp_centroid_norm(const bf* centroid, int lane) {
+  constexpr int kPer = D / 32;
+  float s = 0.f;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const float v = __bfloat162float(centroid[lane * kPer + e]);
+    s += v * v;
   }
-  if (threadIdx.x == 0) offsets_out[C] = base + n;
-  __syncthreads();
-  const int bits = 32 - __clz(C);  // labels and the sentinel C
-  for (int i0 = 0; i0 < n; i0 += BLOCK) {
-    const int i = i0 + threadIdx.x;
-    unsigned key[1] = {i < n ? unsigned(labels[i]) : unsigned(C)};
-    int val[1] = {i};
-    Sort(tmp.u.sort).Sort(key, val, 0, bits);
-    tmp.sorted_label[threadIdx.x] = key[0];
-    __syncthreads();
-    const bool head = threadIdx.x == 0 || tmp.sorted_label[threadIdx.x - 1] != key[0];
-    int run_start;
-    Scan(tmp.u.scan).InclusiveScan(head ? int(threadIdx.x) : 0, run_start, MaxOp());
-    const int rank = int(threadIdx.x) - run_start;
-    const bool valid = key[0] < unsigned(C);
-    if (valid) members_out[cursor[key[0]] + rank] = token_base + val[0];
-    __syncthreads();
-    const bool tail = threadIdx.x == BLOCK - 1 || tmp.sorted_label[threadIdx.x + 1] != key[0];
-    if (valid && tail) cursor[key[0]] += rank + 1;
-    __syncthreads();
-  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  return s;
 }
 
 // One warp: centroid <- bf16(mean of keys of members[lo, hi)) unless empty; *norm <-
@@ -172,32 +124,16 @@ __device__ void warp_update_centroid(const PagedKV& kv, int b, int h, const int3
     for (int e = 0; e < kPer; ++e) centroid[lane * kPer + e] = __float2bfloat16_rn(acc[e] / count);
   }
   __syncwarp();
-  float s = 0.f;
-#pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    const float v = __bfloat162float(centroid[lane * kPer + e]);
-    s += v * v;
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  const float s = warp_centroid_norm<D>(centroid, lane);
   if (lane == 0) *norm = s;
 }
 
-// One warp: centroid <- key kmeans_init_index(c), and its norm.
+// One warp: centroid <- the key row `key` (the initialisation), and its norm.
 template <int D>
-__device__ void warp_init_centroid(const PagedKV& kv, int b, int h, int start, int n, int C,
-                                   uint64_t stream, int c, bf* centroid, float* norm, int lane) {
-  const int t = start + kmeans_init_index(stream, c, n, C);
-  const bf* k = key_row(kv, b, t, h);
-  for (int e = lane; e < D; e += 32) centroid[e] = k[e];
+__device__ void warp_init_centroid(const bf* key, bf* centroid, float* norm, int lane) {
+  for (int e = lane; e < D; e += 32) centroid[e] = key[e];
   __syncwarp();
-  float s = 0.f;
-  for (int e = lane; e < D; e += 32) {
-    const float v = __bfloat162float(centroid[e]);
-    s += v * v;
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  const float s = warp_centroid_norm<D>(centroid, lane);
   if (lane == 0) *norm = s;
 }
 
@@ -213,9 +149,116 @@ __global__ void __launch_bounds__(256)
   }
   const int c = blockIdx.x * 8 + threadIdx.x / 32;
   if (c >= p.C) return;
-  warp_init_centroid<D>(kv, p.b, p.h, p.start, p.n, p.C, p.stream, c,
+  warp_init_centroid<D>(key_row(kv, p.b, p.start + kmeans_init_index(p.stream, c, p.n, p.C), p.h),
                         reinterpret_cast<bf*>(st.centroid(p.b, p.h, p.c0 + c)),
                         norms + p.cscratch + c, threadIdx.x % 32);
+}
+
+// ---- the assignment on the tensor cores, shared by the prefill and the block re-clustering ----
+//
+// A warp holds M m-tiles of 16 keys as bf16 A fragments (mma.m16n8k16) and runs them against
+// centroids staged in shared memory (rows LD bf16 apart), keeping for each of its keys the
+// smallest ||mu||^2 - 2 k.mu, ascending c, strict (ties to the lowest index, as on the CPU).
+
+// The A fragments of the warp's M x 16 keys, rows [0, 16 M) of `rows`: of m-tile m, rows g and
+// g + 8, dims 16k + 2cq (+1) and + 8 (+9).
+template <int D, int M, int LD>
+__device__ __forceinline__ void load_key_fragments(const bf* rows, uint32_t (&a)[M][D / 16][4],
+                                                   int lane) {
+  constexpr int kWords = LD / 2;  // 32-bit words a row
+  const int g = lane / 4, cq = lane % 4;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const uint32_t* k0 = reinterpret_cast<const uint32_t*>(rows + (m * 16 + g) * LD) + cq;
+    const uint32_t* k8 = k0 + 8 * kWords;
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+      a[m][k][0] = k0[8 * k];
+      a[m][k][1] = k8[8 * k];
+      a[m][k][2] = k0[8 * k + 4];
+      a[m][k][3] = k8[8 * k + 4];
+    }
+  }
+}
+
+template <int M>
+__device__ __forceinline__ void clear_best(float (&best)[M][2], int (&arg)[M][2]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      best[m][r] = INFINITY;
+      arg[m][r] = 0;
+    }
+}
+
+// The keys against centroids [0, cols) of `chunk` (cols a multiple of 8; their norms in `cn`,
+// INFINITY for padding rows so that those never win), numbered from c0. Each thread keeps the
+// best of the columns it holds: key g (+ 8) of each m-tile against columns 2cq, 2cq + 1 of
+// every 8.
+template <int D, int M, int LD>
+__device__ __forceinline__ void assign_chunk(const uint32_t (&a)[M][D / 16][4], const bf* chunk,
+                                             const float* cn, int c0, int cols, float (&best)[M][2],
+                                             int (&arg)[M][2], int lane) {
+  static_assert(D % 32 == 0, "ldmatrix x4 covers 32 dims");
+  const int cq = lane % 4;
+  // B fragments by ldmatrix: lanes 8j..8j+7 address the 8 centroids' rows at dims 8j of a
+  // 32-dim block, so one x4 load gives the fragments of two k-steps (b0, b1 of k-step 2kk:
+  // registers 0, 1; of 2kk + 1: 2, 3), where 32-bit loads took 8.
+  const uint32_t bbase = ptx::smem_addr(chunk + (lane % 8) * LD + (lane / 8) * 8);
+#pragma unroll 2
+  for (int n0 = 0; n0 < cols; n0 += 8) {
+    float d[M][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m) d[m][0] = d[m][1] = d[m][2] = d[m][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk) {
+      uint32_t r[4];
+      ptx::ldmatrix_x4(r, bbase + uint32_t((n0 * LD + 32 * kk) * sizeof(bf)));
+      const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        ptx::mma_bf16_16816(d[m], a[m][2 * kk], b0, d[m]);
+        ptx::mma_bf16_16816(d[m], a[m][2 * kk + 1], b1, d[m]);
+      }
+    }
+    // d[m][0], d[m][1]: key g of m-tile m against centroids n0 + 2cq, + 1; d[m][2],
+    // d[m][3]: key g + 8.
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float nc = cn[n0 + 2 * cq + e];
+      const int c = c0 + n0 + 2 * cq + e;
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float dist = nc - 2.f * d[m][2 * r + e];
+          if (dist < best[m][r]) {
+            best[m][r] = dist;
+            arg[m][r] = c;
+          }
+        }
+    }
+  }
+}
+
+// The 4 threads of a key row hold interleaved columns: after this each holds the row's best
+// (the smaller distance, ties to the lower index).
+template <int M>
+__device__ __forceinline__ void settle_best(float (&best)[M][2], int (&arg)[M][2]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int o = 1; o < 4; o <<= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best[m][r], o);
+        const int oa = __shfl_xor_sync(0xffffffffu, arg[m][r], o);
+        if (ob < best[m][r] || (ob == best[m][r] && oa < arg[m][r])) {
+          best[m][r] = ob;
+          arg[m][r] = oa;
+        }
+      }
 }
 
 // The assignment of a tile of kTileRows keys (kAssignMTiles x 16 a warp) against every
@@ -241,8 +284,7 @@ __global__ void __launch_bounds__(128)
                   uint32_t* keys, int32_t* tokens) {
   constexpr int M = kAssignMTiles;
   static_assert(kTileRows == 4 * 16 * M && kTileCols % 8 == 0, "M 16-key m-tiles a warp of 4");
-  constexpr int LD = D + kAssignPad, kChunks = D / 8, kWords = LD / 2;  // 32-bit words a row
-  static_assert(D % 32 == 0, "ldmatrix x4 covers 32 dims");
+  constexpr int LD = D + kAssignPad, kChunks = D / 8;
   const Problem p = probs[blockIdx.y];
   const int i0 = blockIdx.x * kTileRows;
   if (i0 >= p.n) return;
@@ -279,31 +321,11 @@ __global__ void __launch_bounds__(128)
   stage_norms(0, 0);
   ptx::cp_async_wait<0>();
   __syncthreads();
-  // The warp's M x 16 keys as A fragments: of m-tile m, rows g and g + 8, dims 16k + 2cq (+1)
-  // and + 8 (+9).
   uint32_t a[M][D / 16][4];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const uint32_t* k0 =
-        reinterpret_cast<const uint32_t*>(ks + ((warp * M + m) * 16 + g) * LD) + cq;
-    const uint32_t* k8 = k0 + 8 * kWords;
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k) {
-      a[m][k][0] = k0[8 * k];
-      a[m][k][1] = k8[8 * k];
-      a[m][k][2] = k0[8 * k + 4];
-      a[m][k][3] = k8[8 * k + 4];
-    }
-  }
+  load_key_fragments<D, M, LD>(ks + warp * M * 16 * LD, a, lane);
   float best[M][2];
   int arg[M][2];
-#pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      best[m][r] = INFINITY;
-      arg[m][r] = 0;
-    }
+  clear_best<M>(best, arg);
   const int num = (p.C + kTileCols - 1) / kTileCols;
   for (int it = 0; it < num; ++it) {
     const int slot = it % 2, c0 = it * kTileCols;
@@ -312,65 +334,17 @@ __global__ void __launch_bounds__(128)
     float next_norm = INFINITY;
     if (it + 1 < num && tid < kTileCols && c0 + kTileCols + tid < p.C)
       next_norm = nbase[c0 + kTileCols + tid];
-    // B fragments by ldmatrix: lanes 8j..8j+7 address the 8 centroids' rows at dims 8j of a
-    // 32-dim block, so one x4 load gives the fragments of two k-steps (b0, b1 of k-step 2kk:
-    // registers 0, 1; of 2kk + 1: 2, 3), where 32-bit loads took 8.
-    const uint32_t bbase =
-        ptx::smem_addr(cs + slot * kTileCols * LD + (lane % 8) * LD + (lane / 8) * 8);
-    const float* cn = nrm + slot * kTileCols;
-#pragma unroll 2
-    for (int n0 = 0; n0 < kTileCols; n0 += 8) {
-      float d[M][4];
-#pragma unroll
-      for (int m = 0; m < M; ++m) d[m][0] = d[m][1] = d[m][2] = d[m][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 32; ++kk) {
-        uint32_t r[4];
-        ptx::ldmatrix_x4(r, bbase + uint32_t((n0 * LD + 32 * kk) * sizeof(bf)));
-        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          ptx::mma_bf16_16816(d[m], a[m][2 * kk], b0, d[m]);
-          ptx::mma_bf16_16816(d[m], a[m][2 * kk + 1], b1, d[m]);
-        }
-      }
-      // d[m][0], d[m][1]: key g of m-tile m against centroids n0 + 2cq, + 1; d[m][2],
-      // d[m][3]: key g + 8.
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float nc = cn[n0 + 2 * cq + e];
-        const int c = c0 + n0 + 2 * cq + e;
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const float dist = nc - 2.f * d[m][2 * r + e];
-            if (dist < best[m][r]) {
-              best[m][r] = dist;
-              arg[m][r] = c;
-            }
-          }
-      }
-    }
+    assign_chunk<D, M, LD>(a, cs + slot * kTileCols * LD, nrm + slot * kTileCols, c0, kTileCols,
+                           best, arg, lane);
     ptx::cp_async_wait<0>();
     if (tid < kTileCols) nrm[(slot ^ 1) * kTileCols + tid] = next_norm;
     __syncthreads();  // the next chunk is in; this one may be overwritten after the next wait
   }
-  // The 4 threads of a key row hold interleaved columns: the smaller distance, ties to the
-  // lower index.
+  settle_best<M>(best, arg);
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int o = 1; o < 4; o <<= 1) {
-        const float ob = __shfl_xor_sync(0xffffffffu, best[m][r], o);
-        const int oa = __shfl_xor_sync(0xffffffffu, arg[m][r], o);
-        if (ob < best[m][r] || (ob == best[m][r] && oa < arg[m][r])) {
-          best[m][r] = ob;
-          arg[m][r] = oa;
-        }
-      }
       const int row = (warp * M + m) * 16 + g + 8 * r;
       if (cq == 0 && i0 + row < p.n) {
         keys[p.scratch + i0 + row] = (uint32_t(blockIdx.y) << cbits) | uint32_t(arg[m][r]);
@@ -510,84 +484,268 @@ cudaError_t launch_prefill(const PagedKV& kv, const std::vector<Problem>& probs,
 }
 
 // ---- decode-time block re-clustering ---------------------------------------------------------
+//
+// A thread-block cluster of Q CTAs per (sequence, kv head), Q = the block's tokens / 256
+// rounded up to a power of two, at most 8 (8 at the default 2048). In pass p, CTA k assigns
+// tokens [256 (p Q + k), + 256) of the block (a warp's 32 keys as two m-tiles of A fragments,
+// read from the KV cache through the block's row table). Every CTA keeps a copy of every
+// centroid in shared memory; one iteration is:
+//   assign  each CTA its keys against all centroids (assign_chunk, as the prefill), the labels
+//           written into every CTA of the cluster (distributed shared memory); cluster barrier
+//   csr     each CTA builds the whole block's CSR from the labels in its shared memory: per
+//           warp a contiguous run of tokens, counted and then placed by __match_any_sync, so
+//           members stay ascending within a cluster without a sort
+//   update  CTA k owns clusters [k Cq, (k + 1) Cq): D / 8 threads a cluster, each summing its
+//           16 bytes of every member key in member order (fp32, as warp_update_centroid) and
+//           writing the bf16 mean into every CTA's copy; cluster barrier; each CTA recomputes
+//           the norms
+// The last iteration's CSR and centroids go to the state. The kernel is launched on every
+// decode step and returns at once unless the block is due (one load); a single CTA per
+// (sequence, kv head) on SIMT distances took 6.9 ms a layer at 128K on an H200 (docs/gpu.md).
+constexpr int kReclusterThreads = 256;
+constexpr int kReclusterWarps = kReclusterThreads / 32;
+constexpr int kReclusterRows = kReclusterWarps * 32;  // block tokens a CTA a pass: 2 m-tiles a warp
+constexpr int kReclusterMaxCtas = 8;                  // the portable cluster size
+
+// CTAs in the cluster of a block of T tokens: enough for one pass, a power of two up to 8.
+int recluster_ctas(int T) {
+  int q = 1;
+  while (q < kReclusterMaxCtas && q * kReclusterRows < T) q *= 2;
+  return q;
+}
+
+// Shared memory of one CTA (16-byte aligned pieces): centroids padded to a multiple of 8 rows,
+// their norms, the block's labels and CSR, per-warp counts, and the block tokens' KV rows.
+struct ReclusterLayout {
+  size_t mu, norm, labels, members, offsets, wcount, krow, total;
+};
 
 template <int D>
-size_t block_smem_bytes(int block_tokens, int cluster_size) {
-  const size_t C = size_t(block_tokens / cluster_size);
-  return C * D * sizeof(bf) + C * sizeof(float) + C * sizeof(int32_t) +
-         size_t(block_tokens) * sizeof(int32_t);
+KVS_HOST_DEVICE ReclusterLayout recluster_layout(int T, int cluster_size) {
+  auto up = [](size_t x) { return (x + 15) / 16 * 16; };
+  const size_t C = size_t(T / cluster_size), C8 = (C + 7) / 8 * 8;
+  ReclusterLayout l;
+  l.mu = 0;
+  l.norm = l.mu + up(C8 * (D + kAssignPad) * sizeof(bf));
+  l.labels = l.norm + up(C8 * sizeof(float));
+  l.members = l.labels + up(size_t(T) * sizeof(int32_t));
+  l.offsets = l.members + up(size_t(T) * sizeof(int32_t));
+  l.wcount = l.offsets + up((C + 1) * sizeof(int32_t));
+  l.krow = l.wcount + up(size_t(kReclusterWarps) * C * sizeof(int32_t));
+  l.total = l.krow + up(size_t(T) * sizeof(int32_t));
+  return l;
 }
 
 template <int D>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kReclusterThreads, 2)
     recluster_kernel(PagedKV kv, int layer, int T, int cluster_size, int iterations, uint64_t seed,
                      ClusterState st) {
-  __shared__ CsrTemp<kBlockThreads> tmp;
-  const int b = blockIdx.x / kv.num_kv_heads, h = blockIdx.x % kv.num_kv_heads;
+  namespace cg = cooperative_groups;
+  constexpr int LD = D + kAssignPad, M = 2, kPieces = D / 8;
+  const int b = blockIdx.y / kv.num_kv_heads, h = blockIdx.y % kv.num_kv_heads;
   const int64_t s = st.slot(b, h);
   const int start = st.clustered_len[s], c0 = st.num_clusters[s];
-  const int C = T / cluster_size;
+  const int C = T / cluster_size, C8 = (C + 7) / 8 * 8;
+  // The same for every CTA of the cluster, so they leave together.
   if (kv.seq_lens[b] - start < T) return;  // nothing due: the common case, one load
   if (start + T > st.max_tokens || c0 + C > st.max_clusters) return;
-  // Named apart from assign_kernel's 128-byte aligned `smem`: one name declared with two
-  // alignments is a compiler warning (#1886).
+  cg::cluster_group cluster = cg::this_cluster();
+  const int Q = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  const ReclusterLayout lay = recluster_layout<D>(T, cluster_size);
   extern __shared__ __align__(16) unsigned char recluster_smem[];
-  bf* mu = reinterpret_cast<bf*>(recluster_smem);      // [C][D]
-  float* norm = reinterpret_cast<float*>(mu + C * D);  // [C]
-  int32_t* cursor = reinterpret_cast<int32_t*>(norm + C);
-  int32_t* labels = cursor + C;  // [T]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  constexpr int kWarps = kBlockThreads / 32;
-  const uint64_t stream = kmeans_stream(seed, layer, h, start);
-  for (int c = warp; c < C; c += kWarps)
-    warp_init_centroid<D>(kv, b, h, start, T, C, stream, c, mu + c * D, norm + c, lane);
-  int32_t* off = st.offsets_of(b, h) + c0;
-  int32_t* members = st.members_of(b, h);
-  for (int it = 0; it < iterations; ++it) {
-    __syncthreads();
-    for (int i = threadIdx.x; i < T; i += kBlockThreads) {
-      uint32_t k2[D / 2];
-      const uint4* src = reinterpret_cast<const uint4*>(key_row(kv, b, start + i, h));
-#pragma unroll
-      for (int ch = 0; ch < D / 8; ++ch) {
-        const uint4 v = src[ch];
-        k2[ch * 4 + 0] = v.x;
-        k2[ch * 4 + 1] = v.y;
-        k2[ch * 4 + 2] = v.z;
-        k2[ch * 4 + 3] = v.w;
-      }
-      float best = INFINITY;
-      int arg = 0;
-      for (int c = 0; c < C; ++c) {
-        const uint32_t* m2 = reinterpret_cast<const uint32_t*>(mu + c * D);
-        float dot = 0.f;
-#pragma unroll
-        for (int e = 0; e < D / 2; ++e) {
-          const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&k2[e]));
-          const float2 mf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&m2[e]));
-          dot = fmaf(kf.x, mf.x, dot);
-          dot = fmaf(kf.y, mf.y, dot);
-        }
-        const float dist = norm[c] - 2.f * dot;
-        if (dist < best) {
-          best = dist;
-          arg = c;
-        }
-      }
-      labels[i] = arg;
-    }
-    __syncthreads();
-    cta_build_csr<kBlockThreads>(labels, T, C, cursor, off, start, members + start, start, tmp);
-    __syncthreads();
-    for (int c = warp; c < C; c += kWarps)
-      warp_update_centroid<D>(kv, b, h, members, off[c], off[c + 1], mu + c * D, norm + c, lane);
+  bf* mu = reinterpret_cast<bf*>(recluster_smem + lay.mu);  // [C8][LD]
+  float* norm = reinterpret_cast<float*>(recluster_smem + lay.norm);
+  int32_t* labels = reinterpret_cast<int32_t*>(recluster_smem + lay.labels);    // [T]
+  int32_t* members = reinterpret_cast<int32_t*>(recluster_smem + lay.members);  // [T]
+  int32_t* offsets = reinterpret_cast<int32_t*>(recluster_smem + lay.offsets);  // [C + 1]
+  int32_t* wcount = reinterpret_cast<int32_t*>(recluster_smem + lay.wcount);    // [warps][C]
+  int32_t* krow = reinterpret_cast<int32_t*>(recluster_smem + lay.krow);        // [T]
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, cq = lane % 4;
+  // Each block token's KV row, once: every later key load is then one round trip.
+  for (int i = tid; i < T; i += kReclusterThreads) {
+    const int t = start + i;
+    krow[i] = kv.page_table[int64_t(b) * kv.max_pages_per_seq + t / kv.page_size] * kv.page_size +
+              t % kv.page_size;
   }
   __syncthreads();
+  const auto key_at = [&](int i) {  // block token i's key
+    return reinterpret_cast<const bf*>(kv.k) +
+           (int64_t(krow[i]) * kv.num_kv_heads + h) * int64_t(D);
+  };
+  // Every CTA starts from the same centroids (kmeans_init_index, as the CPU): all rows'
+  // pieces in flight at once, padding rows zero with an infinite norm.
+  const uint64_t stream = kmeans_stream(seed, layer, h, start);
+  for (int x0 = tid; x0 < C8 * kPieces; x0 += 8 * kReclusterThreads) {
+    uint4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int x = x0 + u * kReclusterThreads, c = x / kPieces;
+      v[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (c < C)
+        v[u] =
+            reinterpret_cast<const uint4*>(key_at(kmeans_init_index(stream, c, T, C)))[x % kPieces];
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int x = x0 + u * kReclusterThreads;
+      if (x < C8 * kPieces) reinterpret_cast<uint4*>(mu + (x / kPieces) * LD)[x % kPieces] = v[u];
+    }
+  }
+  __syncthreads();
+  for (int c = warp; c < C8; c += kReclusterWarps) {
+    const float nrm = warp_centroid_norm<D>(mu + c * LD, lane);
+    if (lane == 0) norm[c] = c < C ? nrm : INFINITY;
+  }
+  // The warp's 32 keys of a pass as A fragments, straight from the KV cache (zeros past the
+  // block), loaded again each iteration: held across the update they cost the registers of a
+  // second CTA on the SM, which the check on every decode step needs more (docs/gpu.md).
+  const int passes = (T + Q * kReclusterRows - 1) / (Q * kReclusterRows);
+  uint32_t a[M][D / 16][4];
+  const auto load_keys = [&](int row0) {
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = row0 + m * 16 + g + 8 * r;
+        const uint32_t* k = i < T ? reinterpret_cast<const uint32_t*>(key_at(i)) + cq : nullptr;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          a[m][kk][r] = k ? k[8 * kk] : 0u;
+          a[m][kk][r + 2] = k ? k[8 * kk + 4] : 0u;
+        }
+      }
+  };
+  const auto first_row = [&](int pass) { return (pass * Q + rank) * kReclusterRows + warp * 32; };
+  // Token runs of the CSR build, one a warp, and the clusters this CTA updates.
+  const int run = (T + kReclusterWarps - 1) / kReclusterWarps;
+  const int run_lo = min(T, warp * run), run_hi = min(T, run_lo + run);
+  const int per = (C + Q - 1) / Q, own_lo = min(C, rank * per), own_hi = min(C, own_lo + per);
+  // Every CTA of the cluster running, its centroids in, before any remote write.
+  cluster.sync();
+  for (int it = 0; it < iterations; ++it) {
+    for (int pass = 0; pass < passes; ++pass) {
+      const int row0 = first_row(pass);
+      if (row0 >= T) break;  // uniform over the warp
+      load_keys(row0);
+      float best[M][2];
+      int arg[M][2];
+      clear_best<M>(best, arg);
+      assign_chunk<D, M, LD>(a, mu, norm, 0, C8, best, arg, lane);
+      settle_best<M>(best, arg);
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int i = row0 + m * 16 + g + 8 * r;
+          if (cq == 0 && i < T)
+            for (int q = 0; q < Q; ++q) cluster.map_shared_rank(labels, q)[i] = arg[m][r];
+        }
+    }
+    cluster.sync();  // every label everywhere; every CTA done reading this iteration's mu
+    // The CSR of the block: counts per (warp, cluster), then bases, then placement, each
+    // warp over its run in token order.
+    for (int x = tid; x < kReclusterWarps * C; x += kReclusterThreads) wcount[x] = 0;
+    __syncthreads();
+    for (int j0 = run_lo; j0 < run_hi; j0 += 32) {
+      const int j = j0 + lane;
+      const int c = j < run_hi ? labels[j] : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, c);
+      if (c >= 0 && lane == __ffs(peers) - 1) wcount[warp * C + c] += __popc(peers);
+      __syncwarp();
+    }
+    __syncthreads();
+    for (int c = tid; c < C; c += kReclusterThreads) {
+      int total = 0;
+      for (int w = 0; w < kReclusterWarps; ++w) {
+        const int n = wcount[w * C + c];
+        wcount[w * C + c] = total;  // members of c in earlier warps' runs
+        total += n;
+      }
+      offsets[c + 1] = total;  // sizes for now
+    }
+    __syncthreads();
+    if (warp == 0) {  // sizes -> offsets: a warp scan, 32 clusters a round
+      int carry = 0;
+      for (int c = lane; c - lane < C; c += 32) {
+        int v = c < C ? offsets[c + 1] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int n = __shfl_up_sync(0xffffffffu, v, o);
+          if (lane >= o) v += n;
+        }
+        if (c < C) offsets[c + 1] = carry + v;
+        carry += __shfl_sync(0xffffffffu, v, 31);
+      }
+      if (lane == 0) offsets[0] = 0;
+    }
+    __syncthreads();
+    for (int j0 = run_lo; j0 < run_hi; j0 += 32) {
+      const int j = j0 + lane;
+      const int c = j < run_hi ? labels[j] : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, c);
+      if (c >= 0) {
+        const int rank_in = __popc(peers & ((1u << lane) - 1u));
+        members[offsets[c] + wcount[warp * C + c] + rank_in] = j;
+      }
+      __syncwarp();
+      if (c >= 0 && lane == __ffs(peers) - 1) wcount[warp * C + c] += __popc(peers);
+      __syncwarp();
+    }
+    __syncthreads();
+    // The update of this CTA's clusters: kPieces threads a cluster, 8 dims each, members in
+    // order (8 loads in flight: the largest cluster's chain is the update's time), the mean
+    // into every CTA's centroid copy. Empty clusters keep their centroid.
+    constexpr int kGroups = kReclusterThreads / kPieces;
+    const int piece = tid % kPieces;
+    for (int c = own_lo + tid / kPieces; c < own_hi; c += kGroups) {
+      const int lo = offsets[c], hi = offsets[c + 1];
+      if (hi == lo) continue;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int x = lo; x < hi; x += 8) {
+        uint4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          if (x + u < hi) v[u] = reinterpret_cast<const uint4*>(key_at(members[x + u]))[piece];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          if (x + u < hi) {
+            const bf* e = reinterpret_cast<const bf*>(&v[u]);
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[q] += __bfloat162float(e[q]);
+          }
+      }
+      const float count = float(hi - lo);
+      uint4 out;
+      bf* o = reinterpret_cast<bf*>(&out);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) o[q] = __float2bfloat16_rn(acc[q] / count);
+      for (int q = 0; q < Q; ++q)
+        reinterpret_cast<uint4*>(cluster.map_shared_rank(mu, q) + c * LD)[piece] = out;
+    }
+    cluster.sync();  // every centroid everywhere; no CTA reads another's memory after this
+    for (int c = warp; c < C; c += kReclusterWarps) {
+      const float nrm = warp_centroid_norm<D>(mu + c * LD, lane);
+      if (lane == 0) norm[c] = nrm;
+    }
+    __syncthreads();
+  }
+  // The state: this CTA's centroids, a share of the members, and (CTA 0) the offsets and the
+  // counts. A decode reads them only after this kernel.
   bf* dst = reinterpret_cast<bf*>(st.centroid(b, h, c0));
-  for (int e = threadIdx.x; e < C * D; e += kBlockThreads) dst[e] = mu[e];
-  if (threadIdx.x == 0) {
-    st.num_clusters[s] = c0 + C;
-    st.clustered_len[s] = start + T;
+  for (int x = own_lo * kPieces + tid; x < own_hi * kPieces; x += kReclusterThreads)
+    reinterpret_cast<uint4*>(dst)[x] =
+        reinterpret_cast<const uint4*>(mu + (x / kPieces) * LD)[x % kPieces];
+  int32_t* mem_out = st.members_of(b, h) + start;
+  const int share = (T + Q - 1) / Q;
+  for (int x = rank * share + tid; x < min(T, (rank + 1) * share); x += kReclusterThreads)
+    mem_out[x] = start + members[x];
+  if (rank == 0) {
+    int32_t* off_out = st.offsets_of(b, h) + c0;
+    for (int c = tid; c <= C; c += kReclusterThreads) off_out[c] = start + offsets[c];
+    if (tid == 0) {
+      st.num_clusters[s] = c0 + C;
+      st.clustered_len[s] = start + T;
+    }
   }
 }
 
@@ -1640,9 +1798,9 @@ cudaError_t prepare_cuda(int head_dim) {
         i == 0
             ? set(reinterpret_cast<const void*>(assign_kernel<64>), int(assign_smem_bytes<64>()))
             : set(reinterpret_cast<const void*>(assign_kernel<128>), int(assign_smem_bytes<128>()));
-    if (e == cudaSuccess)
-      e = i == 0 ? set(reinterpret_cast<const void*>(recluster_kernel<64>), kBlockSmemLimit)
-                 : set(reinterpret_cast<const void*>(recluster_kernel<128>), kBlockSmemLimit);
+    const void* recluster = i == 0 ? reinterpret_cast<const void*>(recluster_kernel<64>)
+                                   : reinterpret_cast<const void*>(recluster_kernel<128>);
+    if (e == cudaSuccess) e = set(recluster, kBlockSmemLimit);
     if (e == cudaSuccess) e = set(reinterpret_cast<const void*>(order_kernel), sizeof(OrderSmem));
     result[i] = e;
   });
@@ -1695,8 +1853,8 @@ cudaError_t cluster_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host
 int recluster_block_max_tokens(int head_dim, int cluster_size) {
   int best = 0;
   for (int t = cluster_size; t <= (1 << 16); t += cluster_size) {
-    const size_t bytes = head_dim == 64 ? block_smem_bytes<64>(t, cluster_size)
-                                        : block_smem_bytes<128>(t, cluster_size);
+    const size_t bytes = head_dim == 64 ? recluster_layout<64>(t, cluster_size).total
+                                        : recluster_layout<128>(t, cluster_size).total;
     if (bytes > size_t(kBlockSmemLimit)) break;
     best = t;
   }
@@ -1715,16 +1873,25 @@ cudaError_t recluster_blocks_cuda(const PagedKV& kv, int layer, int block_tokens
   if (kv.batch <= 0) return cudaSuccess;
   const cudaError_t err = prepare_cuda(d);
   if (err != cudaSuccess) return err;
-  const unsigned grid = unsigned(kv.batch * kv.num_kv_heads);
-  if (d == 64)
-    recluster_kernel<64>
-        <<<grid, kBlockThreads, block_smem_bytes<64>(block_tokens, km.cluster_size), stream>>>(
-            kv, layer, block_tokens, km.cluster_size, km.iterations, km.seed, st);
-  else
-    recluster_kernel<128>
-        <<<grid, kBlockThreads, block_smem_bytes<128>(block_tokens, km.cluster_size), stream>>>(
-            kv, layer, block_tokens, km.cluster_size, km.iterations, km.seed, st);
-  return cudaGetLastError();
+  // A cluster of Q CTAs per (sequence, kv head): grid (Q, batch x kv heads).
+  const int Q = recluster_ctas(block_tokens);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(Q), unsigned(kv.batch * kv.num_kv_heads));
+  cfg.blockDim = dim3(kReclusterThreads);
+  cfg.dynamicSmemBytes = d == 64 ? recluster_layout<64>(block_tokens, km.cluster_size).total
+                                 : recluster_layout<128>(block_tokens, km.cluster_size).total;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(Q);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return d == 64 ? cudaLaunchKernelEx(&cfg, recluster_kernel<64>, kv, layer, block_tokens,
+                                      km.cluster_size, km.iterations, km.seed, st)
+                 : cudaLaunchKernelEx(&cfg, recluster_kernel<128>, kv, layer, block_tokens,
+                                      km.cluster_size, km.iterations, km.seed, st);
 }
 
 PagedKV subrequest_view(const PagedKV& kv, const Selection& sel) {

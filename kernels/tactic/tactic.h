@@ -123,10 +123,11 @@ cudaError_t cluster_prefill_cuda(const PagedKV& kv, const int32_t* seq_lens_host
 
 // Decode-time re-clustering (spec 8.3): for every (b < kv.batch, h) with seq_len -
 // clustered_len >= block_tokens, clusters tokens [clustered_len, clustered_len +
-// block_tokens) into block_tokens / cluster_size new clusters. One launch of one CTA per
-// (b, h) that returns at once when nothing is due: no host sync, graph-safe. block_tokens
-// must be a multiple of km.cluster_size and fit the CTA's shared memory
-// (recluster_block_max_tokens).
+// block_tokens) into block_tokens / cluster_size new clusters. One launch of a thread-block
+// cluster of up to 8 CTAs per (b, h) (tensor-core distances, the CSR and the update shared
+// through distributed shared memory) that returns at once when nothing is due: no host sync,
+// graph-safe. block_tokens must be a multiple of km.cluster_size and fit a CTA's shared
+// memory (recluster_block_max_tokens).
 int recluster_block_max_tokens(int head_dim, int cluster_size);
 cudaError_t recluster_blocks_cuda(const PagedKV& kv, int layer, int block_tokens,
                                   const KMeansParams& km, const ClusterState& state,

@@ -298,6 +298,65 @@ TEST(TacticCuda, PrefillCsrWithEmptyClustersAndAnEmptySequence) {
   EXPECT_GE(empty, 2 * (40 + 30 + 1 - 11));
 }
 
+// The decode-time re-clustering of a block of 2048 tokens (the default interval: a cluster of
+// 8 CTAs, one pass) and of 2560 (two passes, the second on two of the 8 CTAs), called directly on
+// prefilled states rewound by one block: the new clusters against the CPU k-means of the
+// block's keys from the same initialisation (a valid partition, ascending members, at least
+// 90 % of members placed alike, WCSS within 1 %), and the earlier clusters untouched.
+TEST(TacticCuda, ReclusteringOfLargeBlocksMatchesCpu) {
+  KVS_SKIP_WITHOUT_CUDA();
+  for (int T : {2048, 2560}) {
+    const ModelShape s = shape(8, 2, 128);
+    const std::vector<int> lens = {4096, 3000};
+    Pair p(s, lens, 4096, 17 + T);
+    auto ge = make(s, Backend::Cuda, 2, 0.9, T, 4096);
+    auto& te = dynamic_cast<TacticEngine&>(*ge);
+    ge->prefill(0, p.gpu.view(0), nullptr);
+    const tk::ClusterState& st = te.cluster_state(0);
+    const HostState before = download(st);
+    std::vector<int32_t> nc(before.nc), cl(before.cl);
+    for (int b = 0; b < 2; ++b)
+      for (int h = 0; h < 2; ++h) {
+        cl[size_t(b * 2 + h)] = lens[size_t(b)] - T;
+        nc[size_t(b * 2 + h)] = tk::kmeans_num_clusters(lens[size_t(b)] - T, 16);
+      }
+    KVS_CUDA_CHECK(cudaMemcpy(st.num_clusters, nc.data(), nc.size() * 4, cudaMemcpyHostToDevice));
+    KVS_CUDA_CHECK(cudaMemcpy(st.clustered_len, cl.data(), cl.size() * 4, cudaMemcpyHostToDevice));
+    tk::KMeansParams km;
+    km.seed = te.tactic_config().seed;
+    KVS_CUDA_CHECK(tk::recluster_blocks_cuda(p.gpu.view(0), 0, T, km, st, nullptr));
+    KVS_CUDA_CHECK(cudaDeviceSynchronize());
+    const HostState got = download(st);
+    const PagedKV kv = p.cpu.view(0);
+    const int d = s.head_dim, C = T / 16;
+    for (int b = 0; b < 2; ++b)
+      for (int h = 0; h < 2; ++h) {
+        const std::string where =
+            "T " + std::to_string(T) + " b " + std::to_string(b) + " h " + std::to_string(h);
+        const size_t slot = size_t(b * 2 + h);
+        const int start = cl[slot], c0 = nc[slot];
+        ASSERT_EQ(got.cl[slot], start + T) << where;
+        ASSERT_EQ(got.nc[slot], c0 + C) << where;
+        for (int c = 0; c < c0; ++c)
+          ASSERT_EQ(got.view.offsets_of(b, h)[c], before.view.offsets_of(b, h)[c]) << where;
+        std::vector<float> keys(size_t(T) * d);
+        for (int i = 0; i < T; ++i)
+          for (int j = 0; j < d; ++j)
+            keys[size_t(i) * d + j] = bf16_to_float(kv.k[kv.offset(b, start + i, h) + j]);
+        std::vector<bf16> cent(size_t(C) * d);
+        std::vector<int32_t> off(size_t(C) + 1), mem(static_cast<size_t>(T));
+        tk::kmeans_cpu(keys.data(), T, d, C, km.iterations, tk::kmeans_stream(km.seed, 0, h, start),
+                       cent.data(), off.data(), mem.data());
+        // The CPU's CSR of the block, shifted to the state's numbering, as a reference state.
+        HostState ref = download(st);
+        for (int c = 0; c <= C; ++c) ref.view.offsets_of(b, h)[c0 + c] = start + off[size_t(c)];
+        for (int i = 0; i < T; ++i) ref.view.members_of(b, h)[start + i] = start + mem[size_t(i)];
+        std::copy(cent.begin(), cent.end(), ref.view.centroid(b, h, c0));
+        expect_same_clustering(kv, ref.view, got.view, b, h, c0, c0 + C, where);
+      }
+  }
+}
+
 // Selection, union and attention of the GPU against the CPU reference run on the GPU's own
 // cluster state (so that only the selection and attention arithmetic is compared).
 void check_decode(int hq, int hkv, int d, const std::vector<int>& lens, double P, uint32_t seed,
