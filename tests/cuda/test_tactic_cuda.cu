@@ -9,6 +9,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/dense/dense_decode.h"
@@ -299,16 +300,18 @@ TEST(TacticCuda, PrefillCsrWithEmptyClustersAndAnEmptySequence) {
 }
 
 // The decode-time re-clustering of a block of 2048 tokens (the default interval: a cluster of
-// 8 CTAs, one pass) and of 2560 (two passes, the second on two of the 8 CTAs), called directly on
-// prefilled states rewound by one block: the new clusters against the CPU k-means of the
-// block's keys from the same initialisation (a valid partition, ascending members, at least
-// 90 % of members placed alike, WCSS within 1 %), and the earlier clusters untouched.
+// 8 CTAs, one pass; head_dim 128 and 64) and of 2560 (two passes, the second on two of the 8
+// CTAs), called directly on prefilled states rewound by one block: the new clusters against
+// the CPU k-means of the block's keys from the same initialisation (a valid partition,
+// ascending members, at least 90 % of members placed alike, WCSS within 1 %), and the earlier
+// clusters untouched.
 TEST(TacticCuda, ReclusteringOfLargeBlocksMatchesCpu) {
   KVS_SKIP_WITHOUT_CUDA();
-  for (int T : {2048, 2560}) {
-    const ModelShape s = shape(8, 2, 128);
+  const std::vector<std::pair<int, int>> cases = {{2048, 128}, {2560, 128}, {2048, 64}};
+  for (const auto& [T, head_dim] : cases) {
+    const ModelShape s = shape(8, 2, head_dim);
     const std::vector<int> lens = {4096, 3000};
-    Pair p(s, lens, 4096, 17 + T);
+    Pair p(s, lens, 4096, 17 + T + head_dim);
     auto ge = make(s, Backend::Cuda, 2, 0.9, T, 4096);
     auto& te = dynamic_cast<TacticEngine&>(*ge);
     ge->prefill(0, p.gpu.view(0), nullptr);
@@ -331,8 +334,8 @@ TEST(TacticCuda, ReclusteringOfLargeBlocksMatchesCpu) {
     const int d = s.head_dim, C = T / 16;
     for (int b = 0; b < 2; ++b)
       for (int h = 0; h < 2; ++h) {
-        const std::string where =
-            "T " + std::to_string(T) + " b " + std::to_string(b) + " h " + std::to_string(h);
+        const std::string where = "T " + std::to_string(T) + " d " + std::to_string(head_dim) +
+                                  " b " + std::to_string(b) + " h " + std::to_string(h);
         const size_t slot = size_t(b * 2 + h);
         const int start = cl[slot], c0 = nc[slot];
         ASSERT_EQ(got.cl[slot], start + T) << where;
