@@ -17,7 +17,8 @@
 //   update  one warp per cluster: fp32 mean of its members in member order, rounded to bf16;
 //           an empty cluster keeps its centroid.
 // Decode-time block re-clustering runs the same steps in a thread-block cluster per (sequence,
-// kv head), sharing the assignment's and the update's device code (see recluster_kernel).
+// kv head), sharing the assignment's device code; its update sums each cluster's members in
+// the same order, 16 bytes a thread instead of a warp a cluster (see recluster_kernel).
 //
 // Decode selection (one launch each, no host sync, graph-safe):
 //   score   q.centroid for the g query heads of a kv head, one CTA per 128-cluster tile that
