@@ -20,7 +20,9 @@ struct TacticConfig {
   /// Tokens decoded since the last clustering that trigger clustering them on their own as
   /// one block (recluster_interval / cluster_size clusters appended to the CSR; spec 8.3).
   /// Until then they are attended in full. 0 disables re-clustering (recent tokens are then
-  /// always attended in full). A multiple of cluster_size.
+  /// always attended in full). A multiple of cluster_size, and at most what the CUDA kernel
+  /// holds in shared memory (kernels::tactic::recluster_block_max_tokens: 5136 at head_dim 128
+  /// and cluster_size 16, 6912 at head_dim 64).
   int recluster_interval = 2048;
   /// Longest sequence (tokens) the engine must serve; sizes the cluster state and the
   /// workspace. 0: the model's max_position.

@@ -65,7 +65,7 @@ TacticEngine::TacticEngine(const ModelShape& shape, const EngineConfig& config)
     if (t.recluster_interval > tk::recluster_block_max_tokens(shape_.head_dim, t.cluster_size))
       throw std::invalid_argument(
           "TacticConfig: recluster_interval " + str(int64_t(t.recluster_interval)) +
-          " exceeds what one CTA can cluster in shared memory (" +
+          " exceeds the largest block the re-clustering kernel holds in shared memory (" +
           str(int64_t(tk::recluster_block_max_tokens(shape_.head_dim, t.cluster_size))) + ")");
     KVS_CUDA_CHECK(tk::prepare_cuda(shape_.head_dim));
     if (config_.collect_stats) device_counters_ = DeviceCounters(3);
