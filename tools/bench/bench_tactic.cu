@@ -7,6 +7,14 @@
 // components, i.e. ~1.5 % of the tokens, while the rest forms a long tail, as in the paper's
 // sorted score curves. Queries are sqrt(d) * u plus a little per-head noise.
 //
+// --capture F: the scene from a capture file (kvs-capture) instead, where it fits: for batch
+// B and context n, sequences 0 .. B-1 of F, their first n tokens; KV set li of the replay is
+// captured layer li mod (the layers captured), so that --layers sets still rotate through
+// more memory than the L2 holds when the capture has fewer layers. K = rope(k_pre) and V = v
+// of those tokens through a shuffled page table, and each sequence's query is its captured
+// q_pre at position n - 1, rotated there: the decode step of that token over the keys the
+// model had made. The head counts and head dim are the capture's.
+//
 // Per (context, batch): the prefill clustering of one layer (all sequences and kv heads) is
 // timed with events and set against a dense causal prefill attention estimate (4 n^2 d Hq / 2
 // FLOP per sequence at --prefill-tflops). Decode: `layers` KV sets (each with its clusters)
@@ -27,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -35,7 +44,9 @@
 #include <string>
 #include <vector>
 
+#include "artifacts/capture_file.h"
 #include "kernels/common/cuda_check.h"
+#include "kernels/common/rope.h"
 #include "kernels/dense/dense_decode.h"
 #include "kernels/tactic/tactic.h"
 #include "tools/bench/bench_common.h"
@@ -93,6 +104,20 @@ __global__ void fill_queries(__nv_bfloat16* q, int batch, int hq, int hkv, int d
   }
 }
 
+// Rows [n, hkv, d] of sequence b (contiguous, token-major) into a paged buffer through its
+// page table (pages per sequence: max_pages).
+__global__ void scatter_to_pages(const __nv_bfloat16* rows, __nv_bfloat16* paged,
+                                 const int32_t* table, int max_pages, int page_size, int b, int n,
+                                 int hkv, int d) {
+  const int64_t row = int64_t(hkv) * d, total = int64_t(n) * row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int t = int(i / row);
+    const int64_t page = table[int64_t(b) * max_pages + t / page_size];
+    paged[(page * page_size + t % page_size) * row + i % row] = rows[i];
+  }
+}
+
 template <typename T>
 using Dev = bench::DeviceBuffer<T>;
 using bench::time_graph;
@@ -103,6 +128,7 @@ struct Layer {
   std::unique_ptr<Dev<bf16>> cent;
   std::unique_ptr<Dev<int32_t>> off, mem, nc, cl;
   std::unique_ptr<Dev<int32_t>> rows, tokens, counts, selected;
+  std::unique_ptr<Dev<bf16>> q;  ///< [B, Hq, d], the step's queries, RoPE applied
   tk::ClusterState st;
   tk::Selection sel;
 };
@@ -118,8 +144,45 @@ struct Result {
   double union_pct, head_pct, mass_mean, mass_min, sel_mb;
 };
 
-bool bench_one(const TacticBenchArgs& a, int n, int B, cudaStream_t stream, Result* r,
-               std::string* note) {
+// Layer li's K, V (through l.table) and queries from the capture (see the file comment).
+void fill_from_capture(const CaptureFile& cap, int li, int n, int B, int pages, int page_size,
+                       Layer& l, cudaStream_t stream) {
+  const ModelShape shape = cap.meta().captured_shape();
+  const auto& layers = cap.meta().layers;
+  const int layer = layers[size_t(li) % layers.size()], hq = shape.num_q_heads;
+  const int hkv = shape.num_kv_heads, d = shape.head_dim;
+  const std::vector<float> inv_freq = rope_inv_freq(shape.rope, d);
+  std::vector<int32_t> positions(static_cast<size_t>(n));
+  std::iota(positions.begin(), positions.end(), 0);
+  Dev<float> freq(inv_freq.size());
+  Dev<int32_t> pos(positions.size());
+  KVS_CUDA_CHECK(cudaMemcpy(freq.p, inv_freq.data(), inv_freq.size() * 4, cudaMemcpyHostToDevice));
+  KVS_CUDA_CHECK(cudaMemcpy(pos.p, positions.data(), positions.size() * 4, cudaMemcpyHostToDevice));
+  const size_t rows = size_t(n) * hkv * d;
+  Dev<bf16> k(rows), v(rows);
+  for (int b = 0; b < B; ++b) {
+    // The arrays hold every captured token; the first n are the scene's.
+    const std::vector<bf16> k_pre = cap.k_pre(b, layer), v_all = cap.v(b, layer);
+    const std::vector<bf16> q_pre = cap.q_pre(b, layer);
+    KVS_CUDA_CHECK(cudaMemcpy(k.p, k_pre.data(), rows * sizeof(bf16), cudaMemcpyHostToDevice));
+    KVS_CUDA_CHECK(cudaMemcpy(v.p, v_all.data(), rows * sizeof(bf16), cudaMemcpyHostToDevice));
+    KVS_CUDA_CHECK(cudaMemcpy(l.q->p + size_t(b) * hq * d, q_pre.data() + size_t(n - 1) * hq * d,
+                              size_t(hq) * d * sizeof(bf16), cudaMemcpyHostToDevice));
+    KVS_CUDA_CHECK(
+        kernels::rope_cuda(k.p, n, hkv, d, int64_t(hkv) * d, pos.p, freq.p, false, stream));
+    KVS_CUDA_CHECK(kernels::rope_cuda(l.q->p + size_t(b) * hq * d, 1, hq, d, int64_t(hq) * d,
+                                      pos.p + (n - 1), freq.p, false, stream));
+    for (auto [src, dst] : {std::pair{&k, l.k.get()}, std::pair{&v, l.v.get()}})
+      scatter_to_pages<<<1024, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(src->p),
+                                                 reinterpret_cast<__nv_bfloat16*>(dst->p),
+                                                 l.table->p, pages, page_size, b, n, hkv, d);
+    KVS_CUDA_CHECK(cudaGetLastError());
+    KVS_CUDA_CHECK(cudaStreamSynchronize(stream));  // k, v and pos are rewritten or freed next
+  }
+}
+
+bool bench_one(const TacticBenchArgs& a, const CaptureFile* cap, int n, int B, cudaStream_t stream,
+               Result* r, std::string* note) {
   const int pages = (n + a.page_size - 1) / a.page_size;
   const int64_t num_pages = int64_t(B) * pages;
   const size_t kv_elems = size_t(num_pages) * a.page_size * a.hkv * a.d;
@@ -180,10 +243,17 @@ bool bench_one(const TacticBenchArgs& a, int n, int B, cudaStream_t stream, Resu
     std::shuffle(table.begin(), table.end(), rng);
     l.table = std::make_unique<Dev<int32_t>>(table.size());
     KVS_CUDA_CHECK(cudaMemcpy(l.table->p, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
-    fill_scene<<<4096, 256, 0, stream>>>(
-        reinterpret_cast<__nv_bfloat16*>(l.k->p), reinterpret_cast<__nv_bfloat16*>(l.v->p),
-        l.table->p, pages, a.page_size, B, n, a.hkv, a.d, a.components, uint32_t(1000 + li));
-    KVS_CUDA_CHECK(cudaGetLastError());
+    l.q = std::make_unique<Dev<bf16>>(size_t(B) * a.hq * a.d);
+    if (cap) {
+      fill_from_capture(*cap, li, n, B, pages, a.page_size, l, stream);
+    } else {
+      fill_scene<<<4096, 256, 0, stream>>>(
+          reinterpret_cast<__nv_bfloat16*>(l.k->p), reinterpret_cast<__nv_bfloat16*>(l.v->p),
+          l.table->p, pages, a.page_size, B, n, a.hkv, a.d, a.components, uint32_t(1000 + li));
+      fill_queries<<<256, 256, 0, stream>>>(reinterpret_cast<__nv_bfloat16*>(l.q->p), B, a.hq,
+                                            a.hkv, a.d, 4242u);
+      KVS_CUDA_CHECK(cudaGetLastError());
+    }
     l.cent = std::make_unique<Dev<bf16>>(subs * C * a.d);
     l.off = std::make_unique<Dev<int32_t>>(subs * (size_t(C) + 1));
     l.mem = std::make_unique<Dev<int32_t>>(subs * n);
@@ -206,21 +276,18 @@ bool bench_one(const TacticBenchArgs& a, int n, int B, cudaStream_t stream, Resu
     }
   }
 
-  Dev<bf16> q(size_t(B) * a.hq * a.d), o(size_t(B) * a.hq * a.d), od(size_t(B) * a.hq * a.d);
+  Dev<bf16> o(size_t(B) * a.hq * a.d), od(size_t(B) * a.hq * a.d);
   Dev<float> lse(size_t(B) * a.hq), lse_dense(size_t(B) * a.hq);
   Dev<char> ws_sel(sel_ws), ws_sub(sub_ws), ws_dense(dense_ws);
-  fill_queries<<<256, 256, 0, stream>>>(reinterpret_cast<__nv_bfloat16*>(q.p), B, a.hq, a.hkv, a.d,
-                                        4242u);
-  KVS_CUDA_CHECK(cudaGetLastError());
-  const float scale = 1.f / std::sqrt(float(a.d));
+  const float scale = cap ? float(cap->meta().shape.scale()) : 1.f / std::sqrt(float(a.d));
   const int g = a.hq / a.hkv;
   auto select = [&](Layer& l, int li) {
     KVS_CUDA_CHECK(tk::recluster_blocks_cuda(view(l), li, kBlockTokens, km, l.st, stream));
-    KVS_CUDA_CHECK(tk::select_tokens_cuda(q.p, a.hq, view(l), scale, fit, l.st, l.sel, nullptr,
+    KVS_CUDA_CHECK(tk::select_tokens_cuda(l.q->p, a.hq, view(l), scale, fit, l.st, l.sel, nullptr,
                                           ws_sel.p, sel_ws, stream));
   };
   auto attend = [&](Layer& l) {
-    KVS_CUDA_CHECK(kernels::dense_decode_cuda(q.p, g, tk::subrequest_view(view(l), l.sel), scale,
+    KVS_CUDA_CHECK(kernels::dense_decode_cuda(l.q->p, g, tk::subrequest_view(view(l), l.sel), scale,
                                               o.p, lse.p, ws_sub.p, sub_ws, stream));
   };
   // Eager run first: errors surface here rather than as a broken capture.
@@ -243,8 +310,9 @@ bool bench_one(const TacticBenchArgs& a, int n, int B, cudaStream_t stream, Resu
   });
   const float t_dense = time_graph(stream, a.iters, [&] {
     for (int li = 0; li < a.layers; ++li)
-      KVS_CUDA_CHECK(kernels::dense_decode_cuda(q.p, a.hq, view(L[size_t(li)]), scale, od.p,
-                                                lse_dense.p, ws_dense.p, dense_ws, stream));
+      KVS_CUDA_CHECK(kernels::dense_decode_cuda(L[size_t(li)].q->p, a.hq, view(L[size_t(li)]),
+                                                scale, od.p, lse_dense.p, ws_dense.p, dense_ws,
+                                                stream));
   });
   // Mass and token counts of the last layer (o / lse hold its results after the replays).
   KVS_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -313,8 +381,53 @@ bool bench_one(const TacticBenchArgs& a, int n, int B, cudaStream_t stream, Resu
 
 }  // namespace
 
-int run_tactic_bench(const TacticBenchArgs& a) {
-  if (!cuda_device_available()) throw std::runtime_error("kvs-bench needs a CUDA device");
+// With --capture: the shape, contexts, batches and layers the capture serves (what the command
+// line left to it), or an error naming what it cannot serve.
+TacticBenchArgs resolve_capture(const TacticBenchArgs& given, const CaptureFile& cap) {
+  TacticBenchArgs a = given;
+  const ModelShape shape = cap.meta().captured_shape();
+  const std::string what = "--capture " + cap.path() + ": ";
+  if (a.shape_given &&
+      (a.hq != shape.num_q_heads || a.hkv != shape.num_kv_heads || a.d != shape.head_dim))
+    throw std::invalid_argument(
+        what + "--hq " + std::to_string(a.hq) + " --hkv " + std::to_string(a.hkv) + " --head-dim " +
+        std::to_string(a.d) + " disagree with the capture's " + std::to_string(shape.num_q_heads) +
+        " / " + std::to_string(shape.num_kv_heads) + " / " + std::to_string(shape.head_dim));
+  a.hq = shape.num_q_heads;
+  a.hkv = shape.num_kv_heads;
+  a.d = shape.head_dim;
+  const auto& seqs = cap.sequences();
+  if (!a.batches_given) {
+    a.batches.erase(std::remove_if(a.batches.begin(), a.batches.end(),
+                                   [&](int B) { return B > int(seqs.size()); }),
+                    a.batches.end());
+    if (a.batches.empty()) a.batches = {1};
+  }
+  int shortest = std::numeric_limits<int>::max();
+  for (int B : a.batches) {
+    if (B > int(seqs.size()))
+      throw std::invalid_argument(what + "--batches " + std::to_string(B) + ", but it holds " +
+                                  std::to_string(seqs.size()) + " sequence(s)");
+    for (int b = 0; b < B; ++b) shortest = std::min(shortest, seqs[size_t(b)].num_tokens);
+  }
+  if (!a.contexts_given) a.contexts = {shortest};
+  for (int n : a.contexts)
+    for (int B : a.batches)
+      for (int b = 0; b < B; ++b)
+        if (n > seqs[size_t(b)].num_tokens)
+          throw std::invalid_argument(what + "context " + std::to_string(n) + " at batch " +
+                                      std::to_string(B) + ": " + seqs[size_t(b)].name +
+                                      " has only " + std::to_string(seqs[size_t(b)].num_tokens) +
+                                      " tokens");
+  return a;
+}
+
+int run_tactic_bench(const TacticBenchArgs& given) {
+  // The capture is read and checked first, so that what it cannot serve is named on any
+  // machine.
+  std::unique_ptr<CaptureFile> cap;
+  if (!given.capture.empty()) cap = std::make_unique<CaptureFile>(CaptureFile::open(given.capture));
+  const TacticBenchArgs a = cap ? resolve_capture(given, *cap) : given;
   if (!(a.p > 0.0 && a.p <= 1.0)) throw std::invalid_argument("--p must be in (0, 1]");
   if (a.hq / a.hkv > 8) throw std::invalid_argument("--method tactic supports GQA groups up to 8");
   if (a.layers < 1 || a.components < 1)
@@ -323,6 +436,7 @@ int run_tactic_bench(const TacticBenchArgs& a) {
     throw std::invalid_argument("--exact-fraction must be in (0, 1]");
   if (!(a.window_fraction >= 0.0 && a.window_fraction < 0.5) || a.window_min < 1)
     throw std::invalid_argument("--window-fraction must be in [0, 0.5) and --window-min >= 1");
+  if (!cuda_device_available()) throw std::runtime_error("kvs-bench needs a CUDA device");
   int dev = 0;
   KVS_CUDA_CHECK(cudaGetDevice(&dev));
   cudaDeviceProp prop;
@@ -342,13 +456,25 @@ int run_tactic_bench(const TacticBenchArgs& a) {
                      {"window_fraction", a.window_fraction},
                      {"window_min", a.window_min},
                      {"iters", a.iters},
-                     {"prefill_tflops", a.prefill_tflops}});
+                     {"prefill_tflops", a.prefill_tflops},
+                     {"scene", cap ? "capture " + cap->path() : std::string("synthetic")}});
   report.save();
+  const std::string scene =
+      cap ? "keys, values and queries of " + cap->path() + " (layers " +
+                [&] {
+                  std::string s;
+                  const auto& layers = cap->meta().layers;
+                  for (int li = 0; li < a.layers; ++li)
+                    s += (li ? "," : "") + std::to_string(layers[size_t(li) % layers.size()]);
+                  return s;
+                }() +
+                ")"
+          : std::to_string(a.components) + " key components";
   std::printf(
       "kvs-bench tactic decode: %s, %d SMs; Hq %d Hkv %d d %d page %d; P %.2f; %d layers "
-      "per replay; %d key components; exact %.4f, window %.4f (min %d)\n",
+      "per replay; %s; exact %.4f, window %.4f (min %d)\n",
       prop.name, prop.multiProcessorCount, a.hq, a.hkv, a.d, a.page_size, a.p, a.layers,
-      a.components, a.exact_fraction, a.window_fraction, a.window_min);
+      scene.c_str(), a.exact_fraction, a.window_fraction, a.window_min);
   std::printf("%8s %5s | %9s %9s %7s %8s %9s | %9s %9s %9s %9s %7s | %7s %7s %6s %6s %7s\n",
               "context", "batch", "clust_ms", "pfill_ms", "ratio", "km_TFLOP", "reclu_ms",
               "dense_us", "tactic_us", "select_us", "attn_us", "speedup", "union%", "head%", "mass",
@@ -357,7 +483,7 @@ int run_tactic_bench(const TacticBenchArgs& a) {
     for (int B : a.batches) {
       Result r;
       std::string note;
-      if (!bench_one(a, n, B, stream, &r, &note)) {
+      if (!bench_one(a, cap.get(), n, B, stream, &r, &note)) {
         std::printf("%s\n", note.c_str());
         report.add_skipped(note);
         continue;

@@ -22,6 +22,11 @@ struct TacticBenchArgs {
   double window_fraction = kernels::tactic::FitParams{}.window_fraction;  ///< w / n
   int window_min = kernels::tactic::FitParams{}.window_min;               ///< w at least this
   double prefill_tflops = 500;  ///< assumed dense prefill attention throughput (estimate)
+  /// --capture: the scene from a capture file instead of the synthetic keys (bench_tactic.cu).
+  /// The options below say which of the shape options were given on the command line: a
+  /// capture sets what was not, and refuses what disagrees with it.
+  std::string capture;
+  bool contexts_given = false, batches_given = false, shape_given = false;
   std::string json_path;        ///< --json: write the rows here (empty: no file)
   std::string command;          ///< the command line, for the JSON's meta
 };

@@ -181,8 +181,15 @@ int run(int argc, char** argv) {
       "window-fraction", po::value(&tactic.window_fraction)->default_value(tactic.window_fraction),
       "tactic: fit window width, fraction of the list")(
       "window-min", po::value(&tactic.window_min)->default_value(tactic.window_min),
-      "tactic: smallest fit window width (tokens)");
-  if (!cli::parse_options(argc, argv, desc)) return 0;
+      "tactic: smallest fit window width (tokens)")(
+      "capture", po::value(&tactic.capture),
+      "tactic: keys, values and queries from this capture file (kvs-capture) instead of the "
+      "synthetic scene; its head counts and head dim, and unless given, its shortest sequence "
+      "as the context and the batches its sequences serve; the --layers KV sets cycle through "
+      "its captured layers");
+  po::variables_map vm;
+  if (!cli::parse_options(argc, argv, desc, &vm)) return 0;
+  const auto given = [&](const char* name) { return vm.count(name) && !vm[name].defaulted(); };
   const std::vector<int> contexts = parse_counts(contexts_text, "contexts");
   const std::vector<int> batches = parse_counts(batches_text, "batches");
   if (page_order != "sequential" && page_order != "shuffled")
@@ -195,7 +202,6 @@ int run(int argc, char** argv) {
     throw std::invalid_argument("--hq (" + std::to_string(s.hq) +
                                 ") must be a positive multiple of --hkv (" + std::to_string(s.hkv) +
                                 ")");
-  if (!cuda_device_available()) throw std::runtime_error("kvs-bench needs a CUDA device");
   if (method == "tactic") {
     tactic.contexts = contexts;
     tactic.batches = batches;
@@ -204,12 +210,17 @@ int run(int argc, char** argv) {
     tactic.d = s.d;
     tactic.page_size = s.page_size;
     tactic.iters = s.iters;
+    tactic.contexts_given = given("contexts");
+    tactic.batches_given = given("batches");
+    tactic.shape_given = given("hq") || given("hkv") || given("head-dim");
     tactic.json_path = json_path;
     tactic.command = cli::command_line(argc, argv);
     return run_tactic_bench(tactic);
   }
   if (method != "dense")
     throw std::invalid_argument("--method must be dense or tactic, got '" + method + "'");
+  if (!tactic.capture.empty()) throw std::invalid_argument("--capture needs --method tactic");
+  if (!cuda_device_available()) throw std::runtime_error("kvs-bench needs a CUDA device");
 
   int dev = 0;
   KVS_CUDA_CHECK(cudaGetDevice(&dev));
