@@ -160,6 +160,11 @@ if [ "${KVS_GPU_CAPTURE:-1}" = 1 ] && [ -x "$BUILD/tools/kvs-capture" ]; then
     --text data/corpus/docs.val.txt.gz --context 16384 --decode-steps 128 --out "$cap"
   [ -f "$cap" ] && run_step "h5py reads the capture" 60 capture.log python3 tests/python/check_capture.py "$cap"
   grep "kvs-capture:" "$OUT/capture.log" | tail -1 | sed 's/^/   /'
+  # Tactic's step on the keys, values and queries the model made (every head of layers 0-3,
+  # 8 KV sets a replay so that the L2 does not hold the next).
+  [ -f "$cap" ] && [ -x "$BUILD/tools/kvs-bench" ] && run_step "kvs-bench tactic on the capture" 120 \
+    methods.log "$BUILD/tools/kvs-bench" --method tactic --capture "$cap" --layers 8 \
+    --json "$OUT/kvs_bench_tactic_capture.json"
 fi
 
 # The methods inside the model's decode loop on the GPU: kvs-eval ppl and needle at 16K and

@@ -21,6 +21,7 @@ gnuplot they are skipped with a note. Python 3 standard library only.
   sdpa_prefill.json         scripts/bench_sdpa.py --prefill --json torch SDPA causal prefill,
                             Tactic's clustering time's dense reference
   kvs_bench_tactic.json     kvs-bench --method tactic --json       each method against the
+  kvs_bench_tactic_capture.json  the same with --capture (a 16K capture of kvs-tiny-a)
   kvs_bench_mac.json        kvs-bench-mac --json                   dense kernel in the same run
   kvs_bench_magicpig.json   kvs-bench-magicpig --json
   kvs_bench_saap.json       kvs-bench-saap --json
@@ -89,18 +90,23 @@ ATTNPRED_COLUMNS = [
     ("late_fraction", "late", "f3"), ("blocks_per_step", "blocks/step", "f1"),
 ]
 
+TACTIC_COLUMNS = [
+    ("context", "context", "ctx"), ("batch", "batch", "int"),
+    ("dense_us", "dense us", "f1"), ("tactic_us", "tactic us", "f1"),
+    ("speedup", "speedup", "x2"), ("select_us", "select us", "f1"),
+    ("attn_us", "attn us", "f1"), ("head_pct", "head %", "f2"),
+    ("union_pct", "union %", "f2"), ("mass_mean", "mass", "f3"),
+    ("mass_min", "mass min", "f3"), ("cluster_ms", "cluster ms", "f2"),
+    ("prefill_est_ms", "prefill est ms", "f2"), ("cluster_ratio", "cluster/prefill", "f3"),
+    ("kmeans_tflop", "k-means TFLOP", "f2"), ("recluster_ms", "re-cluster ms", "f2"),
+    ("selection_mb", "selection MB", "f1"),
+]
+
 METHODS = [
-    ("kvs_bench_tactic.json", "kvs_tactic", "Tactic", [
-        ("context", "context", "ctx"), ("batch", "batch", "int"),
-        ("dense_us", "dense us", "f1"), ("tactic_us", "tactic us", "f1"),
-        ("speedup", "speedup", "x2"), ("select_us", "select us", "f1"),
-        ("attn_us", "attn us", "f1"), ("head_pct", "head %", "f2"),
-        ("union_pct", "union %", "f2"), ("mass_mean", "mass", "f3"),
-        ("mass_min", "mass min", "f3"), ("cluster_ms", "cluster ms", "f2"),
-        ("prefill_est_ms", "prefill est ms", "f2"), ("cluster_ratio", "cluster/prefill", "f3"),
-        ("kmeans_tflop", "k-means TFLOP", "f2"), ("recluster_ms", "re-cluster ms", "f2"),
-        ("selection_mb", "selection MB", "f1"),
-    ], "speedup"),
+    ("kvs_bench_tactic.json", "kvs_tactic", "Tactic", TACTIC_COLUMNS, "speedup"),
+    ("kvs_bench_tactic_capture.json", "kvs_tactic",
+     "Tactic on captured keys, values and queries (kvs-bench --capture)", TACTIC_COLUMNS,
+     "speedup"),
     ("kvs_bench_mac.json", "kvs_mac", "MAC-Attention", [
         ("context", "context", "ctx"), ("batch", "batch", "int"),
         ("hit_rate", "hit rate", "f2"), ("head_hit_pct", "head hits %", "f1"),
