@@ -39,8 +39,13 @@ struct SaapConfig {
   /// Post-prefill assignments (one per decode step and kv head, the token that leaves the
   /// recent window) are merged into the cluster index once this many have piled up, so that a
   /// decode step's scan of them stays short however long the generation (kernels/saap/saap.h,
-  /// "the fold"; docs/gpu.md). 0 never merges; at most 4096.
-  int fold_every = 2048;
+  /// "the fold"; docs/gpu.md). 0 never merges; at most 4096. The CUDA attention scans them
+  /// in rounds of kernels::saap::kAttendScanRound (1024), and each round past the first
+  /// lengthens the step: on an H200 at 128K batch 1 (32 layers) the step took 32.1-32.2 us
+  /// with up to 1023 of them and 35.1-37.4 with 1055-2015, while a fold costs about 0.33 ms a
+  /// layer whatever its size. So at 1024 the step averages about 32.4 us over a fold cycle
+  /// (0.32 of them the fold's), at 2048 about 34.5 (docs/gpu.md, 2026-11-30).
+  int fold_every = 1024;
   /// Tokens that leave the recent window are assigned to clusters in batches of this many
   /// (kernels/saap/saap.h, index_step_count): the index step does its work on one decode step
   /// in index_every, and until then the dense part keeps up to index_every - 1 more tokens, so

@@ -277,7 +277,8 @@ __device__ __forceinline__ unsigned long long index_best_key(float s, int c) {
 // in place, in rounds from the top down: a member never moves down and the map is increasing,
 // so a round writes only where members were read in that round or the rounds before. It runs
 // on one step in fold_every per layer, for as long as one CTA takes to move the slot's members:
-// about 0.23 ms at 128K on an H200 (docs/gpu.md), where the kernels on a branch took 0.02.
+// about 0.33 ms at 128K on an H200 (the step that folds against one that only indexes,
+// docs/gpu.md, 2026-11-30), where the kernels on a branch took 0.02.
 
 // The merge kernel's warps; its CTAs also commit the index step.
 constexpr int kAttendMergeWarps = 8;
@@ -663,6 +664,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   constexpr int D = Cfg::kHeadDim, kThreads = Cfg::kThreads;
   constexpr int kKvIlp = kAttendRowsCap / kThreads;
   static_assert(kThreads * kScanIlp <= kAttendRowsCap, "a scan round's hits must fit the rows");
+  static_assert(kThreads * kScanIlp == kAttendScanRound, "saap.h names the scan's round");
   using Scan = cub::BlockScan<int, kThreads>;
   extern __shared__ uint4 attend_s[];
   uint4* smem = attend_s;

@@ -123,6 +123,10 @@ struct IndexState {
 // Largest fold_every (the CUDA fold sorts the folded assignments in one CTA).
 constexpr int kMaxFold = 4096;
 
+// Post-prefill assignments the CUDA attention's scan part reads per round (one CTA's threads
+// times its loads in flight); a fold_every above it costs the steps past it a round more.
+constexpr int kAttendScanRound = 1024;
+
 KVS_HOST_DEVICE bool fold_due(int fold_every, int indexed_len, int csr_len) {
   return fold_every > 0 && indexed_len - csr_len >= fold_every;
 }
