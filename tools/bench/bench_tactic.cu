@@ -381,7 +381,7 @@ bool bench_one(const TacticBenchArgs& a, const CaptureFile* cap, int n, int B, c
 
 }  // namespace
 
-// With --capture: the shape, contexts, batches and layers the capture serves (what the command
+// With --capture: the shape, contexts and batches the capture serves (what the command
 // line left to it), or an error naming what it cannot serve.
 TacticBenchArgs resolve_capture(const TacticBenchArgs& given, const CaptureFile& cap) {
   TacticBenchArgs a = given;
