@@ -42,9 +42,10 @@ struct SaapConfig {
   /// "the fold"; docs/gpu.md). 0 never merges; at most 4096. The CUDA attention scans them
   /// in rounds of kernels::saap::kAttendScanRound (1024), and each round past the first
   /// lengthens the step: on an H200 at 128K batch 1 (32 layers) the step took 32.1-32.2 us
-  /// with up to 1023 of them and 35.1-37.4 with 1055-2015, while a fold costs about 0.33 ms a
-  /// layer whatever its size. So at 1024 the step averages about 32.4 us over a fold cycle
-  /// (0.32 of them the fold's), at 2048 about 34.5 (docs/gpu.md, 2026-11-30).
+  /// with up to 1023 of them and 35.1-37.4 with 1055-2015, while a fold costs a layer about
+  /// the same whatever its size (0.33 ms then, about 0.10 ms since its moves were striped and
+  /// its sort became a count). So at 1024 the step averages 31.8-31.9 us plus 0.10 of fold
+  /// over a fold cycle (docs/gpu.md, 2026-11-30).
   int fold_every = 1024;
   /// Tokens that leave the recent window are assigned to clusters in batches of this many
   /// (kernels/saap/saap.h, index_step_count): the index step does its work on one decode step

@@ -40,6 +40,7 @@
 #include <map>
 #include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "kernels/common/attend_tiles.cuh"
 #include "kernels/common/float_key.cuh"
@@ -270,108 +271,158 @@ __device__ __forceinline__ unsigned long long index_best_key(float s, int c) {
 // ---- decode: the fold ----------------------------------------------------------------------
 //
 // When fold_due, slot (b, h) merges its oldest F = fold_every post-prefill assignments into
-// the CSR (saap.h). With the F tokens stably sorted by cluster, shift(c) = the number of them
-// in clusters below c: old members of cluster c move up by shift(c), and the sorted token j
-// (of cluster c) lands at old_offsets[c + 1] + j, right after cluster c's old members. One CTA
-// per slot (of the merge kernel, once the attention has read the index) moves the old members
-// in place, in rounds from the top down: a member never moves down and the map is increasing,
-// so a round writes only where members were read in that round or the rounds before. It runs
-// on one step in fold_every per layer, for as long as one CTA takes to move the slot's members:
-// about 0.33 ms at 128K on an H200 (the step that folds against one that only indexes,
-// docs/gpu.md, 2026-11-30), where the kernels on a branch took 0.02.
+// the CSR (saap.h). With shift(c) = the number of them in clusters below c, old members of
+// cluster c move up by shift(c), and the folded token of cluster c that is the r-th of its
+// cluster in token order lands at old_offsets[c + 1] + shift(c) + r, right after cluster c's old
+// members. One CTA per slot (of the merge kernel, once the attention has read the index)
+// counts the tokens per cluster, moves the old members in place, in rounds from the top down (a
+// member never moves down and the map is increasing, so a round writes only where members were
+// read in that round or the rounds before), then writes the folded tokens. It runs on one step
+// in fold_every per layer; at 128K on an H200 (the step that folds against one that only
+// indexes, docs/gpu.md) it took about 0.33 ms when a round's loads and stores were blocked (a
+// thread's run of consecutive members), 0.17 ms striped, 0.10 ms with a count in place of the
+// radix sort it had; the merge kernel, which carries the fold on every step, lost 20 KB of
+// code and 12 registers with the sort, and every step 0.3 us.
 
 // The merge kernel's warps; its CTAs also commit the index step.
 constexpr int kAttendMergeWarps = 8;
 constexpr int kCommitThreads = kAttendMergeWarps * 32;
-constexpr int kFoldItems = kMaxFold / kCommitThreads;  // sorted assignments per thread
 constexpr int kFoldIlp = 16;                           // members per thread and round of the moves
+constexpr int kFoldRound = kCommitThreads * kFoldIlp;  // members per round of the moves
+static_assert(kMaxFold <= 65535 && kMaxClustersCuda <= kFoldRound,
+              "a round's shifts, then the clusters' running counts, are 16-bit, C of them");
+using FoldScan = cub::BlockScan<int, kCommitThreads>;
 
-using FoldSort = cub::BlockRadixSort<int, kCommitThreads, kFoldItems, int>;
-union FoldSmem {
-  typename FoldSort::TempStorage sort;
-  struct {
-    int keys[kMaxFold];             // the folded assignments' clusters, sorted
-    int off[kMaxClustersCuda + 1];  // the old offsets
-  } s;
+// The fold's shared memory, the merge kernel's dynamic shared memory (none where nothing
+// folds), sized by the index's C and F rather than their largest values, as every CTA of the
+// merge kernel reserves it: the F folded clusters (then each token's place), the C + 1 old
+// offsets, shift(c) for c in [0, C], a round's shifts (then the clusters' running counts),
+// and the scan's storage.
+struct FoldLayout {
+  size_t keys = 0, off = 0, cshift = 0, shift = 0, scan = 0, bytes = 0;  // byte offsets, total
+  KVS_HOST_DEVICE FoldLayout(int C, int F) {
+    const auto up = [](size_t x) { return (x + 15) / 16 * 16; };
+    off = up(sizeof(int) * size_t(F));
+    cshift = off + up(sizeof(int) * (size_t(C) + 1));
+    shift = cshift + up(sizeof(int) * (size_t(C) + 1));
+    scan = shift + up(sizeof(uint16_t) * size_t(kFoldRound));
+    bytes = F > 0 ? scan + sizeof(typename FoldScan::TempStorage) : 0;
+  }
 };
 
 // table: sequence b's page table, for the folded tokens' member_rows (when kept).
 __device__ void fold_slot(const IndexState& st, int b, int h, int csr, const int32_t* table,
-                          int page_size, FoldSmem& sm) {
+                          int page_size, unsigned char* smem) {
   const int C = st.num_clusters, F = st.fold_every;
+  const int tid = int(threadIdx.x), lane = tid % 32;
+  const FoldLayout lay(C, F);
+  int* keys_s = reinterpret_cast<int*>(smem + lay.keys);      // [F] clusters, then places
+  int* off_s = reinterpret_cast<int*>(smem + lay.off);        // [C + 1] the old offsets
+  int* cshift_s = reinterpret_cast<int*>(smem + lay.cshift);  // [C + 1] counts, then shift(c)
+  uint16_t* shift_s = reinterpret_cast<uint16_t*>(smem + lay.shift);
+  auto& scan_storage = *reinterpret_cast<typename FoldScan::TempStorage*>(smem + lay.scan);
   const int32_t* assign = st.assign_of(b, h);
   int32_t* offsets = st.offsets_of(b, h);
   int32_t* members = st.members_of(b, h);
   int32_t* rows = st.member_rows ? st.member_rows_of(b, h) : nullptr;  // moved with members
-  // Blocked arrangement (thread t holds items t * kFoldItems ..): the radix sort is stable in
-  // that order, which is token order. Padding sorts last (key C), and so do the tokens of
-  // NaN keys (assigned -1, no cluster), which then stay out of the CSR.
-  int key[kFoldItems], tok[kFoldItems];
-#pragma unroll
-  for (int u = 0; u < kFoldItems; ++u) {
-    const int j = int(threadIdx.x) * kFoldItems + u;
-    key[u] = j < F ? assign[csr + j] : C;
-    if (key[u] < 0) key[u] = C;
-    tok[u] = csr + j;
+  for (int c = tid; c <= C; c += kCommitThreads) {
+    off_s[c] = offsets[c];
+    cshift_s[c] = 0;
   }
-  int bits = 1;
-  while ((1 << bits) <= C) ++bits;
-  FoldSort(sm.sort).Sort(key, tok, 0, bits);
-  __syncthreads();  // sm.sort becomes sm.s
-#pragma unroll
-  for (int u = 0; u < kFoldItems; ++u) {
-    const int j = int(threadIdx.x) * kFoldItems + u;
-    if (j < F) sm.s.keys[j] = key[u];
-  }
-  for (int c = threadIdx.x; c <= C; c += kCommitThreads) sm.s.off[c] = offsets[c];
   __syncthreads();
-  // Each thread moves kFoldIlp consecutive members: one search for the first one's cluster
-  // and its shift, then a walk to the next cluster where the run crosses into it.
-  const int count = sm.s.off[C];
-  constexpr int kRound = kCommitThreads * kFoldIlp;
-  for (int hi = count; hi > 0; hi -= kRound) {
-    const int first = hi - kRound + int(threadIdx.x) * kFoldIlp;
-    int v[kFoldIlp], r[kFoldIlp], to[kFoldIlp];
-    int c = last_at_most(sm.s.off, C, max(first, 0));
-    int shift = lower_bound(sm.s.keys, F, c);
+  // The folded tokens per cluster. A token of a NaN key (assigned -1, no cluster) stays out
+  // of the CSR.
+  for (int j = tid; j < F; j += kCommitThreads) {
+    const int c = assign[csr + j];
+    keys_s[j] = c;
+    if (c >= 0) atomicAdd(&cshift_s[c], 1);
+  }
+  __syncthreads();
+  int running = 0;  // shift(c): the counts' exclusive prefix sums, kCommitThreads at a time
+  for (int c0 = 0; c0 <= C; c0 += kCommitThreads) {
+    const int c = c0 + tid;
+    int excl = 0, total = 0;
+    FoldScan(scan_storage).ExclusiveSum(c <= C ? cshift_s[c] : 0, excl, total);
+    if (c <= C) cshift_s[c] = running + excl;
+    running += total;
+    __syncthreads();  // the scan's storage is reused
+  }
+  // A round moves the kFoldRound members [hi - kFoldRound, hi). Its loads and stores are
+  // striped (member lo + u * kCommitThreads + t for thread t), so that a warp's access covers
+  // whole lines, and issued before the shifts are known; the shifts come from a walk over
+  // blocked runs (thread t: members lo + t * kFoldIlp .., one search for the first one's
+  // cluster, then a step to the next cluster where the run crosses into it) through shared
+  // memory. Blocked loads and stores took about 10 us a round at 128K on an H200, striped ones
+  // with a search per member about 15 (docs/gpu.md).
+  const int count = off_s[C];
+  for (int hi = count; hi > 0; hi -= kFoldRound) {
+    const int lo = hi - kFoldRound;
+    int v[kFoldIlp], r[kFoldIlp];
+#pragma unroll
+    for (int u = 0; u < kFoldIlp; ++u) {
+      const int i = lo + u * kCommitThreads + tid;
+      if (i >= 0) {
+        v[u] = members[i];
+        if (rows) r[u] = rows[i];
+      }
+    }
+    const int first = lo + tid * kFoldIlp;
+    int c = last_at_most(off_s, C, max(first, 0));
 #pragma unroll
     for (int u = 0; u < kFoldIlp; ++u) {
       const int i = first + u;
-      to[u] = -1;
-      if (i >= 0 && i < hi) {
-        v[u] = members[i];
-        if (rows) r[u] = rows[i];
-        while (sm.s.off[c + 1] <= i) shift = lower_bound(sm.s.keys, F, ++c);
-        to[u] = i + shift;
+      if (i >= 0) {
+        while (off_s[c + 1] <= i) ++c;
+        shift_s[tid * kFoldIlp + u] = static_cast<uint16_t>(cshift_s[c]);
       }
     }
-    __syncthreads();  // the round's members are read
+    __syncthreads();  // the round's members are read and its shifts written
 #pragma unroll
-    for (int u = 0; u < kFoldIlp; ++u)
-      if (to[u] >= 0) {
-        members[to[u]] = v[u];
-        if (rows) rows[to[u]] = r[u];
+    for (int u = 0; u < kFoldIlp; ++u) {
+      const int i = lo + u * kCommitThreads + tid;
+      if (i >= 0) {
+        const int to = i + shift_s[u * kCommitThreads + tid];
+        members[to] = v[u];
+        if (rows) rows[to] = r[u];
       }
+    }
+    __syncthreads();  // the shifts are read: the next round rewrites them
+  }
+  // The folded tokens' places, in token order within each cluster: one warp takes 32 tokens
+  // at a time, ranks each among the chunk's tokens of its cluster, and adds the cluster's
+  // running count (shift_s, free now); a place is written over the token's cluster.
+  for (int c = tid; c < C; c += kCommitThreads) shift_s[c] = 0;
+  __syncthreads();
+  if (tid < 32) {
+    for (int j0 = 0; j0 < F; j0 += 32) {
+      const int j = j0 + lane;
+      const int c = j < F ? keys_s[j] : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, c);
+      if (c >= 0) {
+        const int rank = __popc(peers & ((1u << lane) - 1u));
+        keys_s[j] = off_s[c + 1] + cshift_s[c] + shift_s[c] + rank;
+      }
+      __syncwarp();
+      if (c >= 0 && lane == __ffs(int(peers)) - 1) shift_s[c] += __popc(peers);
+      __syncwarp();
+    }
   }
   __syncthreads();
-#pragma unroll
-  for (int u = 0; u < kFoldItems; ++u) {
-    const int j = int(threadIdx.x) * kFoldItems + u;
-    if (j < F && key[u] < C) {
-      members[sm.s.off[key[u] + 1] + j] = tok[u];
-      if (rows) rows[sm.s.off[key[u] + 1] + j] = page_row(table, page_size, tok[u]);
-    }
+  for (int j = tid; j < F; j += kCommitThreads) {
+    const int to = keys_s[j];  // -1: no cluster
+    if (to < 0) continue;
+    members[to] = csr + j;
+    if (rows) rows[to] = page_row(table, page_size, csr + j);
   }
-  for (int c = threadIdx.x; c <= C; c += kCommitThreads)
-    offsets[c] = sm.s.off[c] + lower_bound(sm.s.keys, F, c);
-  if (threadIdx.x == 0) st.csr_len[st.slot(b, h)] = csr + F;
+  for (int c = tid; c <= C; c += kCommitThreads) offsets[c] = off_s[c] + cshift_s[c];
+  if (tid == 0) st.csr_len[st.slot(b, h)] = csr + F;
 }
 
 // The merge kernel's CTA for slot (b, h), once every attention part has completed: the index
 // step's assignments and indexed_len (none on steps with nothing to index), then the fold
 // where due.
 __device__ void commit_index_step(const IndexState& st, int b, int h, int seq_len, int recent,
-                                  const int32_t* table, int page_size, FoldSmem& sm) {
+                                  const int32_t* table, int page_size, unsigned char* smem) {
   const int64_t slot = st.slot(b, h);
   const int t0 = st.indexed_len[slot], csr = st.csr_len[slot];
   const int n = index_step_count(seq_len, recent, t0, st.index_every, st.index_phase);
@@ -384,7 +435,7 @@ __device__ void commit_index_step(const IndexState& st, int b, int h, int seq_le
   if (n > 0 && threadIdx.x == 0) st.indexed_len[slot] = t0 + n;
   if (!fold_due(st.fold_every, t0 + n, csr)) return;
   __syncthreads();  // the assignments just written are visible to the whole CTA
-  fold_slot(st, b, h, csr, table, page_size, sm);
+  fold_slot(st, b, h, csr, table, page_size, smem);
 }
 
 // ---- decode: the token lists and the attention in one kernel --------------------------------
@@ -904,12 +955,12 @@ __global__ void __launch_bounds__(kAttendMergeWarps * 32)
                         const int32_t* seq_lens, int recent, const int32_t* page_table,
                         int page_size, int max_pages_per_seq) {
   __shared__ WarpAccumulators<kAttendMergeWarps, D> warp_acc;
-  __shared__ FoldSmem fold_sm;
+  extern __shared__ __align__(16) unsigned char fold_smem[];  // FoldLayout
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the parts' states are written
   if (int(blockIdx.x) >= rows) {
     const int slot = int(blockIdx.x) - rows, b = slot / hkv;
     commit_index_step(st, b, slot % hkv, seq_lens[b], recent,
-                      page_table + int64_t(b) * max_pages_per_seq, page_size, fold_sm);
+                      page_table + int64_t(b) * max_pages_per_seq, page_size, fold_smem);
     return;
   }
   const int row = blockIdx.x, hq = hkv * group;
@@ -2135,26 +2186,33 @@ size_t attend_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, 
 
 namespace {
 
-template <class Cfg>
-cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, float* lse,
-                          cudaStream_t stream) {
-  // Per device (a process may drive several): the kernel's shared-memory limit as set.
-  // Attribute and occupancy calls are not stream work, so a captured call may make them.
+// Raises kernel fn's dynamic shared-memory limit on the current device to at least smem, once
+// per (device, kernel, size) as a process may drive several devices. Attribute calls are not
+// stream work, so a captured call may make them.
+cudaError_t raise_smem_limit(const void* fn, size_t smem) {
   static std::mutex mu;
-  static std::map<int, size_t> smem_set;
+  static std::map<std::pair<int, const void*>, size_t> smem_set;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    size_t& set = smem_set[dev];
-    if (smem > set) {
-      e = cudaFuncSetAttribute(attend_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               int(smem));
-      if (e != cudaSuccess) return e;
-      set = smem;
-    }
-  }
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& set = smem_set[{dev, fn}];
+  if (smem <= set) return cudaSuccess;
+  e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e == cudaSuccess) set = smem;
+  return e;
+}
+
+template <class Cfg>
+cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, float* lse,
+                          cudaStream_t stream) {
+  constexpr int D = Cfg::kHeadDim;
+  // The fold's storage (FoldLayout) exceeds the default 48 KiB only at the largest C and F.
+  const size_t fold_smem = FoldLayout(p.st.num_clusters, p.st.fold_every).bytes;
+  cudaError_t e = raise_smem_limit(reinterpret_cast<const void*>(attend_kernel<Cfg>), smem);
+  if (e == cudaSuccess)
+    e = raise_smem_limit(reinterpret_cast<const void*>(attend_merge_kernel<D>), fold_smem);
+  if (e != cudaSuccess) return e;
   SmInfo info;
   e = sm_info(&info);
   if (e != cudaSuccess) return e;
@@ -2175,10 +2233,10 @@ cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, 
   // rows, then a CTA per slot for the index step's commit and the fold.
   const int rows = batch * p.num_q_heads;
   return launch_programmatic(
-      attend_merge_kernel<Cfg::kHeadDim>, dim3(unsigned(rows + subrequests)),
-      dim3(kAttendMergeWarps * 32), 0, stream, static_cast<const float*>(p.part_lse),
-      static_cast<const float*>(p.part_o), parts, p.num_kv_heads, p.group, rows, o, lse, p.st,
-      p.seq_lens, p.w.recent, p.page_table, p.page_size, p.max_pages_per_seq);
+      attend_merge_kernel<D>, dim3(unsigned(rows + subrequests)), dim3(kAttendMergeWarps * 32),
+      fold_smem, stream, static_cast<const float*>(p.part_lse), static_cast<const float*>(p.part_o),
+      parts, p.num_kv_heads, p.group, rows, o, lse, p.st, p.seq_lens, p.w.recent, p.page_table,
+      p.page_size, p.max_pages_per_seq);
 }
 
 }  // namespace

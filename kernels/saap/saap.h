@@ -120,7 +120,8 @@ struct IndexState {
   }
 };
 
-// Largest fold_every (the CUDA fold sorts the folded assignments in one CTA).
+// Largest fold_every (the CUDA fold keeps the folded tokens' clusters and each member's shift,
+// up to fold_every, in one CTA's shared memory, the shift in 16 bits).
 constexpr int kMaxFold = 4096;
 
 // Post-prefill assignments the CUDA attention's scan part reads per round (one CTA's threads

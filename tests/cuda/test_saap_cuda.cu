@@ -555,6 +555,14 @@ TEST(SaapCuda, FoldKeepsTheCsrEqualToTheCpuEngines) {
   run_generation(200, 360, 90, 45, 64, 6, 1);
 }
 
+// More clusters than the merge CTA has threads (300: the fold's prefix sums over C + 1 counts
+// take two passes) and more members than a round of its moves (about 5,900 a kv head against
+// 4,096: two rounds, the lower one partial); folds every 32 assignments (steps 31 and 63).
+TEST(SaapCuda, FoldOfManyClustersInTwoRounds) {
+  KVS_SKIP_WITHOUT_CUDA();
+  run_generation(6000, 64, 32, 32, 300, 6, 1);
+}
+
 // The same with SaapConfig::member_rows off: the attention resolves the members through the
 // page table, and the prefill and the folds keep no rows.
 TEST(SaapCuda, FoldKeepsTheCsrEqualToTheCpuEnginesWithoutMemberRows) {
