@@ -135,13 +135,18 @@ if [ "${KVS_GPU_METHODS:-1}" = 1 ]; then
   fi
   # Each line: the JSON's name (scripts/results.py reads it by that name), program, arguments.
   # SAAP: its 32 layers index on their own steps (index_every 32), so the timed step is the
-  # average one: one layer assigns the 32 tokens that left the window since its last.
+  # average one: one layer assigns the 32 tokens that left the window since its last. Then
+  # the step that only indexes and the one that folds (fold_every 1024), every layer on the
+  # timed step: results.py adds the fold's share to the average.
   # AttentionPredictor with a history per kv head: 32 layers, so that the calibration rows and
   # predictions of a layer run beside the later layers' steps as in a model, not at the join
   # of a 4-layer graph; last, its calibration rows from the e4m3 and the int4 copies of K.
   for b in "kvs_bench_tactic kvs-bench --method tactic --contexts 128K --batches 1,8" \
            "kvs_bench_mac kvs-bench-mac" "kvs_bench_magicpig kvs-bench-magicpig ${KVS_MAGICPIG_ARGS:-}" \
-           "kvs_bench_saap kvs-bench-saap --generated 31 --layers 32" "kvs_bench_attnpred kvs-bench-attnpred" \
+           "kvs_bench_saap kvs-bench-saap --generated 31 --layers 32" \
+           "kvs_bench_saap_index kvs-bench-saap --contexts 131072 --restore-index --timed-step index --iters 20 --generated 991" \
+           "kvs_bench_saap_fold kvs-bench-saap --contexts 131072 --restore-index --timed-step index --iters 20 --generated 1023" \
+           "kvs_bench_attnpred kvs-bench-attnpred" \
            "kvs_bench_attnpred_p4 kvs-bench-attnpred --predict-interval 4 --steps 20" \
            "kvs_bench_attnpred_grouped kvs-bench-attnpred --group-history --steps 20 --layers 32" \
            "kvs_bench_attnpred_grouped_p4 kvs-bench-attnpred --group-history --predict-interval 4 --steps 20 --layers 32" \

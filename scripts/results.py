@@ -25,6 +25,10 @@ gnuplot they are skipped with a note. Python 3 standard library only.
   kvs_bench_mac.json        kvs-bench-mac --json                   dense kernel in the same run
   kvs_bench_magicpig.json   kvs-bench-magicpig --json
   kvs_bench_saap.json       kvs-bench-saap --json
+  kvs_bench_saap_index.json kvs-bench-saap --restore-index --timed-step index, the step
+  kvs_bench_saap_fold.json  that only indexes and the one that folds (--generated k F - 1
+                            - index_every and k F - 1): with kvs_bench_saap.json, SAAP's
+                            average step over a generation, the fold's share included
   kvs_bench_attnpred.json   kvs-bench-attnpred --json
   kvs_bench_attnpred_*.json kvs-bench-attnpred --json with --predict-interval 4 (_p4),
                             --group-history (_grouped) or both (_grouped_p4), and
@@ -145,8 +149,11 @@ METHODS = [
      "from int4 keys", ATTNPRED_COLUMNS, "speedup_gpu"),
 ]
 
+# The SAAP steps that only index and that fold, for the generation's average (saap_cycle).
+SAAP_CYCLE_INPUTS = ["kvs_bench_saap_index.json", "kvs_bench_saap_fold.json"]
+
 INPUTS = ["eval.json", "ppl.json", "needle.json", "kvs_bench.json", "kvs_bench_shuffled.json",
-          "sdpa_bench.json", "sdpa_prefill.json"] + [m[0] for m in METHODS]
+          "sdpa_bench.json", "sdpa_prefill.json"] + [m[0] for m in METHODS] + SAAP_CYCLE_INPUTS
 
 
 # ---------------------------------------------------------------------------- reading
@@ -250,6 +257,8 @@ LOADERS = {
 }
 for _file, _impl, *_ in METHODS:
     LOADERS[_file] = lambda p, impl=_impl: load_bench(p, impl)
+for _file in SAAP_CYCLE_INPUTS:
+    LOADERS[_file] = lambda p: load_bench(p, "kvs_saap")
 
 
 def load_folder(folder):
@@ -475,6 +484,60 @@ def clustering_vs_prefill(tactic, prefill):
     return out
 
 
+def saap_cycle(step, index, fold):
+    """SAAP's average step over a generation: the step of kvs_bench_saap.json (which, with
+    fold_every at most the attention's scan round, costs the same at every point of the fold
+    cycle) plus the fold's cost, the step that folds less the step that only indexes, spread
+    over the fold_every steps between a layer's folds."""
+    if not index or not fold:
+        return []
+    names = SAAP_CYCLE_INPUTS
+    for name, data in zip(names, (index, fold)):
+        meta = data["meta"]
+        # restore_index: kvs-bench-saap writes its switches as 0 / 1
+        if meta.get("timed_step") != "index" or meta.get("restore_index") not in (True, 1):
+            raise InputError(f"{name}: needs --timed-step index --restore-index (meta has "
+                             f"timed_step {meta.get('timed_step')!r}, restore_index "
+                             f"{meta.get('restore_index')!r})")
+        for key in ("fold_every", "index_every"):
+            if meta.get(key) != step["meta"].get(key):
+                raise InputError(f"{name}: meta.{key} {meta.get(key)!r} differs from "
+                                 f"kvs_bench_saap.json's {step['meta'].get(key)!r}")
+    every, ie = step["meta"].get("fold_every"), step["meta"].get("index_every")
+    g_index, g_fold = index["meta"].get("generated"), fold["meta"].get("generated")
+    if not is_number(every) or every <= 0 or not is_number(ie):
+        raise InputError(f"{names[1]}: fold_every {every!r}: no fold to spread")
+    if not is_number(g_fold) or (g_fold + 1) % every != 0 or g_index != g_fold - ie:
+        raise InputError(f"{names[1]}: generated {g_fold!r} and {names[0]}'s {g_index!r} are "
+                         f"not a step that folds and the index step before it (k * {every} - 1 "
+                         f"and {ie} less)")
+    by_shape = {(r["context"], r["batch"]): r for r in index["rows"]}
+    body = []
+    for f in fold["rows"]:
+        i, s = by_shape.get((f["context"], f["batch"])), None
+        for r in step["rows"]:
+            if (r["context"], r["batch"]) == (f["context"], f["batch"]):
+                s = r
+        if i is None or s is None or None in (f["saap_us"], i["saap_us"], s["saap_us"]):
+            continue
+        cost = f["saap_us"] - i["saap_us"]
+        mean = s["saap_us"] + cost / every
+        body.append([cell(f["context"], "ctx"), cell(f["batch"], "int"), cell(s["dense_us"], "f1"),
+                     cell(s["saap_us"], "f1"), cell(i["saap_us"], "f1"), cell(f["saap_us"], "f1"),
+                     cell(cost, "f1"), cell(mean, "f2"), cell(s["dense_us"] / mean, "x2")])
+    out = ["", f"SAAP over a generation: a layer folds once in {every:g} steps (the step that "
+           "folds less the step that only indexes, every layer indexing on the timed step), "
+           "and the average step is the step above plus that fold's share. Dense is the step "
+           "table's.", "", source_line(names[0], index["meta"]), "",
+           source_line(names[1], fold["meta"]), ""]
+    if body:
+        out.append(md_table(["context", "batch", "dense us", "step us", "indexes us",
+                             "folds us", "fold us", "average us", "speedup"], body))
+    else:
+        out.append("No shape of the fold rows was timed by the step table.")
+    return out
+
+
 def methods_section(found, plots):
     out = ["## Each method against the dense kernel, same run (kvs-bench-*)", "",
            "Per layer and decode step, microseconds; speedup = dense / method (the dense "
@@ -490,6 +553,8 @@ def methods_section(found, plots):
             out += ["", "Skipped:", ""] + skipped_lines(data)
         if name == "kvs_bench_tactic.json":
             out += clustering_vs_prefill(data, found.get("sdpa_prefill.json"))
+        if name == "kvs_bench_saap.json":
+            out += saap_cycle(data, *(found.get(n) for n in SAAP_CYCLE_INPUTS))
         for r in data["rows"]:
             label = f"{title} {context_text(r['context'])} b{int(r['batch'])}"
             if "mode" in r:
@@ -643,7 +708,10 @@ def main():
     output = args.output or os.path.join(args.folder, "results.md")
     report_dir = os.path.dirname(os.path.abspath(output))
     os.makedirs(report_dir, exist_ok=True)
-    sections = build_report(found)
+    try:
+        sections = build_report(found)  # also checks what joins files (saap_cycle)
+    except InputError as e:
+        sys.exit("\n".join(f"{prog}: error: {line}" for line in str(e).splitlines()))
 
     plots = sum((p for _, p in sections), [])
     drawn = 0

@@ -97,6 +97,8 @@ def main():
         "- skipped context 98304 batch 8 mode gpu: magicpig: tables need 3.6 GB, 2.0 GB free",
         "### SAAP",
         "| 512K | 1 | 486.7 | 160.5 | 3.03x | 18432 | 75.5 | 75.5 | 11.8 |",
+        # the generation's average: the step plus (folds - indexes) / fold_every
+        "| 128K | 1 | 131.2 | 101.0 | 43.5 | 211.7 | 168.2 | 101.16 | 1.30x |",
         "### AttentionPredictor",
         # a column older programs lack ("GPU eager us") shows as "-"
         "| 32K | 1 | 43.4 | 3304.8 | 0.01x | - | 38.3 | 3033.0 | 61.2 | 2474.9 | 5120.4 | 3646.8 | 0.68x |",
@@ -172,6 +174,29 @@ def main():
         check(rc == 1 and message in err, f"malformed {name}: exit 1 and {message!r} (got {rc}: {err})")
         check(not os.path.exists(os.path.join(folder, "results.md")),
               f"malformed {name}: no report written")
+    # The SAAP fold rows must be the step that folds and the index step before it, timed as
+    # such, with the step table's fold_every.
+    saap_cycle_cases = [
+        (lambda d: d["meta"].update(generated=1000),
+         "kvs_bench_saap_fold.json: generated 1000 and kvs_bench_saap_index.json's 991 are not "
+         "a step that folds"),
+        (lambda d: d["meta"].update(timed_step="mix"),
+         "kvs_bench_saap_fold.json: needs --timed-step index --restore-index"),
+        (lambda d: d["meta"].update(fold_every=2048),
+         "kvs_bench_saap_fold.json: meta.fold_every 2048 differs from kvs_bench_saap.json's 1024"),
+    ]
+    for i, (change, message) in enumerate(saap_cycle_cases):
+        folder = os.path.join(work, f"bad_cycle{i}")
+        os.makedirs(folder)
+        for f in ("kvs_bench_saap.json", "kvs_bench_saap_index.json"):
+            shutil.copy(os.path.join(fixtures, f), folder)
+        with open(os.path.join(folder, "kvs_bench_saap_fold.json"), "w", encoding="utf-8") as f:
+            f.write(mutated("kvs_bench_saap_fold.json", change))
+        rc, out, err = run(results, folder)
+        check(rc == 1 and message in err,
+              f"SAAP fold rows: exit 1 and {message!r} (got {rc}: {err})")
+        check(not os.path.exists(os.path.join(folder, "results.md")),
+              f"SAAP fold rows, case {i}: no report written")
     empty = os.path.join(work, "empty")
     os.makedirs(empty)
     rc, out, err = run(results, empty)
