@@ -16,6 +16,11 @@
 // restored before each replay, its copies' cost subtracted the same way. The
 // selected token count (sink + window + l clusters) is read back and printed with the KV
 // bytes each side reads.
+// A generation's average step is the row of a step that does not fold (with fold_every at most
+// kernels::saap::kAttendScanRound every such step costs the same) plus the fold's cost over
+// fold_every steps: the fold is the step that folds (--restore-index --timed-step index
+// --generated k * fold_every - 1) less the step that only indexes (the same with index_every
+// fewer generated). scripts/gpu_check.sh times all three and scripts/results.py joins them.
 // --json writes every row with its dense time (docs/formats.md).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
