@@ -125,8 +125,9 @@ fi
 # each, then each method's benchmark against the dense kernel in the same process.
 if [ "${KVS_GPU_METHODS:-1}" = 1 ]; then
   # One small test per method (SAAP: its router shapes and the fold, not the 2300-step
-  # generation): the tools slow kernels down by orders of magnitude.
-  methods_filter='TacticCuda.SelectionAndAttentionMatchCpuGqa4:MacCuda.MissesMatchTheDenseEngine:MagicPigCuda.NoCandidate*:SaapCuda.MlpRouter*:SaapCuda.FoldKeeps*:AttnPredCuda.TopBlocksEqualCpu:AttnPredCuda.CnnEquals*-*LongGeneration'
+  # generation; racecheck took 23 s on the fold test here and did not finish FoldKeeps* in
+  # 150 s): the tools slow kernels down by orders of magnitude.
+  methods_filter='TacticCuda.SelectionAndAttentionMatchCpuGqa4:MacCuda.MissesMatchTheDenseEngine:MagicPigCuda.NoCandidate*:SaapCuda.MlpRouter*:SaapCuda.FoldOfManyClustersInTwoRounds:AttnPredCuda.TopBlocksEqualCpu:AttnPredCuda.CnnEquals*-*LongGeneration'
   if [ "${KVS_GPU_SANITIZE:-1}" = 1 ] && [ "${KVS_GPU_TESTS:-1}" = 1 ] && [ -x "$tests_cuda" ]; then
   run_step "memcheck methods" 150 sanitizer.log "$sanitizer" --tool memcheck --error-exitcode 3 \
     "$tests_cuda" --gtest_filter="$methods_filter"
