@@ -511,13 +511,12 @@ def saap_cycle(step, index, fold):
         raise InputError(f"{names[1]}: generated {g_fold!r} and {names[0]}'s {g_index!r} are "
                          f"not a step that folds and the index step before it (k * {every} - 1 "
                          f"and {ie} less)")
-    by_shape = {(r["context"], r["batch"]): r for r in index["rows"]}
+    def by_shape(data):
+        return {(r["context"], r["batch"]): r for r in data["rows"]}
+    steps, indexes = by_shape(step), by_shape(index)
     body = []
     for f in fold["rows"]:
-        i, s = by_shape.get((f["context"], f["batch"])), None
-        for r in step["rows"]:
-            if (r["context"], r["batch"]) == (f["context"], f["batch"]):
-                s = r
+        i, s = indexes.get((f["context"], f["batch"])), steps.get((f["context"], f["batch"]))
         if i is None or s is None or None in (f["saap_us"], i["saap_us"], s["saap_us"]):
             continue
         cost = f["saap_us"] - i["saap_us"]
