@@ -189,16 +189,6 @@ __global__ void __launch_bounds__(kAssignThreads)
   }
 }
 
-// Token t's KV page row on page `page`, page * page_size + t % page_size: what
-// IndexState::member_rows keeps per member; times Hkv plus the kv head, its KV row.
-__device__ __forceinline__ int32_t page_row_on(int32_t page, int page_size, int t) {
-  return int32_t(int64_t(page) * page_size + t % page_size);
-}
-// The same through the sequence's page table.
-__device__ __forceinline__ int32_t page_row(const int32_t* table, int page_size, int t) {
-  return page_row_on(table[t / page_size], page_size, t);
-}
-
 // rows[i] = page_row(members[i]) for the count members of a slot just sorted.
 __global__ void member_rows_kernel(const int32_t* members, int count, const int32_t* table,
                                    int page_size, int32_t* rows) {
