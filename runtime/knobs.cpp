@@ -61,12 +61,19 @@ const Table& knob_table(Method m) {
   static const Table none;
   static const Table tactic = {
       {"target", [](EngineConfig& c, auto& k, auto& v) { c.tactic.target = to_double(k, v); }},
-      {"cluster_size", [](EngineConfig& c, auto& k, auto& v) { c.tactic.cluster_size = to_int(k, v); }},
-      {"iterations", [](EngineConfig& c, auto& k, auto& v) { c.tactic.kmeans_iterations = to_int(k, v); }},
+      {"cluster_size",
+       [](EngineConfig& c, auto& k, auto& v) { c.tactic.cluster_size = to_int(k, v); }},
+      {"iterations",
+       [](EngineConfig& c, auto& k, auto& v) { c.tactic.kmeans_iterations = to_int(k, v); }},
       {"seed", [](EngineConfig& c, auto& k, auto& v) { c.tactic.seed = uint64_t(to_int(k, v)); }},
-      {"exact_fraction", [](EngineConfig& c, auto& k, auto& v) { c.tactic.exact_fraction = to_double(k, v); }},
-      {"recluster_interval", [](EngineConfig& c, auto& k, auto& v) { c.tactic.recluster_interval = to_int(k, v); }},
-      {"dense_layers", [](EngineConfig& c, auto& k, auto& v) { c.tactic.dense_layers = to_ints(k, v); }},
+      {"exact_fraction",
+       [](EngineConfig& c, auto& k, auto& v) { c.tactic.exact_fraction = to_double(k, v); }},
+      {"recluster_interval",
+       [](EngineConfig& c, auto& k, auto& v) { c.tactic.recluster_interval = to_int(k, v); }},
+      {"dense_layers",
+       [](EngineConfig& c, auto& k, auto& v) { c.tactic.dense_layers = to_ints(k, v); }},
+      {"member_rows",
+       [](EngineConfig& c, auto& k, auto& v) { c.tactic.member_rows = to_bool(k, v); }},
   };
   static const Table mac = {
       {"tau", [](EngineConfig& c, auto& k, auto& v) { c.mac.tau = to_double(k, v); }},

@@ -27,6 +27,13 @@ struct TacticConfig {
   /// Longest sequence (tokens) the engine must serve; sizes the cluster state and the
   /// workspace. 0: the model's max_position.
   int max_context = 0;
+  /// CUDA: keep each cluster member's KV page row beside its token id (kernels::tactic::
+  /// ClusterState::member_rows), written by the prefill and the re-clustering from the page
+  /// table of their call, so that the decode's sampled keys and the union's rows skip a round
+  /// trip through the page table. Needs the pages of a sequence's tokens to stay where they
+  /// were once written (pages appended, never moved, as paged KV caches do); a cache that
+  /// moves pages of a live sequence must turn this off, or prefill again after the move.
+  bool member_rows = true;
   std::vector<int> dense_layers;  ///< layers attended densely (none by default; spec 8.6)
 };
 

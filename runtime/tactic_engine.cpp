@@ -85,6 +85,7 @@ TacticEngine::~TacticEngine() {
       cudaFree(v.members);
       cudaFree(v.num_clusters);
       cudaFree(v.clustered_len);
+      cudaFree(v.member_rows);
     }
   }
 }
@@ -191,6 +192,7 @@ TacticEngine::LayerState& TacticEngine::allocate_layer(int layer) {
     v.members = device_alloc<int32_t>(n_mem);
     v.num_clusters = device_alloc<int32_t>(slots);
     v.clustered_len = device_alloc<int32_t>(slots);
+    if (config_.tactic.member_rows) v.member_rows = device_alloc<int32_t>(n_mem);
     zero_on_device(v.num_clusters, size_t(slots) * sizeof(int32_t));
     zero_on_device(v.clustered_len, size_t(slots) * sizeof(int32_t));
   }

@@ -365,10 +365,11 @@ int bits_for(int64_t v) {
 // token tokens[j] of problem keys[j] >> cbits, label keys[j] & mask. Problem q's tokens are
 // positions [q.scratch, q.scratch + q.n), so position j is its member j - q.scratch; the
 // thread at a change of label writes the offsets of the labels it passes over (empty
-// clusters included), and the problem's last token those up to C.
+// clusters included), and the problem's last token those up to C. With `rows` (the last
+// iteration, where the state keeps them) also each member's page row.
 __global__ void __launch_bounds__(kCsrThreads)
     csr_scatter_kernel(const Problem* probs, ClusterState st, const uint32_t* keys,
-                       const int32_t* tokens, int64_t total, int cbits) {
+                       const int32_t* tokens, int64_t total, int cbits, PagedKV kv, bool rows) {
   const int64_t j = int64_t(blockIdx.x) * kCsrThreads + threadIdx.x;
   if (j >= total) return;
   const uint32_t mask = (1u << cbits) - 1u;
@@ -376,7 +377,9 @@ __global__ void __launch_bounds__(kCsrThreads)
   const Problem p = probs[key >> cbits];
   const int c = int(key & mask);
   const int local = int(j - p.scratch);
-  st.members_of(p.b, p.h)[p.start + local] = p.start + tokens[j];
+  const int t = p.start + tokens[j];
+  st.members_of(p.b, p.h)[p.start + local] = t;
+  if (rows) st.member_rows_of(p.b, p.h)[p.start + local] = kv.page_row_of(p.b, t);
   int32_t* off = st.offsets_of(p.b, p.h) + p.c0;
   const int prev = local > 0 ? int(keys[j - 1] & mask) : -1;
   for (int x = prev + 1; x <= c; ++x) off[x] = p.start + local;
@@ -477,7 +480,8 @@ cudaError_t launch_prefill(const PagedKV& kv, const std::vector<Problem>& probs,
                                           bits.total, stream);
     if (err != cudaSuccess) return err;
     csr_scatter_kernel<<<scatter_ctas, kCsrThreads, 0, stream>>>(
-        d_probs, st, keys.Current(), tokens.Current(), items, bits.cbits);
+        d_probs, st, keys.Current(), tokens.Current(), items, bits.cbits, kv,
+        st.member_rows != nullptr && it + 1 == iterations);
     update_kernel<D><<<per_cluster, 256, 0, stream>>>(kv, d_probs, st, norms);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
@@ -737,9 +741,12 @@ __global__ void __launch_bounds__(kReclusterThreads, 2)
     reinterpret_cast<uint4*>(dst)[x] =
         reinterpret_cast<const uint4*>(mu + (x / kPieces) * LD)[x % kPieces];
   int32_t* mem_out = st.members_of(b, h) + start;
+  int32_t* rows_out = st.member_rows ? st.member_rows_of(b, h) + start : nullptr;
   const int share = (T + Q - 1) / Q;
-  for (int x = rank * share + tid; x < min(T, (rank + 1) * share); x += kReclusterThreads)
+  for (int x = rank * share + tid; x < min(T, (rank + 1) * share); x += kReclusterThreads) {
     mem_out[x] = start + members[x];
+    if (rows_out) rows_out[x] = krow[members[x]];  // the block token's page row
+  }
   if (rank == 0) {
     int32_t* off_out = st.offsets_of(b, h) + c0;
     for (int c = tid; c <= C; c += kReclusterThreads) off_out[c] = start + offsets[c];
@@ -756,7 +763,7 @@ constexpr int kIndexThreads = 256;
 constexpr int kIndexChunk = kIndexThreads;  // clusters per index CTA (and per member count)
 
 struct SelectLayout {
-  size_t keys_a, keys_b, vals_a, vals_b, seg_begin, seg_end, prefix, sample_tokens, logits, exact,
+  size_t keys_a, keys_b, vals_a, vals_b, seg_begin, seg_end, prefix, sample_keys, logits, exact,
       bitmap, chunk_members, temp, temp_bytes, total;
   int smax, words, chunks;
 };
@@ -807,7 +814,7 @@ SelectLayout select_layout(int max_batch, int Hq, int Hkv, int max_clusters, int
   o += up(rows * sizeof(int));
   l.prefix = o;
   o += up(rows * (size_t(max_clusters) + 1) * sizeof(int));
-  l.sample_tokens = o;
+  l.sample_keys = o;
   o += up(rows * size_t(l.smax) * sizeof(int));
   l.logits = o;
   o += up(rows * size_t(l.smax) * sizeof(float));
@@ -838,13 +845,27 @@ struct SelectParams {
   int* seg_begin;
   int* seg_end;
   int* prefix;
-  int* sample_tokens;  // [rows, smax] token of each sampled sorted position
+  // [rows, smax] the key of each sampled sorted position: its page row where the state keeps
+  // member rows, its token id otherwise (sampled_key)
+  int* sample_keys;
   float* logits;
   double* exact;
   uint32_t* bitmap;
   int* chunk_members;  // [subs, chunks] members of the union's clusters in each index chunk
   unsigned long long* counters;
 };
+
+// Where a member's entry of sample_keys comes from: the state's page rows when it keeps them,
+// else its token ids.
+__device__ __forceinline__ const int32_t* sample_key_source(const ClusterState& st, int b, int h) {
+  return st.member_rows ? st.member_rows_of(b, h) : st.members_of(b, h);
+}
+
+// The key row of a sample_keys entry v of sequence b, kv head h.
+__device__ __forceinline__ const bf* sampled_key(const SelectParams& p, int b, int h, int v) {
+  return p.st.member_rows ? reinterpret_cast<const bf*>(p.kv.k) + p.kv.row_offset(v, h)
+                          : key_row(p.kv, b, v, h);
+}
 
 // One CTA per (sequence, kv head, tile of kScoreTile clusters). The tile's centroids are
 // contiguous in memory, so the CTA stages them through shared memory with coalesced 16-byte
@@ -1286,14 +1307,14 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
   for (int x = first + tid; x < last; x += kOrderThreads) ids[x] = sm.ranked[x];
   for (int x = first + 1 + tid; x <= last; x += kOrderThreads) prefix[x] = sm.offsets[x];
   if (part == 0 && tid == 0) prefix[0] = 0;
-  // Sample tokens of this part's sorted positions: kOrderRun consecutive samples per thread
+  // Sample keys of this part's sorted positions: kOrderRun consecutive samples per thread
   // (consecutive sorted positions within a range), one binary search of the prefix per run
-  // and a forward walk, then the run's member loads together.
+  // and a forward walk, then the run's member (or member row) loads together.
   const FitPlan plan = make_fit_plan(clustered, p.fit);
   const int S = plan.num_samples();
   const int x_first = sm.offsets[first], x_last = sm.offsets[last];
-  const int32_t* members = p.st.members_of(b, h);
-  int* tokens = p.sample_tokens + int64_t(row) * p.smax;
+  const int32_t* source = sample_key_source(p.st, b, h);
+  int* keys_out = p.sample_keys + int64_t(row) * p.smax;
   constexpr int kOrderRun = 4;
   for (int s0 = tid * kOrderRun; s0 < S; s0 += kOrderThreads * kOrderRun) {
     int at[kOrderRun];
@@ -1315,21 +1336,22 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
     }
     int t[kOrderRun];
 #pragma unroll
-    for (int u = 0; u < kOrderRun; ++u) t[u] = at[u] >= 0 ? members[at[u]] : 0;
+    for (int u = 0; u < kOrderRun; ++u) t[u] = at[u] >= 0 ? source[at[u]] : 0;
 #pragma unroll
     for (int u = 0; u < kOrderRun; ++u)
-      if (at[u] >= 0) tokens[s0 + u] = t[u];
+      if (at[u] >= 0) keys_out[s0 + u] = t[u];
   }
 }
 
-// Sorted position x (0-based) -> token id, through the prefix of sorted cluster sizes, by a
-// group of L lanes (the lanes of one sample, all with the same x): an (L + 1)-ary search, so
-// the chain of dependent loads is log_{L+1}(C) long (4 at C = 8192, L = 16) instead of
-// log_2(C) (13). Every lane returns the token. Used for lists beyond order_kernel's size.
+// Sorted position x (0-based) -> its member's entry of `source` (token id or page row,
+// sample_key_source), through the prefix of sorted cluster sizes, by a group of L lanes (the
+// lanes of one sample, all with the same x): an (L + 1)-ary search, so the chain of dependent
+// loads is log_{L+1}(C) long (4 at C = 8192, L = 16) instead of log_2(C) (13). Every lane
+// returns the entry. Used for lists beyond order_kernel's size.
 template <int L>
-__device__ __forceinline__ int group_token_at(const int* prefix, const int* ids, const int32_t* off,
-                                              const int32_t* members, int C, int x, int sub,
-                                              unsigned gmask, int gbase) {
+__device__ __forceinline__ int group_key_at(const int* prefix, const int* ids, const int32_t* off,
+                                            const int32_t* source, int C, int x, int sub,
+                                            unsigned gmask, int gbase) {
   int lo = 0, hi = C;  // largest j with prefix[j] <= x (prefix[0] = 0 <= x)
   while (hi - lo > 1) {
     const int m = lo + int(int64_t(sub + 1) * (hi - lo) / (L + 1));  // nondecreasing in sub
@@ -1341,10 +1363,10 @@ __device__ __forceinline__ int group_token_at(const int* prefix, const int* ids,
     if (k > 0) lo = max(lo, mlo);
     if (k < L) hi = mhi;
   }
-  return members[off[ids[lo]] + (x - prefix[lo])];
+  return source[off[ids[lo]] + (x - prefix[lo])];
 }
 
-// The sample tokens of long lists (after the segmented sort and prefix_kernel): a group of
+// The sample keys of long lists (after the segmented sort and prefix_kernel): a group of
 // 16 lanes per sample.
 constexpr int kLocateThreads = 256;
 constexpr int kLocateLanes = 16;
@@ -1361,18 +1383,18 @@ __global__ void __launch_bounds__(kLocateThreads) locate_kernel(SelectParams p) 
   const int gbase = lane - sub;
   const unsigned gmask = ((1u << L) - 1u) << gbase;
   if (s >= plan.num_samples()) return;  // the whole group leaves together
-  const int t = group_token_at<L>(p.prefix + int64_t(row) * (p.st.max_clusters + 1),
-                                  p.sorted + int64_t(row) * p.st.max_clusters,
-                                  p.st.offsets_of(b, h), p.st.members_of(b, h),
-                                  p.st.num_clusters[slot], plan.position(s) - 1, sub, gmask, gbase);
-  if (sub == 0) p.sample_tokens[int64_t(row) * p.smax + s] = t;
+  const int v = group_key_at<L>(p.prefix + int64_t(row) * (p.st.max_clusters + 1),
+                                p.sorted + int64_t(row) * p.st.max_clusters, p.st.offsets_of(b, h),
+                                sample_key_source(p.st, b, h), p.st.num_clusters[slot],
+                                plan.position(s) - 1, sub, gmask, gbase);
+  if (sub == 0) p.sample_keys[int64_t(row) * p.smax + s] = v;
 }
 
 // Logits of the sampled tokens. One group of D / 8 lanes per sampled token (16 for d = 128)
 // reads the key row as one coalesced segment and reduces by shuffles; each group takes
-// kSampleIlp samples with their loads issued together, so a CTA's two dependent loads
-// (token, key row) cover kSampleIlp times as many samples and the grid fits in about one
-// wave at 128K.
+// kSampleIlp samples with their loads issued together, so a CTA's dependent loads (sample
+// key, then the key row; with the page table between them where the state keeps no member
+// rows) cover kSampleIlp times as many samples and the grid fits in about one wave at 128K.
 constexpr int kSampleThreads = 256;
 constexpr int kSampleIlp = 4;
 
@@ -1390,7 +1412,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(SelectParams p) 
   const int64_t slot = p.st.slot(b, h);
   const int s0 = int(blockIdx.x) * kPerCta + int(threadIdx.x) / L;
   // Launched programmatically behind the order kernel: the query and the length were written
-  // before it, so they load (and the query is staged) while it ends; the sample tokens are
+  // before it, so they load (and the query is staged) while it ends; the sample keys are
   // its output. Then the key rows.
   const bf qv = int(threadIdx.x) < D ? p.q[int64_t(row) * D + threadIdx.x] : bf();
   const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
@@ -1402,12 +1424,12 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(SelectParams p) 
   // kernel's prefix and ids, which are complete once every CTA of this grid has passed its
   // wait (triggering at this kernel's start let the budget read them mid-sort).
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const int* tokens = p.sample_tokens + int64_t(row) * p.smax;
+  const int* keys = p.sample_keys + int64_t(row) * p.smax;
   int t[kSampleIlp];
 #pragma unroll
   for (int i = 0; i < kSampleIlp; ++i) {
     const int s = s0 + i * kGroups;
-    t[i] = s < p.smax ? tokens[s] : -1;
+    t[i] = s < p.smax ? keys[s] : -1;
   }
   if (blockIdx.x == 0 && threadIdx.x == 0 && p.counters)
     atomicAdd(&p.counters[1], (unsigned long long)S * D * sizeof(bf));
@@ -1418,7 +1440,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(SelectParams p) 
   uint4 v[kSampleIlp];
 #pragma unroll
   for (int i = 0; i < kSampleIlp; ++i)
-    v[i] = t[i] >= 0 ? reinterpret_cast<const uint4*>(key_row(p.kv, b, t[i], h))[sub]
+    v[i] = t[i] >= 0 ? reinterpret_cast<const uint4*>(sampled_key(p, b, h, t[i]))[sub]
                      : make_uint4(0u, 0u, 0u, 0u);
   __syncthreads();  // qs
 #pragma unroll
@@ -1679,6 +1701,7 @@ __global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
   const int C = p.st.num_clusters[slot], clen = p.st.clustered_len[slot];
   const int len = p.kv.seq_lens[b];
   asm volatile("griddepcontrol.wait;" ::: "memory");
+
   // The chunk's own bitmap word and the members of the earlier chunks, a chunk per thread
   // (one round up to 256 chunks: 1M tokens at cluster size 16).
   const uint32_t own_word = c < M ? bits[c / 32] : 0u;
@@ -1689,12 +1712,13 @@ __global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
   for (int x = int(threadIdx.x) + kIndexThreads; x < int(blockIdx.x); x += kIndexThreads)
     before += counted[x];
   const int32_t* members = p.st.members_of(b, h);
+  const int32_t* member_rows = p.st.member_rows ? p.st.member_rows_of(b, h) : nullptr;
   int32_t* tokens = p.sel.tokens + sub * int64_t(p.sel.max_tokens);
   int32_t* rows = p.sel.rows + sub * int64_t(p.sel.max_tokens);
-  auto put = [&](int i, int t) {
-    const int64_t page = p.kv.page_table[int64_t(b) * p.kv.max_pages_per_seq + t / p.kv.page_size];
+  // Entry i: token t on page row r (the sub-request's row: the page row times Hkv plus h).
+  auto put = [&](int i, int t, int32_t r) {
     tokens[i] = t;
-    rows[i] = int32_t((page * p.kv.page_size + t % p.kv.page_size) * Hkv + h);
+    rows[i] = r * Hkv + h;
   };
   before = Reduce(tmp.reduce).Sum(before);
   if (threadIdx.x == 0) s_before = before;  // thread 0 holds the block sum
@@ -1715,11 +1739,17 @@ __global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int f = warp; f < count; f += kIndexThreads / 32) {
     const int lo = s_first[f], n = s_size[f], at = s_pos[f];
-    for (int i = lane; i < n; i += 32) put(at + i, members[lo + i]);
+    // The members' page rows where the state keeps them (loaded beside the tokens), else
+    // through the page table, a round trip after the token's.
+    for (int i = lane; i < n; i += 32) {
+      const int t = members[lo + i];
+      put(at + i, t, member_rows ? member_rows[lo + i] : p.kv.page_row_of(b, t));
+    }
   }
   if (int(blockIdx.x) == last) {
     const int base = before + total;
-    for (int t = clen + threadIdx.x; t < len; t += kIndexThreads) put(base + (t - clen), t);
+    for (int t = clen + threadIdx.x; t < len; t += kIndexThreads)
+      put(base + (t - clen), t, p.kv.page_row_of(b, t));
     if (threadIdx.x == 0) {
       const int n = base + max(0, len - clen);
       p.sel.counts[sub] = n;
@@ -1960,7 +1990,7 @@ cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv
   p.seg_begin = reinterpret_cast<int*>(ws + l.seg_begin);
   p.seg_end = reinterpret_cast<int*>(ws + l.seg_end);
   p.prefix = reinterpret_cast<int*>(ws + l.prefix);
-  p.sample_tokens = reinterpret_cast<int*>(ws + l.sample_tokens);
+  p.sample_keys = reinterpret_cast<int*>(ws + l.sample_keys);
   p.logits = reinterpret_cast<float*>(ws + l.logits);
   p.exact = reinterpret_cast<double*>(ws + l.exact);
   p.bitmap = reinterpret_cast<uint32_t*>(ws + l.bitmap);

@@ -14,6 +14,12 @@
 //   num_clusters  [max_batch, Hkv] int32
 //   clustered_len [max_batch, Hkv] int32: tokens [0, clustered_len) are clustered; later
 //                 ones are "recent" and always attended
+//   member_rows   [max_batch, Hkv, max_tokens] int32, CUDA only and optional: the page row
+//                 (page_row, paged_kv.h) of each member, beside it, written with the members
+//                 from the page table of the call that clustered them, so that the decode's
+//                 sampled keys and the union's rows skip a round trip through the page
+//                 table. It holds while the pages of a sequence's clustered tokens stay where
+//                 they were: pages appended, never moved (TacticConfig::member_rows opts out).
 // Clustering a token range [start, start + n) appends C = ceil(n / cluster_size) clusters at
 // slot num_clusters and fills member positions [start, start + n): clustered tokens are
 // always a prefix of the sequence, so member positions and token ids cover the same range.
@@ -50,6 +56,7 @@ struct ClusterState {
   int32_t* members = nullptr;
   int32_t* num_clusters = nullptr;
   int32_t* clustered_len = nullptr;
+  int32_t* member_rows = nullptr;  ///< CUDA, optional (above); null: through the page table
   int max_batch = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
@@ -65,6 +72,9 @@ struct ClusterState {
   }
   KVS_HOST_DEVICE int32_t* members_of(int b, int h) const {
     return members + slot(b, h) * max_tokens;
+  }
+  KVS_HOST_DEVICE int32_t* member_rows_of(int b, int h) const {
+    return member_rows + slot(b, h) * max_tokens;
   }
 };
 

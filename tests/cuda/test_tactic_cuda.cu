@@ -175,7 +175,7 @@ void expect_same_clustering(const PagedKV& kv, const tk::ClusterState& ref,
 }
 
 std::unique_ptr<Engine> make(const ModelShape& s, Backend backend, int batch, double P,
-                             int interval = 2048, int max_context = 4096) {
+                             int interval = 2048, int max_context = 4096, bool member_rows = true) {
   EngineConfig c;
   c.backend = backend;
   c.max_batch = batch;
@@ -183,6 +183,7 @@ std::unique_ptr<Engine> make(const ModelShape& s, Backend backend, int batch, do
   c.tactic.target = P;
   c.tactic.max_context = max_context;
   c.tactic.recluster_interval = interval;
+  c.tactic.member_rows = member_rows;
   return make_engine(Method::Tactic, s, c);
 }
 
@@ -696,6 +697,153 @@ TEST(TacticCuda, GraphReplayWithReclusteringMatchesCpu) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+// The state keeps each member's page row (TacticConfig::member_rows). After the prefill and
+// after blocks re-clustered during decode steps, every kept row is the page table's row of its
+// member (the Pair's page tables are not contiguous), and an engine that goes through the page
+// table instead decodes the same outputs, bit for bit, step by step.
+TEST(TacticCuda, MemberRowsFollowThePageTable) {
+  KVS_SKIP_WITHOUT_CUDA();
+  const ModelShape s = shape(8, 2, 128);
+  const std::vector<int> prompt{700, 301};
+  const int B = 2, d = 128, row = s.num_kv_heads * d, steps = 40, interval = 32;
+  Pair p(s, prompt, 800, 51);
+  auto kept = make(s, Backend::Cuda, B, 0.9, interval),
+       through = make(s, Backend::Cuda, B, 0.9, interval, 4096, false);
+  auto& te = dynamic_cast<TacticEngine&>(*kept);
+  DeviceBuffer<char> ws_kept(kept->workspace_bytes()), ws_through(through->workspace_bytes());
+  kept->bind_workspace({ws_kept.get(), ws_kept.size()});
+  through->bind_workspace({ws_through.get(), ws_through.size()});
+  for (int l = 0; l < s.num_layers; ++l) {
+    kept->prefill(l, p.gpu.view(l), nullptr);
+    through->prefill(l, p.gpu.view(l), nullptr);
+  }
+  ASSERT_EQ(dynamic_cast<TacticEngine&>(*through).cluster_state(0).member_rows, nullptr);
+  const auto check_rows = [&](const std::string& when, int clustered) {
+    KVS_CUDA_CHECK(cudaDeviceSynchronize());
+    const PagedKV kv = p.gpu.view(0);
+    std::vector<int32_t> table(size_t(B) * kv.max_pages_per_seq);
+    KVS_CUDA_CHECK(
+        cudaMemcpy(table.data(), kv.page_table, table.size() * 4, cudaMemcpyDeviceToHost));
+    for (int l = 0; l < s.num_layers; ++l) {
+      const tk::ClusterState st = te.cluster_state(l);
+      ASSERT_NE(st.member_rows, nullptr);
+      const HostState h = download(st);
+      std::vector<int32_t> rows(h.mem.size());
+      KVS_CUDA_CHECK(
+          cudaMemcpy(rows.data(), st.member_rows, rows.size() * 4, cudaMemcpyDeviceToHost));
+      int checked = 0;
+      for (int b = 0; b < B; ++b)
+        for (int hh = 0; hh < s.num_kv_heads; ++hh) {
+          const size_t slot = size_t(st.slot(b, hh));
+          for (int m = 0; m < h.cl[slot]; ++m, ++checked) {
+            const size_t at = slot * size_t(st.max_tokens) + size_t(m);
+            ASSERT_EQ(rows[at], page_row(table.data() + size_t(b) * kv.max_pages_per_seq,
+                                         kv.page_size, h.mem[at]))
+                << when << ": layer " << l << " b " << b << " h " << hh << " member " << m;
+          }
+        }
+      EXPECT_EQ(checked, clustered * s.num_kv_heads) << when;
+    }
+  };
+  check_rows("after the prefill", 700 + 301);
+  const size_t qn = size_t(B) * s.num_q_heads * d, kn = size_t(B) * row;
+  DeviceBuffer<bf16> dq(qn), dk(kn), dv(kn), out_kept(qn), out_through(qn);
+  std::normal_distribution<float> N01(0.f, 1.f);
+  for (int step = 1; step <= steps; ++step) {
+    std::vector<bf16> q(qn), k(kn), v(kn);
+    for (auto& x : q) x = float_to_bf16(0.8f * N01(p.gen));
+    dq.upload(q);
+    p.gpu.begin_step(nullptr);
+    for (int l = 0; l < s.num_layers; ++l) {
+      for (auto& x : k) x = float_to_bf16(N01(p.gen));
+      for (auto& x : v) x = float_to_bf16(N01(p.gen));
+      dk.upload(k);
+      dv.upload(v);
+      p.gpu.append(l, dk.get(), dv.get(), nullptr);
+      out_kept.poison();
+      out_through.poison();
+      kept->decode(l, dq.get(), nullptr, p.gpu.view(l), out_kept.get(), nullptr, nullptr);
+      through->decode(l, dq.get(), nullptr, p.gpu.view(l), out_through.get(), nullptr, nullptr);
+      const std::vector<bf16> a = out_kept.download(), e = out_through.download();
+      for (size_t i = 0; i < a.size(); ++i)
+        ASSERT_EQ(a[i].bits, e[i].bits) << "step " << step << " layer " << l << " element " << i;
+    }
+  }
+  // Both sequences re-clustered one block of 32 at step 32.
+  check_rows("after a block re-clustered", 700 + 301 + 2 * interval);
+}
+
+// The step that re-clusters selects from the clusters it appends. A block of keys along the
+// queries (16 tokens at 2u, then 16 at 1.5u), re-clustered inside the step, must be scored with
+// its new centroids: the 2u cluster then ranks first and is selected, as the CPU's selection
+// on the GPU's state says. The state first served a longer prefill, whose clusters 44 and 45
+// sit where the block's go, so that stale centroids there would be read as another cluster.
+TEST(TacticCuda, StepThatReclustersSelectsFromItsNewClusters) {
+  KVS_SKIP_WITHOUT_CUDA();
+  const ModelShape s = shape(8, 2, 128);
+  const int d = 128, g = 4, interval = 32, layer = 1, first = 1500, len = 700;
+  Pair p(s, {first}, 1600, 61);
+  auto ge = make(s, Backend::Cuda, 1, 0.9, interval);
+  auto& te = dynamic_cast<TacticEngine&>(*ge);
+  DeviceBuffer<char> ws(ge->workspace_bytes());
+  ge->bind_workspace({ws.get(), ws.size()});
+  DeviceBuffer<bf16> dq(p.q), dout(p.q.size());
+  ge->prefill(layer, p.gpu.view(layer), nullptr);
+  ge->decode(layer, dq.get(), nullptr, p.gpu.view(layer), dout.get(), nullptr, nullptr);
+  p.gpu.set_lengths({len});
+  p.cpu.set_lengths({len});
+  ge->prefill(layer, p.gpu.view(layer), nullptr);
+  // Queries along u (norm about sqrt(d)): logits 0.5 a d scale for keys a u, 11.3 at a = 2.
+  std::normal_distribution<float> N01(0.f, 1.f);
+  std::vector<float> u(static_cast<size_t>(d));
+  for (auto& x : u) x = N01(p.gen);
+  std::vector<bf16> q(p.q.size()), k(size_t(s.num_kv_heads) * d), v(k.size());
+  for (size_t i = 0; i < q.size(); ++i) q[i] = float_to_bf16(0.5f * u[i % size_t(d)]);
+  dq.upload(q);
+  DeviceBuffer<bf16> dk(k.size()), dv(v.size());
+  for (int step = 1; step <= interval; ++step) {
+    const float a = step <= interval / 2 ? 2.f : 1.5f;
+    for (size_t i = 0; i < k.size(); ++i) {
+      k[i] = float_to_bf16(a * u[i % size_t(d)] + 0.05f * N01(p.gen));
+      v[i] = float_to_bf16(N01(p.gen));
+    }
+    dk.upload(k);
+    dv.upload(v);
+    p.gpu.begin_step(nullptr);
+    p.gpu.append(layer, dk.get(), dv.get(), nullptr);
+    p.cpu.begin_step(nullptr);
+    p.cpu.append(layer, k.data(), v.data(), nullptr);
+    ge->decode(layer, dq.get(), nullptr, p.gpu.view(layer), dout.get(), nullptr, nullptr);
+  }
+  const HostState st = download(te.cluster_state(layer));
+  const std::vector<std::vector<int32_t>> read = ge->last_read(layer, 0);
+  ASSERT_EQ(read.size(), size_t(s.num_q_heads));
+  const PagedKV kv = p.cpu.view(layer);
+  tk::FitParams fit;  // the engine's defaults
+  for (int h = 0; h < s.num_kv_heads; ++h) {
+    ASSERT_EQ(st.cl[size_t(h)], len + interval) << "the block was not re-clustered, h " << h;
+    const int C = st.nc[size_t(h)];
+    ASSERT_EQ(C, (len + 15) / 16 + interval / 16) << "h " << h;
+    std::vector<uint8_t> flags(static_cast<size_t>(C), 0);
+    for (int j = 0; j < g; ++j) {
+      std::vector<float> qf(static_cast<size_t>(d));
+      for (int i = 0; i < d; ++i) qf[size_t(i)] = bf16_to_float(q[size_t(h * g + j) * d + i]);
+      tk::select_clusters_cpu(qf.data(), kv, 0, h, s.scale(), fit, st.view, flags.data(), nullptr);
+    }
+    const std::vector<int32_t> want = tk::selected_tokens_cpu(kv, 0, h, st.view, flags.data());
+    const auto block = [&](const std::vector<int32_t>& tokens) {
+      std::set<int32_t> out;
+      for (int32_t t : tokens)
+        if (t >= len) out.insert(t);
+      return out;
+    };
+    const std::set<int32_t> expect = block(want);
+    ASSERT_GE(expect.size(), size_t(interval / 2)) << "the block's first cluster must be chosen";
+    for (int j = 0; j < g; ++j)
+      EXPECT_EQ(block(read[size_t(h * g + j)]), expect) << "kv head " << h << " query head " << j;
+  }
 }
 
 TEST(TacticCuda, RejectsBadArguments) {

@@ -126,7 +126,7 @@ struct Layer {
   std::unique_ptr<Dev<bf16>> k, v;
   std::unique_ptr<Dev<int32_t>> table;
   std::unique_ptr<Dev<bf16>> cent;
-  std::unique_ptr<Dev<int32_t>> off, mem, nc, cl;
+  std::unique_ptr<Dev<int32_t>> off, mem, nc, cl, mrows;
   std::unique_ptr<Dev<int32_t>> rows, tokens, counts, selected;
   std::unique_ptr<Dev<bf16>> q;  ///< [B, Hq, d], the step's queries, RoPE applied
   tk::ClusterState st;
@@ -259,11 +259,22 @@ bool bench_one(const TacticBenchArgs& a, const CaptureFile* cap, int n, int B, c
     l.mem = std::make_unique<Dev<int32_t>>(subs * n);
     l.nc = std::make_unique<Dev<int32_t>>(subs);
     l.cl = std::make_unique<Dev<int32_t>>(subs);
+    if (a.member_rows) l.mrows = std::make_unique<Dev<int32_t>>(subs * n);
     l.rows = std::make_unique<Dev<int32_t>>(subs * n);
     l.tokens = std::make_unique<Dev<int32_t>>(subs * n);
     l.counts = std::make_unique<Dev<int32_t>>(subs);
     l.selected = std::make_unique<Dev<int32_t>>(size_t(B) * a.hq);
-    l.st = tk::ClusterState{l.cent->p, l.off->p, l.mem->p, l.nc->p, l.cl->p, B, a.hkv, a.d, C, n};
+    l.st.centroids = l.cent->p;
+    l.st.offsets = l.off->p;
+    l.st.members = l.mem->p;
+    l.st.num_clusters = l.nc->p;
+    l.st.clustered_len = l.cl->p;
+    l.st.member_rows = a.member_rows ? l.mrows->p : nullptr;
+    l.st.max_batch = B;
+    l.st.num_kv_heads = a.hkv;
+    l.st.head_dim = a.d;
+    l.st.max_clusters = C;
+    l.st.max_tokens = n;
     l.sel = tk::Selection{l.rows->p, l.tokens->p, l.counts->p, l.selected->p, n};
     // Cluster every layer; time layer 0 (its second run: the first pays one-time setup).
     for (int rep = 0; rep < (li == 0 ? 2 : 1); ++rep) {
@@ -457,6 +468,7 @@ int run_tactic_bench(const TacticBenchArgs& given) {
                      {"window_min", a.window_min},
                      {"iters", a.iters},
                      {"prefill_tflops", a.prefill_tflops},
+                     {"member_rows", a.member_rows},
                      {"scene", cap ? "capture " + cap->path() : std::string("synthetic")}});
   report.save();
   const std::string scene =
@@ -472,9 +484,10 @@ int run_tactic_bench(const TacticBenchArgs& given) {
           : std::to_string(a.components) + " key components";
   std::printf(
       "kvs-bench tactic decode: %s, %d SMs; Hq %d Hkv %d d %d page %d; P %.2f; %d layers "
-      "per replay; %s; exact %.4f, window %.4f (min %d)\n",
+      "per replay; %s; exact %.4f, window %.4f (min %d); member rows %s\n",
       prop.name, prop.multiProcessorCount, a.hq, a.hkv, a.d, a.page_size, a.p, a.layers,
-      scene.c_str(), a.exact_fraction, a.window_fraction, a.window_min);
+      scene.c_str(), a.exact_fraction, a.window_fraction, a.window_min,
+      a.member_rows ? "kept with the clusters" : "through the page table");
   std::printf("%8s %5s | %9s %9s %7s %8s %9s | %9s %9s %9s %9s %7s | %7s %7s %6s %6s %7s\n",
               "context", "batch", "clust_ms", "pfill_ms", "ratio", "km_TFLOP", "reclu_ms",
               "dense_us", "tactic_us", "select_us", "attn_us", "speedup", "union%", "head%", "mass",

@@ -22,6 +22,9 @@ struct TacticBenchArgs {
   double window_fraction = kernels::tactic::FitParams{}.window_fraction;  ///< w / n
   int window_min = kernels::tactic::FitParams{}.window_min;               ///< w at least this
   double prefill_tflops = 500;  ///< assumed dense prefill attention throughput (estimate)
+  /// TacticConfig::member_rows: the state keeps each member's page row (--no-member-rows:
+  /// the sampled keys and the union's rows through the page table)
+  bool member_rows = true;
   /// --capture: the scene from a capture file instead of the synthetic keys (bench_tactic.cu).
   /// The options below say which of the shape options were given on the command line: a
   /// capture sets what was not, and refuses what disagrees with it.

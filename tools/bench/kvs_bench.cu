@@ -152,6 +152,7 @@ int run(int argc, char** argv) {
   std::string contexts_text, batches_text, json_path, page_order;
   std::string method = "dense";  // --method tactic: tools/bench/bench_tactic.cu
   TacticBenchArgs tactic;
+  bool no_member_rows = false;
   Shape s;
   po::options_description desc(
       "kvs-bench: dense decode (split-KV, paged bf16 KV) timed as CUDA-graph replays over\n"
@@ -186,7 +187,10 @@ int run(int argc, char** argv) {
       "tactic: keys, values and queries from this capture file (kvs-capture) instead of the "
       "synthetic scene; its head counts and head dim, and unless given, its shortest sequence "
       "as the context and the batches its sequences serve; the --layers KV sets cycle through "
-      "its captured layers");
+      "its captured layers")(
+      "no-member-rows", po::bool_switch(&no_member_rows),
+      "tactic: resolve the sampled keys and the union's members to KV rows through the page "
+      "table (TacticConfig::member_rows off) instead of the page rows kept with the clusters");
   po::variables_map vm;
   if (!cli::parse_options(argc, argv, desc, &vm)) return 0;
   const auto given = [&](const char* name) { return vm.count(name) && !vm[name].defaulted(); };
@@ -213,6 +217,7 @@ int run(int argc, char** argv) {
     tactic.contexts_given = given("contexts");
     tactic.batches_given = given("batches");
     tactic.shape_given = given("hq") || given("hkv") || given("head-dim");
+    tactic.member_rows = !no_member_rows;
     tactic.json_path = json_path;
     tactic.command = cli::command_line(argc, argv);
     return run_tactic_bench(tactic);
