@@ -28,9 +28,10 @@
 //           cluster sizes and the token of every sampled position. Up to 8192 clusters (128K
 //           tokens): a bucket sort over the score range (block radix sort when the spread is
 //           degenerate), by one CTA per row, or by up to 4 when the rows leave SMs idle,
-//           each ranking a share of the sorted positions. Longer lists: a CUB segmented
-//           radix sort, a prefix kernel and a locate kernel ((L+1)-ary search of the prefix
-//           per sample)
+//           each ranking a share of the sorted positions. Longer lists: one CUB radix sort
+//           of every row's (row, descending score) keys, then a prefix kernel (a CTA per row:
+//           the prefix in shared memory a round at a time, each sample's cluster searched
+//           there)
 //   sample  logits of the exact and window positions: a group of d / 8 lanes per sampled
 //           token (one coalesced key-row read, shuffle sum), several tokens per group
 //   budget  max, exact prefix (in shared memory), window means, fit, K (a block-parallel
@@ -56,6 +57,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/common/float_key.cuh"
 #include "kernels/common/launch.cuh"
 #include "kernels/common/ptx.cuh"
 #include "kernels/tactic/tactic.h"
@@ -762,9 +764,15 @@ __global__ void __launch_bounds__(kReclusterThreads, 2)
 constexpr int kIndexThreads = 256;
 constexpr int kIndexChunk = kIndexThreads;  // clusters per index CTA (and per member count)
 
+// The order kernel's lists (below): up to kOrderMax clusters, kOrderItems per thread. Longer
+// lists (contexts above 128K at cluster size 16) are ordered by one radix sort of every row.
+constexpr int kOrderThreads = 1024;
+constexpr int kOrderItems = 8;
+constexpr int kOrderMax = kOrderThreads * kOrderItems;  // clusters per list
+
 struct SelectLayout {
-  size_t keys_a, keys_b, vals_a, vals_b, seg_begin, seg_end, prefix, sample_keys, logits, exact,
-      bitmap, chunk_members, temp, temp_bytes, total;
+  size_t keys_a, keys_b, vals_a, vals_b, prefix, sample_keys, logits, exact, bitmap, chunk_members,
+      temp, temp_bytes, total;
   int smax, words, chunks;
 };
 
@@ -780,13 +788,25 @@ int cached_max_samples(int max_tokens, const FitParams& f) {
   return it->second;
 }
 
+// Long lists: every row's clusters in one ascending radix sort of 64-bit keys, the row above
+// the score's descending order (sort_key). Each row holds max_clusters keys, those past its
+// count last, so the sorted rows keep their places. A segmented sort (a CTA a row, a pass a
+// digit) took more than half of the selection's kernel time at 256K (docs/gpu.md).
+__device__ __forceinline__ unsigned long long sort_key(int row, float score) {
+  return (static_cast<unsigned long long>(row) << 32) | unsigned(~float_order_key(score));
+}
+__device__ __forceinline__ unsigned long long sort_key_past_count(int row) {
+  return (static_cast<unsigned long long>(row) << 32) | 0xffffffffu;
+}
+
+int sort_end_bit(int rows) { return 32 + bits_for(rows); }
+
 size_t sort_temp_bytes(int rows, int max_clusters) {
   size_t bytes = 0;
-  cub::DoubleBuffer<float> keys(nullptr, nullptr);
+  cub::DoubleBuffer<unsigned long long> keys(nullptr, nullptr);
   cub::DoubleBuffer<int> vals(nullptr, nullptr);
-  cub::DeviceSegmentedRadixSort::SortPairsDescending(
-      nullptr, bytes, keys, vals, int64_t(rows) * max_clusters, rows, static_cast<int*>(nullptr),
-      static_cast<int*>(nullptr), 0, 32);
+  cub::DeviceRadixSort::SortPairs(nullptr, bytes, keys, vals, int64_t(rows) * max_clusters, 0,
+                                  sort_end_bit(rows));
   return bytes;
 }
 
@@ -799,19 +819,18 @@ SelectLayout select_layout(int max_batch, int Hq, int Hkv, int max_clusters, int
   l.smax = cached_max_samples(max_tokens, fit);
   l.words = (max_clusters + 31) / 32;
   l.chunks = (max_clusters + kIndexChunk - 1) / kIndexChunk;
+  // Scores (float) for the order kernel, or the long lists' sort keys, double-buffered.
+  const bool long_lists = max_clusters > kOrderMax;
+  const size_t key_bytes = long_lists ? sizeof(unsigned long long) : sizeof(float);
   size_t o = 0;
   l.keys_a = o;
-  o += up(items * sizeof(float));
+  o += up(items * key_bytes);
   l.keys_b = o;
-  o += up(items * sizeof(float));
+  o += long_lists ? up(items * key_bytes) : 0;
   l.vals_a = o;
   o += up(items * sizeof(int));
   l.vals_b = o;
   o += up(items * sizeof(int));
-  l.seg_begin = o;
-  o += up(rows * sizeof(int));
-  l.seg_end = o;
-  o += up(rows * sizeof(int));
   l.prefix = o;
   o += up(rows * (size_t(max_clusters) + 1) * sizeof(int));
   l.sample_keys = o;
@@ -824,7 +843,7 @@ SelectLayout select_layout(int max_batch, int Hq, int Hkv, int max_clusters, int
   o += up(size_t(max_batch) * Hkv * size_t(l.words) * sizeof(uint32_t));
   l.chunk_members = o;
   o += up(size_t(max_batch) * Hkv * size_t(l.chunks) * sizeof(int));
-  l.temp_bytes = sort_temp_bytes(int(rows), max_clusters);
+  l.temp_bytes = long_lists ? sort_temp_bytes(int(rows), max_clusters) : 0;
   l.temp = o;
   o += up(l.temp_bytes);
   l.total = o;
@@ -839,11 +858,10 @@ struct SelectParams {
   FitParams fit;
   float scale;
   int num_q_heads, group, smax, words, chunks;
-  float* keys;        // unsorted scores [rows, max_clusters]
-  int* vals;          // unsorted ids
-  const int* sorted;  // sorted ids (the sort's current buffer)
-  int* seg_begin;
-  int* seg_end;
+  float* keys;                    // unsorted scores [rows, max_clusters] (order kernel)
+  unsigned long long* sort_keys;  // or the long lists' sort keys (sort_key), null otherwise
+  int* vals;                      // unsorted ids
+  const int* sorted;              // sorted ids (the sort's current buffer)
   int* prefix;
   // [rows, smax] the key of each sampled sorted position: its page row where the state keeps
   // member rows, its token id otherwise (sampled_key)
@@ -907,14 +925,16 @@ __global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
     qa[k][1] = g < p.group ? qrow[8 * k + 4] : 0u;
   }
   const int C = p.st.num_clusters[slot];
-  if (blockIdx.x == 0) {
-    if (int(threadIdx.x) < p.group) {
-      const int row = row0 + threadIdx.x;
-      p.seg_begin[row] = row * p.st.max_clusters;
-      p.seg_end[row] = row * p.st.max_clusters + C;
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.counters)
+    atomicAdd(&p.counters[1], (unsigned long long)C * D * sizeof(bf));
+  if (p.sort_keys) {  // long lists: the tile's places past the count sort after the row's clusters
+    for (int x = threadIdx.x; x < p.group * cap; x += kScoreTile) {
+      const int c = c0 + x % cap, row = row0 + x / cap;
+      if (c < C) continue;
+      const int64_t at = int64_t(row) * p.st.max_clusters + c;
+      p.sort_keys[at] = sort_key_past_count(row);
+      p.vals[at] = c;
     }
-    if (threadIdx.x == 0 && p.counters)
-      atomicAdd(&p.counters[1], (unsigned long long)C * D * sizeof(bf));
   }
   if (c0 >= C) return;
   const int tile = min(kScoreTile, C - c0);
@@ -948,7 +968,10 @@ __global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
       const int c = c0 + n0 + 2 * cq + e;
       if (g < p.group && c < C) {
         const int64_t at = int64_t(row0 + g) * p.st.max_clusters + c;
-        p.keys[at] = d[e];
+        if (p.sort_keys)
+          p.sort_keys[at] = sort_key(row0 + g, d[e]);
+        else
+          p.keys[at] = d[e];
         p.vals[at] = c;
       }
     }
@@ -956,28 +979,6 @@ __global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
 }
 
 constexpr int kRowThreads = 256;
-
-__global__ void __launch_bounds__(kRowThreads) prefix_kernel(SelectParams p) {
-  using Scan = cub::BlockScan<int, kRowThreads>;
-  __shared__ typename Scan::TempStorage tmp;
-  const int row = blockIdx.x;
-  const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
-  const int C = p.st.num_clusters[p.st.slot(b, h)];
-  const int* ids = p.sorted + int64_t(row) * p.st.max_clusters;
-  const int32_t* off = p.st.offsets_of(b, h);
-  int* prefix = p.prefix + int64_t(row) * (p.st.max_clusters + 1);
-  if (threadIdx.x == 0) prefix[0] = 0;
-  int carry = 0;
-  for (int j0 = 0; j0 < C; j0 += kRowThreads) {
-    const int j = j0 + threadIdx.x;
-    const int size = j < C ? off[ids[j] + 1] - off[ids[j]] : 0;
-    int incl, total;
-    Scan(tmp).InclusiveSum(size, incl, total);
-    __syncthreads();
-    if (j < C) prefix[j + 1] = carry + incl;
-    carry += total;
-  }
-}
 
 // Sorted order, prefix and sample tokens per (sequence, query head) when every cluster list
 // fits a CTA (max_clusters <= 8192, i.e. contexts up to 128K at cluster size 16). The order
@@ -1006,9 +1007,6 @@ __global__ void __launch_bounds__(kRowThreads) prefix_kernel(SelectParams p) {
 // the sorted prefix and first members in shared memory the CTA also maps every sampled
 // position to its token, so the sample kernel is left with two dependent loads (token, key
 // row) per sample.
-constexpr int kOrderThreads = 1024;
-constexpr int kOrderItems = 8;
-constexpr int kOrderMax = kOrderThreads * kOrderItems;  // clusters per list
 constexpr int kOrderBuckets = 16384;
 constexpr int kOrderMaxBucket = 128;
 // Bucket counters padded by one word per 32: a thread's blocked run of counters (the scan's
@@ -1343,51 +1341,86 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
   }
 }
 
-// Sorted position x (0-based) -> its member's entry of `source` (token id or page row,
-// sample_key_source), through the prefix of sorted cluster sizes, by a group of L lanes (the
-// lanes of one sample, all with the same x): an (L + 1)-ary search, so the chain of dependent
-// loads is log_{L+1}(C) long (4 at C = 8192, L = 16) instead of log_2(C) (13). Every lane
-// returns the entry. Used for lists beyond order_kernel's size.
-template <int L>
-__device__ __forceinline__ int group_key_at(const int* prefix, const int* ids, const int32_t* off,
-                                            const int32_t* source, int C, int x, int sub,
-                                            unsigned gmask, int gbase) {
-  int lo = 0, hi = C;  // largest j with prefix[j] <= x (prefix[0] = 0 <= x)
-  while (hi - lo > 1) {
-    const int m = lo + int(int64_t(sub + 1) * (hi - lo) / (L + 1));  // nondecreasing in sub
-    const bool le = prefix[m] <= x;  // m == lo probes a known true: harmless
-    const unsigned ball = (__ballot_sync(gmask, le) & gmask) >> gbase;
-    const int k = __popc(ball);  // prefix is nondecreasing: the true probes are lanes [0, k)
-    const int mlo = __shfl_sync(gmask, m, gbase + (k > 0 ? k - 1 : 0));
-    const int mhi = __shfl_sync(gmask, m, gbase + (k < L ? k : L - 1));
-    if (k > 0) lo = max(lo, mlo);
-    if (k < L) hi = mhi;
-  }
-  return source[off[ids[lo]] + (x - prefix[lo])];
-}
+// Long lists (after the radix sort): the prefix of sorted cluster sizes and every sample's key,
+// one CTA per (sequence, query head). A round takes kPrefixRound sorted clusters: two dependent
+// rounds of loads (the sorted ids, then their offsets), one block scan, the round's prefix and
+// first members kept in shared memory; then each sample whose position falls in the round finds
+// its cluster there (sorted_cluster_at) and its key is loaded, kPrefixBatch samples a thread at
+// a time. Before, rounds of 256 clusters each waited for the last (64 of them at 256K), and a
+// kernel of its own searched the prefix in global memory for every sample, a chain of seven
+// loads in 12 waves of CTAs (docs/gpu.md).
+constexpr int kPrefixThreads = 1024;
+constexpr int kPrefixItems = 16;
+constexpr int kPrefixRound = kPrefixThreads * kPrefixItems;
+constexpr int kPrefixBatch = 8;
 
-// The sample keys of long lists (after the segmented sort and prefix_kernel): a group of
-// 16 lanes per sample.
-constexpr int kLocateThreads = 256;
-constexpr int kLocateLanes = 16;
+struct PrefixSmem {
+  int prefix[kPrefixRound + 1];  // the round's prefix, from the members of earlier rounds
+  int base[kPrefixRound];        // each sorted cluster's first member
+  cub::BlockScan<int, kPrefixThreads, cub::BLOCK_SCAN_WARP_SCANS>::TempStorage scan;
+};
 
-__global__ void __launch_bounds__(kLocateThreads) locate_kernel(SelectParams p) {
-  constexpr int L = kLocateLanes, kPerCta = kLocateThreads / L;
-  const int row = blockIdx.y;
+__global__ void __launch_bounds__(kPrefixThreads) prefix_kernel(SelectParams p) {
+  using Scan = cub::BlockScan<int, kPrefixThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  extern __shared__ __align__(16) char prefix_smem[];
+  PrefixSmem& sm = *reinterpret_cast<PrefixSmem*>(prefix_smem);
+  const int row = blockIdx.x, tid = threadIdx.x;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
+  const int C = p.st.num_clusters[slot];
+  const int* ids = p.sorted + int64_t(row) * p.st.max_clusters;
+  const int32_t* off = p.st.offsets_of(b, h);
+  int* prefix = p.prefix + int64_t(row) * (p.st.max_clusters + 1);
   const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
-  const int s = blockIdx.x * kPerCta + int(threadIdx.x) / L;
-  if (int(blockIdx.x) * kPerCta >= plan.num_samples()) return;
-  const int lane = threadIdx.x % 32, sub = threadIdx.x % L;
-  const int gbase = lane - sub;
-  const unsigned gmask = ((1u << L) - 1u) << gbase;
-  if (s >= plan.num_samples()) return;  // the whole group leaves together
-  const int v = group_key_at<L>(p.prefix + int64_t(row) * (p.st.max_clusters + 1),
-                                p.sorted + int64_t(row) * p.st.max_clusters, p.st.offsets_of(b, h),
-                                sample_key_source(p.st, b, h), p.st.num_clusters[slot],
-                                plan.position(s) - 1, sub, gmask, gbase);
-  if (sub == 0) p.sample_keys[int64_t(row) * p.smax + s] = v;
+  const int S = plan.num_samples();
+  const int32_t* source = sample_key_source(p.st, b, h);
+  int* keys_out = p.sample_keys + int64_t(row) * p.smax;
+  if (tid == 0) prefix[0] = 0;
+  int carry = 0;  // members of the clusters of earlier rounds
+  for (int j0 = 0; j0 < C; j0 += kPrefixRound) {
+    const int first = tid * kPrefixItems;  // a blocked run of the round's sorted clusters
+    int id[kPrefixItems], size[kPrefixItems];
+#pragma unroll
+    for (int i = 0; i < kPrefixItems; ++i) id[i] = j0 + first + i < C ? ids[j0 + first + i] : -1;
+#pragma unroll
+    for (int i = 0; i < kPrefixItems; ++i) {
+      const int lo = id[i] >= 0 ? off[id[i]] : 0;
+      size[i] = id[i] >= 0 ? off[id[i] + 1] - lo : 0;
+      sm.base[first + i] = lo;  // read only after the barrier below
+    }
+    int total;
+    Scan(sm.scan).InclusiveSum(size, size, total);
+#pragma unroll
+    for (int i = 0; i < kPrefixItems; ++i) {
+      if (j0 + first + i >= C) continue;
+      prefix[j0 + first + i + 1] = carry + size[i];
+      sm.prefix[first + i + 1] = carry + size[i];
+    }
+    if (tid == 0) sm.prefix[0] = carry;
+    __syncthreads();
+    const int n = min(kPrefixRound, C - j0);
+    for (int s0 = tid; s0 < S; s0 += kPrefixThreads * kPrefixBatch) {
+      int at[kPrefixBatch];
+#pragma unroll
+      for (int u = 0; u < kPrefixBatch; ++u) {
+        const int s = s0 + u * kPrefixThreads;
+        const int x = s < S ? plan.position(s) - 1 : -1;
+        at[u] = -1;
+        if (x >= carry && x < carry + total) {
+          const int k = sorted_cluster_at(sm.prefix, 0, n, x);
+          at[u] = sm.base[k] + (x - sm.prefix[k]);
+        }
+      }
+      int v[kPrefixBatch];
+#pragma unroll
+      for (int u = 0; u < kPrefixBatch; ++u) v[u] = at[u] >= 0 ? source[at[u]] : 0;
+#pragma unroll
+      for (int u = 0; u < kPrefixBatch; ++u)
+        if (at[u] >= 0) keys_out[s0 + u * kPrefixThreads] = v[u];
+    }
+    carry += total;
+    __syncthreads();  // the round's shared memory is rewritten by the next
+  }
 }
 
 // Logits of the sampled tokens. One group of D / 8 lanes per sampled token (16 for d = 128)
@@ -1781,23 +1814,20 @@ cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int 
     if (err != cudaSuccess) return err;
     p.sorted = sorted;
   } else {
-    cub::DoubleBuffer<float> keys(p.keys, reinterpret_cast<float*>(ws + l.keys_b));
+    // Every row at once (sort_key): stable, so equal scores keep the lower cluster id first.
+    cub::DoubleBuffer<unsigned long long> keys(
+        p.sort_keys, reinterpret_cast<unsigned long long*>(ws + l.keys_b));
     cub::DoubleBuffer<int> vals(p.vals, reinterpret_cast<int*>(ws + l.vals_b));
     size_t temp_bytes = 0;
-    err = cub::DeviceSegmentedRadixSort::SortPairsDescending(nullptr, temp_bytes, keys, vals,
-                                                             int64_t(rows) * M, rows, p.seg_begin,
-                                                             p.seg_end, 0, 32, stream);
+    err = cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys, vals, int64_t(rows) * M, 0,
+                                          sort_end_bit(rows), stream);
     if (err != cudaSuccess) return err;
     if (temp_bytes > l.temp_bytes) return cudaErrorInvalidValue;
-    err = cub::DeviceSegmentedRadixSort::SortPairsDescending(ws + l.temp, temp_bytes, keys, vals,
-                                                             int64_t(rows) * M, rows, p.seg_begin,
-                                                             p.seg_end, 0, 32, stream);
+    err = cub::DeviceRadixSort::SortPairs(ws + l.temp, temp_bytes, keys, vals, int64_t(rows) * M, 0,
+                                          sort_end_bit(rows), stream);
     if (err != cudaSuccess) return err;
     p.sorted = vals.Current();
-    prefix_kernel<<<rows, kRowThreads, 0, stream>>>(p);
-    constexpr int kLocatePerCta = kLocateThreads / kLocateLanes;
-    locate_kernel<<<dim3(unsigned((p.smax + kLocatePerCta - 1) / kLocatePerCta), unsigned(rows)),
-                    kLocateThreads, 0, stream>>>(p);
+    prefix_kernel<<<rows, kPrefixThreads, sizeof(PrefixSmem), stream>>>(p);
   }
   constexpr int kSamplesPerCta = samples_per_cta<D>();
   err = cudaGetLastError();
@@ -1833,6 +1863,7 @@ cudaError_t prepare_cuda(int head_dim) {
                                    : reinterpret_cast<const void*>(recluster_kernel<128>);
     if (e == cudaSuccess) e = set(recluster, kBlockSmemLimit);
     if (e == cudaSuccess) e = set(reinterpret_cast<const void*>(order_kernel), sizeof(OrderSmem));
+    if (e == cudaSuccess) e = set(reinterpret_cast<const void*>(prefix_kernel), sizeof(PrefixSmem));
     result[i] = e;
   });
   return result[i];
@@ -1984,11 +2015,11 @@ cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv
   p.group = num_q_heads / kv.num_kv_heads;
   p.smax = l.smax;
   p.words = l.words;
-  p.keys = reinterpret_cast<float*>(ws + l.keys_a);
+  const bool long_lists = st.max_clusters > kOrderMax;
+  p.keys = long_lists ? nullptr : reinterpret_cast<float*>(ws + l.keys_a);
+  p.sort_keys = long_lists ? reinterpret_cast<unsigned long long*>(ws + l.keys_a) : nullptr;
   p.vals = reinterpret_cast<int*>(ws + l.vals_a);
   p.sorted = nullptr;
-  p.seg_begin = reinterpret_cast<int*>(ws + l.seg_begin);
-  p.seg_end = reinterpret_cast<int*>(ws + l.seg_end);
   p.prefix = reinterpret_cast<int*>(ws + l.prefix);
   p.sample_keys = reinterpret_cast<int*>(ws + l.sample_keys);
   p.logits = reinterpret_cast<float*>(ws + l.logits);

@@ -467,11 +467,15 @@ TEST(TacticCuda, FullSizeClusterListsMatchCpu) {
   check_decode(8, 2, 128, {131072}, 0.9, 27, 131072);
 }
 
-// Cluster capacities above 8192 (contexts beyond 128K) sort with the CUB segmented radix
-// sort instead of the one-CTA block sort; both must give the CPU's order.
+// Cluster capacities above 8192 (contexts beyond 128K) sort every row in one CUB radix sort
+// instead of the order kernel's bucket sort; both must give the CPU's order, also when every
+// score is equal (ties to the lower cluster id) and past each row's count of clusters. At
+// 270,000 tokens (16,875 clusters) the prefix kernel takes its list in two rounds.
 TEST(TacticCuda, SegmentedSortPathForLongContexts) {
   KVS_SKIP_WITHOUT_CUDA();
   check_decode(8, 2, 128, {2000, 300}, 0.9, 25, 140000);
+  check_decode(8, 2, 128, {1500, 300}, 0.75, 28, 140000, true);
+  check_decode(8, 2, 128, {270000}, 0.9, 29, 270000);
 }
 
 // Zero queries score every cluster 0: the bucket sort has no spread to bucket by, and the
