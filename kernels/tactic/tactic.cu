@@ -1427,7 +1427,9 @@ __global__ void __launch_bounds__(kPrefixThreads) prefix_kernel(SelectParams p) 
 // reads the key row as one coalesced segment and reduces by shuffles; each group takes
 // kSampleIlp samples with their loads issued together, so a CTA's dependent loads (sample
 // key, then the key row; with the page table between them where the state keeps no member
-// rows) cover kSampleIlp times as many samples and the grid fits in about one wave at 128K.
+// rows) cover kSampleIlp times as many samples. At 128K batch 1 that is 1,664 CTAs, 6 resident
+// an SM (40 registers): three rounds of residency, the last small; held to 32 registers for 8
+// an SM, the step was 0.3-0.5 us slower (docs/gpu.md).
 constexpr int kSampleThreads = 256;
 constexpr int kSampleIlp = 4;
 
@@ -1734,7 +1736,6 @@ __global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
   const int C = p.st.num_clusters[slot], clen = p.st.clustered_len[slot];
   const int len = p.kv.seq_lens[b];
   asm volatile("griddepcontrol.wait;" ::: "memory");
-
   // The chunk's own bitmap word and the members of the earlier chunks, a chunk per thread
   // (one round up to 256 chunks: 1M tokens at cluster size 16).
   const uint32_t own_word = c < M ? bits[c / 32] : 0u;
