@@ -26,17 +26,18 @@
 //           scores them on the tensor cores (bf16 mma, fp32 accumulation)
 //   order   descending, per (sequence, query head), with the sorted-position prefix of
 //           cluster sizes and the token of every sampled position. Up to 8192 clusters (128K
-//           tokens): a bucket sort over the score range (block radix sort when the spread is
-//           degenerate), by one CTA per row, or by up to 4 when the rows leave SMs idle,
-//           each ranking a share of the sorted positions. Longer lists: one CUB radix sort
-//           of every row's (row, descending score) keys, then a prefix kernel (a CTA per row:
-//           the prefix in shared memory a round at a time, each sample's cluster searched
-//           there)
+//           tokens): a bucket histogram over the score range by one CTA per row, which ranks
+//           only the buckets that hold what is read (the top of the order and the fit
+//           windows; block radix sort of the row when the spread is degenerate). Longer
+//           lists: one CUB radix sort of every row's (row, descending score) keys, then a
+//           prefix kernel (a CTA per row: the prefix in shared memory a round at a time, each
+//           sample's cluster searched there)
 //   sample  logits of the exact and window positions: a group of d / 8 lanes per sampled
 //           token (one coalesced key-row read, shuffle sum), several tokens per group
 //   budget  max, exact prefix (in shared memory), window means, fit, K (a block-parallel
-//           search), round up to clusters by a block-wide count over the prefix, bitmap OR
-//           (union), and the members each newly set bit adds to its index chunk
+//           search), round up to clusters by a block-wide count over the prefix (or, past the
+//           ranked top, a radix select over the scores), bitmap OR (union), and the members
+//           each newly set bit adds to its index chunk
 //   index   compaction of the union's members + recent tokens into the sub-request page
 //           table: a CTA per 256-cluster chunk (its start from the earlier chunks' counts),
 //           a warp per flagged cluster
@@ -48,6 +49,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cub/cub.cuh>
 #include <map>
@@ -771,8 +773,8 @@ constexpr int kOrderItems = 8;
 constexpr int kOrderMax = kOrderThreads * kOrderItems;  // clusters per list
 
 struct SelectLayout {
-  size_t keys_a, keys_b, vals_a, vals_b, prefix, sample_keys, logits, exact, bitmap, chunk_members,
-      temp, temp_bytes, total;
+  size_t keys_a, keys_b, vals_a, vals_b, prefix, ranked, sample_keys, logits, exact, bitmap,
+      chunk_members, temp, temp_bytes, total;
   int smax, words, chunks;
 };
 
@@ -833,6 +835,8 @@ SelectLayout select_layout(int max_batch, int Hq, int Hkv, int max_clusters, int
   o += up(items * sizeof(int));
   l.prefix = o;
   o += up(rows * (size_t(max_clusters) + 1) * sizeof(int));
+  l.ranked = o;
+  o += up(rows * sizeof(int2));
   l.sample_keys = o;
   o += up(rows * size_t(l.smax) * sizeof(int));
   l.logits = o;
@@ -863,6 +867,9 @@ struct SelectParams {
   int* vals;                      // unsorted ids
   const int* sorted;              // sorted ids (the sort's current buffer)
   int* prefix;
+  // [rows] (clusters, tokens) at the top of the order whose ids and prefix the order kernel
+  // wrote (all of them after the long lists' sort)
+  int2* ranked;
   // [rows, smax] the key of each sampled sorted position: its page row where the state keeps
   // member rows, its token id otherwise (sampled_key)
   int* sample_keys;
@@ -980,44 +987,43 @@ __global__ void __launch_bounds__(kScoreTile) score_kernel(SelectParams p) {
 
 constexpr int kRowThreads = 256;
 
-// Sorted order, prefix and sample tokens per (sequence, query head) when every cluster list
-// fits a CTA (max_clusters <= 8192, i.e. contexts up to 128K at cluster size 16). The order
-// is the CPU's: descending score, ties to the lower cluster id.
+// Sorted order, prefix and sample keys per (sequence, query head) when every cluster list fits
+// a CTA (max_clusters <= 8192, i.e. contexts up to 128K at cluster size 16), one CTA a row. The
+// order is the CPU's: descending score, ties to the lower cluster id.
 //
-// A row may take several CTAs (parts) when the rows alone leave SMs idle (32 rows on 132 SMs
-// at batch 1). Every part repeats the cheap whole-row phases (loads, range, histogram, bucket
-// scan), which need no exchange between CTAs, and then does the per-item phases (rank, sorted
-// sizes, outputs, sample tokens) only for its share of the sorted positions: the buckets whose
-// first rank falls in [share_start(part), share_start(part + 1)). A share starts and ends on a
-// bucket boundary, so a part ranks exactly the items of its positions, and its prefix starts
-// from the sizes of the items in earlier buckets. Those per-item phases were about 60 % of the
-// one-CTA kernel (docs/gpu.md). The radix-sort fallback runs on part 0 alone.
+// A bucket sort over the score range: kOrderBuckets equal-width buckets of [min, max] (bucket
+// index nonincreasing in the score) hold a cluster or two each, and a cluster's rank is its
+// bucket's first rank plus the number of bucket mates that precede it. Each bucket counts its
+// clusters and their tokens, so after one scan every bucket knows both its first rank and its
+// first sorted token position. When the spread is degenerate (non-finite scores, all equal,
+// or a bucket above kOrderMaxBucket, where ranking by comparison costs more than sorting) the
+// CTA sorts the row with a block radix sort instead; both give the same order.
 //
-// A bucket sort, not a radix sort: the scores are spread over a range, so kOrderBuckets
-// equal-width buckets of [min, max] (bucket index nonincreasing in the score) hold a handful
-// of clusters each, and each cluster's rank is its bucket's start plus the number of bucket
-// mates that precede it. That is one histogram, one scan and one scatter instead of the
-// eight digit passes of a 32-bit block radix sort (43 µs for 8192 keys on an H100). When
-// the spread is degenerate (non-finite scores, all equal, or a bucket above kOrderMaxBucket,
-// where ranking by comparison costs more than sorting) the CTA sorts with the block radix
-// sort instead; both give the same order.
+// Only the buckets that hold a position somebody reads are ranked (OrderRuns): the top of the
+// order (the exact samples' tokens, and at least ranked_min clusters: the budget's cut in the
+// common case) and the two fit windows, a few hundred clusters of 8192 at 128K. The budget
+// kernel finds its cut itself when it falls past the ranked top (budget_cut_by_select). Every
+// position had been ranked, prefixed and written before, by four CTAs a row that each repeated
+// the histogram and the scan: on an H200 the 128K step at batch 1 took 52.7 us against 49.8
+// now, 182 against 162 at batch 8 (docs/gpu.md). This kernel is bound by instruction issue (32
+// warps on one SM), so what it does not execute is what it saves.
 //
 // The list's CSR offsets are staged into shared memory with the scores (one coalesced round
-// trip; gathering them by sorted cluster from global memory cost more than the sort). With
-// the sorted prefix and first members in shared memory the CTA also maps every sampled
-// position to its token, so the sample kernel is left with two dependent loads (token, key
-// row) per sample.
-constexpr int kOrderBuckets = 16384;
+// trip). With the prefix of the ranked positions and their first members in shared memory the
+// CTA also maps every sampled position to its key, so the sample kernel is left with the key
+// rows.
+constexpr int kOrderBuckets = 8192;
+constexpr int kOrderCounts = kOrderBuckets / kOrderThreads;  // counters a thread scans
 constexpr int kOrderMaxBucket = 128;
-// Bucket counters padded by one word per 32: a thread's blocked run of counters (the scan's
-// arrangement) then starts on a different bank in every lane.
+constexpr int kOrderRankedMin = 512;  // clusters ranked at the top at least (the default)
+// A bucket's clusters and their tokens are counted in two 32-bit arrays: shared memory has no
+// 64-bit atomic add (one packed counter, a compare-and-swap loop, made the step 3.6 us slower on
+// an H200). Padded by one word per 32: a thread's blocked run of 8 (the scan's arrangement)
+// then starts on a different bank in every lane.
 constexpr int kOrderCountWords = kOrderBuckets + kOrderBuckets / 32;
 __device__ __forceinline__ int padded(int i) { return i + (i >> 5); }
 
 using OrderSort = cub::BlockRadixSort<float, kOrderThreads, kOrderItems, int>;
-// Warp scans, not the default raking: a 1024-thread raking scan runs its upsweep and downsweep
-// on one warp, a serial chain of 32 items each (this kernel scans twice).
-using OrderScan = cub::BlockScan<int, kOrderThreads, cub::BLOCK_SCAN_WARP_SCANS>;
 using OrderReduce = cub::BlockReduce<float2, kOrderThreads>;
 // (min, max) of a score range, reduced together: one block reduction instead of two.
 struct RangeOp {
@@ -1026,35 +1032,100 @@ struct RangeOp {
   }
 };
 
-struct OrderBuckets {
-  int count[kOrderCountWords];  // clusters per bucket, then (scanned) each bucket's first rank
-  float key[kOrderMax];         // scores scattered into bucket order
-  int id[kOrderMax];
+// The sorted positions a row ranks: up to three runs of whole buckets, in ascending order and
+// disjoint, run i holding buckets [ba, be), ranks [ra, rb) and sorted tokens [ta, tb), stored
+// one after another from flat position fb. Run 0 is the top of the order (from bucket, rank and
+// token 0).
+struct OrderRuns {
+  int count;
+  int ba[3], be[3], ra[3], rb[3], ta[3], tb[3], fb[3];
+  __device__ int flat() const { return fb[count - 1] + rb[count - 1] - ra[count - 1]; }
+  __device__ int of_flat(int f) const {
+    int i = 0;
+    while (i + 1 < count && f >= fb[i + 1]) ++i;
+    return i;
+  }
+  // The run that holds sorted token x, or -1.
+  __device__ int of_token(int x) const {
+    for (int i = 0; i < count; ++i)
+      if (x >= ta[i] && x < tb[i]) return i;
+    return -1;
+  }
 };
 
-constexpr int kOrderMaxParts = 4;
+// Where the runs come from: the bucket that holds each of these positions writes its bounds
+// (bucket, rank, token: the first ones for a window's start, one past the last ones for an
+// end). Not written, they stay 0: an empty run at the top.
+struct OrderBound {
+  int bucket, rank, token;
+};
+enum OrderCand {
+  kTopTokens,  // the end of the bucket of the last exact token
+  kTopRanks,   // the end of the bucket of rank ranked_min - 1
+  kWindow1,    // the first window's start, then its end
+  kWindow2 = kWindow1 + 2,
+  kCands = kWindow2 + 2
+};
+
+// The runs from the candidates: the top, then each window, merged into the run before where
+// they touch or overlap.
+__device__ void make_order_runs(const OrderBound* cand, bool fitted, OrderRuns& r) {
+  const OrderBound& top =
+      cand[kTopTokens].rank >= cand[kTopRanks].rank ? cand[kTopTokens] : cand[kTopRanks];
+  r.count = 1;
+  r.ba[0] = r.ra[0] = r.ta[0] = r.fb[0] = 0;
+  r.be[0] = top.bucket;
+  r.rb[0] = top.rank;
+  r.tb[0] = top.token;
+  if (!fitted) return;
+  for (int w = kWindow1; w <= kWindow2; w += 2) {
+    const OrderBound &lo = cand[w], &hi = cand[w + 1];
+    const int last = r.count - 1;
+    if (lo.rank <= r.rb[last]) {
+      r.be[last] = max(r.be[last], hi.bucket);
+      r.rb[last] = max(r.rb[last], hi.rank);
+      r.tb[last] = max(r.tb[last], hi.token);
+    } else {
+      const int n = r.count++;
+      r.ba[n] = lo.bucket, r.ra[n] = lo.rank, r.ta[n] = lo.token;
+      r.be[n] = hi.bucket, r.rb[n] = hi.rank, r.tb[n] = hi.token;
+      r.fb[n] = r.fb[last] + r.rb[last] - r.ra[last];
+    }
+  }
+}
+
+struct OrderBuckets {
+  int count[kOrderCountWords];   // clusters per bucket, then (scanned) each bucket's first rank
+  int tokens[kOrderCountWords];  // their tokens
+  float key[kOrderMax];  // the ranked buckets' scores by flat position; then each position's
+                         // first sorted token (as int: first_token)
+  int id[kOrderMax];     // their cluster ids; then each position's first member
+};
 
 struct OrderSmem {
   union {
     typename OrderSort::TempStorage sort;
     OrderBuckets buckets;
   } u;
-  union {
-    typename OrderScan::TempStorage scan;
-    typename OrderReduce::TempStorage reduce;
-  } t;
-  int ranked[kOrderMax];  // cluster id at each sorted position
-  // The list's CSR offsets, then the prefix of sorted sizes (16-byte aligned: read as int4).
+  typename OrderReduce::TempStorage reduce;
+  // The staged scores (as bits), then the cluster id at each flat position.
+  alignas(16) int ranked[kOrderMax];
+  // The list's CSR offsets (16-byte aligned: read as int4).
   alignas(16) int offsets[kOrderMax + 1];
   float lo, hi;
   int max_bucket;
-  int first, last;  // this part's sorted positions [first, last)
-  int carry;        // members of the clusters sorted before `first`
+  OrderBound cand[kCands];
+  OrderRuns runs;
+  int2 warp_sums[kOrderThreads / 32];  // order_block_scan's
 };
 
-// Sorted position x (0-based, prefix[lo] <= x < prefix[hi]) -> index j in [lo, hi) of the
-// sorted cluster holding it: the largest j with prefix[j] <= x (the CPU's upper_bound - 1;
-// empty clusters are skipped).
+__device__ __forceinline__ int* first_token(OrderSmem& sm) {
+  return reinterpret_cast<int*>(sm.u.buckets.key);
+}
+
+// Sorted position x (0-based, prefix[lo] <= x < the end of position hi - 1) -> index j in
+// [lo, hi) of the sorted cluster holding it: the largest j with prefix[j] <= x (the CPU's
+// upper_bound - 1; empty clusters are skipped).
 __device__ __forceinline__ int sorted_cluster_at(const int* prefix, int lo, int hi, int x) {
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
@@ -1066,64 +1137,90 @@ __device__ __forceinline__ int sorted_cluster_at(const int* prefix, int lo, int 
   return lo;
 }
 
-__device__ __forceinline__ int warp_min(int v) {
+// Exclusive scan over the block of a pair of sums a thread (a bucket run's clusters and
+// tokens, or sizes): warp shuffles, the warp totals scanned by warp 0, two barriers. cub's
+// warp-scans block scan has every warp add up all 32 warp aggregates instead (about 130
+// instructions a warp for a pair), and this kernel is bound by instruction issue: 32 warps on
+// one SM, 0.56 instructions a cycle per scheduler (ncu, docs/gpu.md).
+__device__ __forceinline__ int2 order_block_scan(int2 v, int2* warp_sums) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const auto warp_scan = [&](int2 x) {  // inclusive
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
+    for (int o = 1; o < 32; o *= 2) {
+      const int a = __shfl_up_sync(0xffffffffu, x.x, o), b = __shfl_up_sync(0xffffffffu, x.y, o);
+      if (lane >= o) x.x += a, x.y += b;
+    }
+    return x;
+  };
+  const int2 incl = warp_scan(v);
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int2 w = warp_sums[lane], wi = warp_scan(w);
+    warp_sums[lane] = make_int2(wi.x - w.x, wi.y - w.y);
+  }
+  __syncthreads();
+  const int2 base = warp_sums[warp];
+  return make_int2(base.x + incl.x - v.x, base.y + incl.y - v.y);
 }
 
-__device__ __forceinline__ int warp_sum(int v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// The first sorted position of a part's share (before rounding to a bucket boundary). The first
-// part also maps the exact samples (the top 1-2 % of the tokens, all in its share) to tokens,
-// its longest phase, so it takes half a share and the others split the rest.
-__device__ __forceinline__ int share_start(int C, int part, int parts) {
-  if (part == 0) return 0;
-  if (part == parts) return C;
-  const int64_t half = int64_t(C) / (2 * parts);
-  return int(half + (int64_t(C) - half) * (part - 1) / (parts - 1));
-}
-
-// Prefix of sorted cluster sizes over positions [first, last), ITEMS consecutive positions a
-// thread, into sm.offsets[first .. last] starting from `carry`, and the first member of each
-// sorted cluster into base[j]. The offsets are read before the barrier that precedes the
-// prefix's writes over them.
+// Each flat position's first sorted token and first member, ITEMS consecutive positions a
+// thread: one scan of the ranked clusters' sizes, restarted at each run's first token.
 template <int ITEMS>
-__device__ __forceinline__ void order_prefix(OrderSmem& sm, int first, int last, int carry,
-                                             int* base) {
-  const int tid = threadIdx.x;
+__device__ __forceinline__ void order_prefix(OrderSmem& sm, const OrderRuns& r) {
+  const int tid = threadIdx.x, F = r.flat();
   int fm[ITEMS], size[ITEMS];
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
-    const int j = first + tid * ITEMS + i;
-    const int c = j < last ? sm.ranked[j] : 0;
-    fm[i] = j < last ? sm.offsets[c] : 0;
-    size[i] = j < last ? sm.offsets[c + 1] - fm[i] : 0;
+    const int f = tid * ITEMS + i;
+    const int c = f < F ? sm.ranked[f] : 0;
+    fm[i] = f < F ? sm.offsets[c] : 0;
+    size[i] = f < F ? sm.offsets[c + 1] - fm[i] : 0;
   }
-  int end[ITEMS];
-  OrderScan(sm.t.scan).InclusiveSum(size, end);
-  __syncthreads();  // every offsets read before the prefix overwrites them
+  int sum = 0;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) sum += size[i];
+  int before = order_block_scan(make_int2(sum, 0), sm.warp_sums).x;
+  int* tok = first_token(sm);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
-    const int j = first + tid * ITEMS + i;
-    if (j < last) {
-      sm.offsets[j + 1] = carry + end[i];
-      base[j] = fm[i];
-    }
+    const int f = tid * ITEMS + i;
+    if (f >= F) continue;
+    // The runs before run i hold (tb - ta) tokens each, all of them in the scan.
+    const int ri = r.of_flat(f);
+    int skipped = 0;
+    for (int j = 0; j < ri; ++j) skipped += r.tb[j] - r.ta[j];
+    tok[f] = r.ta[ri] + before - skipped;
+    sm.u.buckets.id[f] = fm[i];
+    before += size[i];
   }
-  if (tid == 0) sm.offsets[first] = carry;
 }
 
-// Grid (rows, parts): blockIdx.y is the part (see above).
-__global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, int* sorted) {
+// The whole row by the block radix sort (degenerate spreads), from the staged scores, into one
+// run. Out of line: its registers would otherwise spill into the bucket sort's code.
+__device__ __noinline__ void order_sort_row(OrderSmem& sm, int C) {
+  const int c0 = int(threadIdx.x) * kOrderItems;
+  float k[kOrderItems];
+  int v[kOrderItems];
+#pragma unroll
+  for (int i = 0; i < kOrderItems; ++i) {
+    k[i] = __int_as_float(sm.ranked[c0 + i]);
+    v[i] = c0 + i;
+  }
+  __syncthreads();  // the sort's storage overlays the buckets
+  OrderSort(sm.u.sort).SortDescending(k, v);
+#pragma unroll
+  for (int i = 0; i < kOrderItems; ++i) sm.ranked[c0 + i] = v[i];
+  if (threadIdx.x == 0)
+    sm.runs = OrderRuns{1, {0}, {kOrderBuckets}, {0}, {C}, {0}, {sm.offsets[C]}, {0}};
+}
+
+// One CTA per row (sequence, query head). ranked_min: clusters ranked at the top at least.
+__global__ void __launch_bounds__(kOrderThreads)
+    order_kernel(SelectParams p, int* sorted, int ranked_min) {
   extern __shared__ __align__(16) char order_smem[];
   OrderSmem& sm = *reinterpret_cast<OrderSmem*>(order_smem);
-  const int row = blockIdx.x, part = blockIdx.y, parts = gridDim.y, tid = threadIdx.x;
-  const int lane = tid % 32;
+  const int row = blockIdx.x, tid = threadIdx.x;
   // The sample kernel's CTAs may get resident as this grid's CTAs end (they wait for all of it).
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
@@ -1144,18 +1241,29 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
     o[i] = x <= M ? off[x] : 0;
   }
   const int C = p.st.num_clusters[slot];
-  const int clustered = p.st.clustered_len[slot];  // for the sample positions, at the end
-  for (int x = tid; x < kOrderCountWords; x += kOrderThreads) sm.u.buckets.count[x] = 0;
+  const int clustered = p.st.clustered_len[slot];  // for the sample positions
+  for (int x = tid; x < kOrderCountWords; x += kOrderThreads) {
+    sm.u.buckets.count[x] = 0;
+    sm.u.buckets.tokens[x] = 0;
+  }
+  if (tid < kCands) sm.cand[tid] = OrderBound{0, 0, 0};
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  // A thread's 8 scores (blocked: the radix sort's input order is id order) as two 16-byte
+  // loads where the rows are 16-byte aligned: as 8 scalar loads a warp's requests touched
+  // each 32-byte sector 8 times.
   float k[kOrderItems];
+  const int c0 = tid * kOrderItems;
+  if (M % 4 == 0 && c0 + kOrderItems <= M) {  // uniform but for the last thread of a short row
+    const float4 u = reinterpret_cast<const float4*>(keys + c0)[0];
+    const float4 v = reinterpret_cast<const float4*>(keys + c0)[1];
+    k[0] = u.x, k[1] = u.y, k[2] = u.z, k[3] = u.w, k[4] = v.x, k[5] = v.y, k[6] = v.z, k[7] = v.w;
+  } else {
 #pragma unroll
-  for (int i = 0; i < kOrderItems; ++i) {
-    const int c = tid * kOrderItems + i;  // blocked: the radix sort's input order is id order
-    k[i] = c < M ? keys[c] : -INFINITY;
+    for (int i = 0; i < kOrderItems; ++i) k[i] = c0 + i < M ? keys[c0 + i] : -INFINITY;
   }
 #pragma unroll
   for (int i = 0; i < kOrderItems; ++i)
-    if (tid * kOrderItems + i >= C) k[i] = -INFINITY;
+    if (c0 + i >= C) k[i] = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kOffLoads; ++i) {
     const int x = tid + i * kOrderThreads;
@@ -1165,172 +1273,200 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(SelectParams p, in
   float lo = INFINITY, hi = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kOrderItems; ++i)
-    if (tid * kOrderItems + i < C) {
+    if (c0 + i < C) {
       lo = fminf(lo, k[i]);
       hi = fmaxf(hi, k[i]);
       if (!isfinite(k[i])) hi = INFINITY;
     }
-  const float2 range = OrderReduce(sm.t.reduce).Reduce(make_float2(lo, hi), RangeOp());
+  // The scores wait for the scatter (or the sort) where the order goes later, each thread its
+  // own, not in registers through the scan: the kernel is held to 64.
+  reinterpret_cast<float4*>(sm.ranked + c0)[0] = make_float4(k[0], k[1], k[2], k[3]);
+  reinterpret_cast<float4*>(sm.ranked + c0)[1] = make_float4(k[4], k[5], k[6], k[7]);
+  const float2 range = OrderReduce(sm.reduce).Reduce(make_float2(lo, hi), RangeOp());
   if (tid == 0) {
     sm.lo = range.x;
     sm.hi = range.y;
     sm.max_bucket = 0;
-    sm.first = C;
-    sm.last = C;
-    sm.carry = 0;
   }
-  __syncthreads();
+  __syncthreads();  // the range, and the offsets of every thread
   lo = sm.lo;
   hi = sm.hi;
   const float span = hi - lo;
   bool bucketed = C > 0 && isfinite(span) && span > 0.f;
   const float inv = bucketed ? float(kOrderBuckets) / span : 0.f;
-  int bucket[kOrderItems], slot_in[kOrderItems];
+  // Each cluster's bucket (low 16 bits) and its place among the bucket's clusters (high).
+  int place[kOrderItems];
   if (bucketed) {
+    // The thread's clusters' sizes from two 16-byte loads of their offsets (scalar loads at a
+    // stride of 8 words hit 4 banks).
+    static_assert(kOrderItems == 8, "two int4 loads per thread");
+    int e[kOrderItems + 1];
+    {
+      const int4* o4 = reinterpret_cast<const int4*>(sm.offsets + c0);
+      const int4 u = o4[0], v = o4[1];
+      e[0] = u.x, e[1] = u.y, e[2] = u.z, e[3] = u.w;
+      e[4] = v.x, e[5] = v.y, e[6] = v.z, e[7] = v.w;
+      e[8] = sm.offsets[c0 + kOrderItems];
+    }
     // (hi - s) and the product are monotone in s under rounding, so is the bucket.
 #pragma unroll
     for (int i = 0; i < kOrderItems; ++i) {
-      const bool valid = tid * kOrderItems + i < C;
-      bucket[i] = valid ? min(kOrderBuckets - 1, int((hi - k[i]) * inv)) : 0;
-      slot_in[i] = valid ? atomicAdd(&sm.u.buckets.count[padded(bucket[i])], 1) : 0;
-      if (valid && slot_in[i] == kOrderMaxBucket) sm.max_bucket = kOrderMaxBucket + 1;
+      const bool valid = c0 + i < C;
+      const int bucket = valid ? min(kOrderBuckets - 1, int((hi - k[i]) * inv)) : 0;
+      int slot_in = 0;
+      if (valid) {
+        slot_in = atomicAdd(&sm.u.buckets.count[padded(bucket)], 1);
+        atomicAdd(&sm.u.buckets.tokens[padded(bucket)], e[i + 1] - e[i]);
+      }
+      if (valid && slot_in == kOrderMaxBucket) sm.max_bucket = kOrderMaxBucket + 1;
+      place[i] = bucket | slot_in << 16;
     }
     __syncthreads();
     bucketed = sm.max_bucket <= kOrderMaxBucket;  // uniform
   }
-  int first = 0, last = C, carry = 0;  // this part's sorted positions, members before them
   if (bucketed) {
-    // Each bucket's first rank, and this part's share: it starts at the first bucket whose
-    // first rank is >= share_start(part) and ends where the next part's starts.
-    const int want_first = share_start(C, part, parts);
-    const int want_last = share_start(C, part + 1, parts);
-    constexpr int kPer = kOrderBuckets / kOrderThreads;
-    int cnt[kPer];
+    // Each bucket's first rank and first token; the buckets that hold the runs' bounds write
+    // them (OrderCand). The thread's buckets are read twice (their sums, then the walk below)
+    // rather than held in registers through the scan.
+    int2 sum = make_int2(0, 0);
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) cnt[i] = sm.u.buckets.count[padded(tid * kPer + i)];
-    OrderScan(sm.t.scan).ExclusiveSum(cnt, cnt);
+    for (int i = 0; i < kOrderCounts; ++i) {
+      const int x = padded(tid * kOrderCounts + i);
+      sum.x += sm.u.buckets.count[x], sum.y += sm.u.buckets.tokens[x];
+    }
+    const int2 first = order_block_scan(sum, sm.warp_sums);  // the thread's first rank, token
+    const FitPlan plan = make_fit_plan(clustered, p.fit);
+    // The positions whose buckets bound the runs: the last exact token, rank ranked_min - 1
+    // (a rank), and each window's first and last token (-1: none).
+    const int top_rank = min(ranked_min, C) - 1;
+    int at[4] = {-1, -1, -1, -1};
+    if (plan.fitted) {
+      at[0] = plan.lo1 - 1, at[1] = plan.lo1 + plan.w - 2;
+      at[2] = plan.lo2 - 1, at[3] = plan.lo2 + plan.w - 2;
+    }
+    const int top_token = plan.num_exact - 1;
+    const auto holds = [](int x, int lo, int n) { return x >= lo && x < lo + n; };
+    // Most threads' buckets hold none of them: one test of the thread's whole range first.
+    bool mine = holds(top_token, first.y, sum.y) || holds(top_rank, first.x, sum.x);
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) sm.u.buckets.count[padded(tid * kPer + i)] = cnt[i];
-    if (parts > 1) {  // uniform
-      int f = C, l = C;
+    for (int w = 0; w < 4; ++w) mine = mine || holds(at[w], first.y, sum.y);
+    int rn = first.x, rt = first.y;
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        if (cnt[i] >= want_first) f = min(f, cnt[i]);
-        if (cnt[i] >= want_last) l = min(l, cnt[i]);
+    for (int i = 0; i < kOrderCounts; ++i) {
+      const int bkt = tid * kOrderCounts + i;
+      const int cn = sm.u.buckets.count[padded(bkt)], ct = sm.u.buckets.tokens[padded(bkt)];
+      sm.u.buckets.count[padded(bkt)] = rn;
+      if (mine) {
+        const OrderBound start{bkt, rn, rt}, stop{bkt + 1, rn + cn, rt + ct};
+        if (holds(top_token, rt, ct)) sm.cand[kTopTokens] = stop;
+        if (holds(top_rank, rn, cn)) sm.cand[kTopRanks] = stop;
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+          if (holds(at[w], rt, ct)) sm.cand[kWindow1 + w] = w % 2 == 0 ? start : stop;
       }
-      f = warp_min(f);
-      l = warp_min(l);
-      if (lane == 0) {
-        atomicMin(&sm.first, f);
-        atomicMin(&sm.last, l);
-      }
+      rn += cn, rt += ct;
     }
     __syncthreads();
-    if (parts > 1) {
-      first = sm.first;
-      last = sm.last;
-    }
-    // Scatter this part's items into bucket order, and count the members of the clusters in
-    // earlier buckets (sorted before `first`; none for the first part). A thread's clusters'
-    // offsets are read as two 16-byte loads: scalar loads at a stride of 8 words hit 4 banks.
-    static_assert(kOrderItems == 8, "two int4 loads per thread");
-    int e[kOrderItems + 1] = {};
-    if (first > 0) {  // uniform
-      const int4* o4 = reinterpret_cast<const int4*>(sm.offsets + tid * kOrderItems);
-      const int4 u = o4[0], v = o4[1];
-      e[0] = u.x, e[1] = u.y, e[2] = u.z, e[3] = u.w;
-      e[4] = v.x, e[5] = v.y, e[6] = v.z, e[7] = v.w;
-      e[8] = sm.offsets[tid * kOrderItems + kOrderItems];
-    }
-    int before = 0;
+    if (tid == 0) make_order_runs(sm.cand, plan.fitted, sm.runs);  // the windows: fitted only
+    __syncthreads();
+    // Scatter the runs' clusters into bucket order, by flat position.
+    const OrderRuns& runs = sm.runs;
+    const int nr = runs.count;
+    const int ba0 = runs.ba[0], be0 = runs.be[0], ba1 = runs.ba[1], be1 = runs.be[1],
+              ba2 = runs.ba[2], be2 = runs.be[2];
 #pragma unroll
     for (int i = 0; i < kOrderItems; ++i) {
-      const int c = tid * kOrderItems + i;
-      const int start = sm.u.buckets.count[padded(bucket[i])];
-      if (c < C && start >= first && start < last) {
-        sm.u.buckets.key[start + slot_in[i]] = k[i];
-        sm.u.buckets.id[start + slot_in[i]] = c;
-      }
-      if (c < C && start < first) before += e[i + 1] - e[i];
-    }
-    if (first > 0) {
-      before = warp_sum(before);
-      if (lane == 0 && before > 0) atomicAdd(&sm.carry, before);
+      const int bkt = place[i] & 0xffff;
+      const int ri = c0 + i >= C                         ? -1
+                     : bkt >= ba0 && bkt < be0           ? 0
+                     : nr > 1 && bkt >= ba1 && bkt < be1 ? 1
+                     : nr > 2 && bkt >= ba2 && bkt < be2 ? 2
+                                                         : -1;
+      if (ri < 0) continue;
+      const int rs = sm.u.buckets.count[padded(bkt)];
+      const int f = runs.fb[ri] + rs - runs.ra[ri] + (place[i] >> 16);
+      sm.u.buckets.key[f] = __int_as_float(sm.ranked[c0 + i]);
+      sm.u.buckets.id[f] = c0 + i;
     }
     __syncthreads();
-    carry = sm.carry;
-    // Each cluster's rank among its bucket mates, by bucket position, striped: a warp's lanes
-    // hold neighbouring positions, so they walk the same bucket together (the same trip count,
-    // every mate's key and id read once for all lanes). By cluster (each lane's mates in a
-    // bucket of its own) a warp paid its largest bucket for each of its items.
-#pragma unroll
-    for (int i = 0; i < kOrderItems; ++i) {
-      const int at = first + tid + i * kOrderThreads;
-      if (at >= last) continue;
-      const float ka = sm.u.buckets.key[at];
-      const int ca = sm.u.buckets.id[at];
+    // Each cluster's rank among its bucket mates. A warp's lanes hold neighbouring positions, so
+    // they walk the same bucket together (the same trip count, every mate read once for all).
+    const int F = runs.flat();
+    for (int f = tid; f < F; f += kOrderThreads) {
+      const float ka = sm.u.buckets.key[f];
+      const int ca = sm.u.buckets.id[f];
       const int bk = min(kOrderBuckets - 1, int((hi - ka) * inv));  // the scatter's bucket
-      const int bfirst = sm.u.buckets.count[padded(bk)];
-      const int blast = bk + 1 < kOrderBuckets ? sm.u.buckets.count[padded(bk + 1)] : C;
-      int rank = bfirst;
+      const int rs = sm.u.buckets.count[padded(bk)];
+      const int re = bk + 1 < kOrderBuckets ? sm.u.buckets.count[padded(bk + 1)] : C;
+      const int ri = runs.of_flat(f);
+      const int bf = runs.fb[ri] + rs - runs.ra[ri];
+      int rank = bf;
 #pragma unroll 4
-      for (int j = bfirst; j < blast; ++j) {
+      for (int j = bf; j < bf + (re - rs); ++j) {
         const float kj = sm.u.buckets.key[j];
         rank += (kj > ka || (kj == ka && sm.u.buckets.id[j] < ca)) ? 1 : 0;
       }
       sm.ranked[rank] = ca;
     }
-  } else {
-    if (part != 0) return;  // uniform: part 0 sorts the whole row
-    int v[kOrderItems];
-#pragma unroll
-    for (int i = 0; i < kOrderItems; ++i) v[i] = tid * kOrderItems + i;
-    __syncthreads();  // the sort's storage overlays the buckets
-    OrderSort(sm.u.sort).SortDescending(k, v);
-#pragma unroll
-    for (int i = 0; i < kOrderItems; ++i) sm.ranked[tid * kOrderItems + i] = v[i];
+  } else if (C > 0) {  // uniform: the whole row by the block radix sort
+    order_sort_row(sm, C);
+  } else if (tid == 0) {
+    sm.runs = OrderRuns{1, {0}, {0}, {0}, {0}, {0}, {0}, {0}};
   }
   __syncthreads();
-  // The prefix of sorted sizes over this part's positions: 3 positions a thread when the share
-  // is small (parts of a row), so that all warps take part and their loads of `ranked` do not
-  // conflict; 8 when one CTA has the row.
-  int* base = sm.u.buckets.id;  // first member of each sorted cluster (the buckets are done)
-  if (last - first <= 3 * kOrderThreads)
-    order_prefix<3>(sm, first, last, carry, base);
+  const OrderRuns& runs = sm.runs;
+  // The ranked positions' first tokens and members: 1 position a thread when the runs are
+  // short (the common case), 3 or 8 when they are not.
+  const int F = runs.flat();
+  if (F <= kOrderThreads)
+    order_prefix<1>(sm, runs);
+  else if (F <= 3 * kOrderThreads)
+    order_prefix<3>(sm, runs);
   else
-    order_prefix<kOrderItems>(sm, first, last, carry, base);
+    order_prefix<kOrderItems>(sm, runs);
   __syncthreads();
-  int* ids = sorted + int64_t(row) * p.st.max_clusters;
-  int* prefix = p.prefix + int64_t(row) * (p.st.max_clusters + 1);
-  for (int x = first + tid; x < last; x += kOrderThreads) ids[x] = sm.ranked[x];
-  for (int x = first + 1 + tid; x <= last; x += kOrderThreads) prefix[x] = sm.offsets[x];
-  if (part == 0 && tid == 0) prefix[0] = 0;
-  // Sample keys of this part's sorted positions: kOrderRun consecutive samples per thread
-  // (consecutive sorted positions within a range), one binary search of the prefix per run
-  // and a forward walk, then the run's member (or member row) loads together.
+  // The top run's sorted ids and prefix for the budget kernel, and what they cover.
+  const int* tok = first_token(sm);
+  const int R = runs.rb[0], T = runs.tb[0];
+  int* ids = sorted + int64_t(row) * M;
+  int* prefix = p.prefix + int64_t(row) * (M + 1);
+  for (int x = tid; x < R; x += kOrderThreads) {
+    ids[x] = sm.ranked[x];
+    prefix[x] = tok[x];
+  }
+  if (tid == 0) {
+    prefix[R] = T;
+    p.ranked[row] = make_int2(R, T);
+  }
+  // Sample keys: kOrderRun consecutive samples per thread (consecutive sorted positions within
+  // a run), one binary search per run of samples and a forward walk, then the run's member (or
+  // member row) loads together.
   const FitPlan plan = make_fit_plan(clustered, p.fit);
   const int S = plan.num_samples();
-  const int x_first = sm.offsets[first], x_last = sm.offsets[last];
   const int32_t* source = sample_key_source(p.st, b, h);
   int* keys_out = p.sample_keys + int64_t(row) * p.smax;
+  const int* base = sm.u.buckets.id;
   constexpr int kOrderRun = 4;
   for (int s0 = tid * kOrderRun; s0 < S; s0 += kOrderThreads * kOrderRun) {
     int at[kOrderRun];
-    int j = first, last_x = -2;
+    int j = 0, end = 0, last_x = -2, run_tb = 0;
 #pragma unroll
     for (int u = 0; u < kOrderRun; ++u) {
       at[u] = -1;
-      if (s0 + u < S) {
-        const int x = plan.position(s0 + u) - 1;
-        if (x < x_first || x >= x_last) continue;  // another part's position
-        if (x == last_x + 1) {
-          while (sm.offsets[j + 1] <= x) ++j;
-        } else {
-          j = sorted_cluster_at(sm.offsets, first, last, x);
-        }
-        last_x = x;
-        at[u] = base[j] + (x - sm.offsets[j]);
+      if (s0 + u >= S) continue;
+      const int x = plan.position(s0 + u) - 1;
+      if (x == last_x + 1 && x < run_tb) {
+        while (j + 1 < end && tok[j + 1] <= x) ++j;
+      } else {
+        const int ri = runs.of_token(x);
+        if (ri < 0) continue;  // not in a run: a state whose offsets disagree with its length
+        const int lo_f = runs.fb[ri];
+        end = lo_f + runs.rb[ri] - runs.ra[ri];
+        run_tb = runs.tb[ri];
+        j = sorted_cluster_at(tok, lo_f, end, x);
       }
+      last_x = x;
+      at[u] = base[j] + (x - tok[j]);
     }
     int t[kOrderRun];
 #pragma unroll
@@ -1500,7 +1636,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(SelectParams p) 
 // for n up to 136K at the default exact_fraction; longer lists spill the rest to global.
 constexpr int kExactSmem = 2048;
 constexpr int kBudgetItems = 8;    // exact exponentials per thread and scan
-constexpr int kBudgetPrefix = 32;  // sorted-prefix entries per thread loaded at the start
+constexpr int kBudgetPrefix = 4;   // sorted-prefix entries per thread loaded at the start
 constexpr int kBudgetStage = 16;   // logits per thread staged in shared memory (4096 a row)
 constexpr int kLogitSmem = kBudgetStage * kRowThreads;
 
@@ -1530,13 +1666,77 @@ __device__ int block_budget_tokens(const FitPlan& f, const TailModel& t, double 
   return lo;
 }
 
+// The budget's cut when K falls past the top of the order that the order kernel ranked
+// (OrderRuns): B, the first cluster in the CPU's order at which the prefix of cluster sizes
+// reaches K, by a radix select over the row's scores weighted by the clusters' sizes: four
+// 8-bit digits of the score's order key (descending score), then two of the cluster id among
+// the clusters of B's score (ascending id). Each round is a histogram of the candidates left
+// and one scan of its 256 bins, a bin a thread. Every cluster up to B in that order joins the
+// union (join(c, size)); returns the tokens up to B's end, the row's selection. Rows get here
+// when their heads are flat (K past about 6 % of the tokens at the defaults), where the
+// selection is large anyway.
+template <typename Scan, typename Join>
+__device__ int budget_cut_by_select(const float* scores, const int32_t* off, int C, int K,
+                                    int* hist, int* pick, typename Scan::TempStorage& scan,
+                                    Join join) {
+  static_assert(kRowThreads == 256, "a bin a thread");
+  const int tid = threadIdx.x;
+  unsigned key = 0, key_mask = 0;  // the score key's digits chosen so far
+  int id = 0, id_mask = 0;         // and the id's, among equal scores
+  int before = 0;                  // tokens of the clusters sorted before every candidate left
+  bool all = false;                // K beyond the list (not reached: K <= n)
+  for (int round = 0; round < 6; ++round) {
+    const bool by_id = round >= 4;
+    const int shift = by_id ? 8 * (5 - round) : 8 * (3 - round);
+    hist[tid] = 0;
+    if (tid == 0) pick[0] = -1;
+    __syncthreads();
+    for (int c = tid; c < C; c += kRowThreads) {
+      const unsigned u = ~float_order_key(scores[c]);
+      const int w = off[c + 1] - off[c];
+      const bool in = by_id ? u == key && (c & id_mask) == id : (u & key_mask) == key;
+      if (in && w > 0) atomicAdd(&hist[((by_id ? unsigned(c) : u) >> shift) & 255u], w);
+    }
+    __syncthreads();
+    const int v = hist[tid];
+    int incl;
+    Scan(scan).InclusiveSum(v, incl);
+    if (v > 0 && before + incl >= K && before + incl - v < K) {
+      pick[0] = tid;
+      pick[1] = before + incl - v;
+    }
+    __syncthreads();
+    const int d = pick[0];
+    before = pick[1];
+    __syncthreads();  // every thread has read pick before the next round resets it
+    if (d < 0) {      // uniform
+      all = true;
+      break;
+    }
+    if (by_id) {
+      id |= d << shift;
+      id_mask |= 255 << shift;
+    } else {
+      key |= unsigned(d) << shift;
+      key_mask |= 255u << shift;
+    }
+  }
+  for (int c = tid; c < C; c += kRowThreads) {
+    const unsigned u = ~float_order_key(scores[c]);
+    if (all || u < key || (u == key && c <= id)) join(c, off[c + 1] - off[c]);
+  }
+  return all ? off[C] - off[0] : before + off[id + 1] - off[id];
+}
+
 __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   using ScanD = cub::BlockScan<double, kRowThreads>;
   using ReduceF = cub::BlockReduce<float, kRowThreads>;
   using ReduceD = cub::BlockReduce<double, kRowThreads>;
   using ReduceI = cub::BlockReduce<int, kRowThreads>;
+  using ScanI = cub::BlockScan<int, kRowThreads>;
   __shared__ union {
     typename ScanD::TempStorage scan;
+    typename ScanI::TempStorage scan_i;
     typename ReduceF::TempStorage rf;
     typename ReduceD::TempStorage rd;
     typename ReduceI::TempStorage ri;
@@ -1545,7 +1745,7 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   __shared__ __align__(16) float s_logit[kLogitSmem];  // logits [0, kLogitSmem): one read each
   __shared__ float s_max;
   __shared__ double s_windows[2];
-  __shared__ int s_clusters;
+  __shared__ int s_clusters, s_pick[2];
   const int row = blockIdx.x;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
@@ -1567,6 +1767,8 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   }
   const int first_id = int(threadIdx.x) < M ? ids[threadIdx.x] : 0;
   const int C = p.st.num_clusters[slot];
+  // The top of the order whose ids and prefix are written; all of it after the long lists' sort.
+  const int2 top = p.sort_keys ? make_int2(M, INT_MAX) : p.ranked[row];
   const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
   const int S = plan.num_samples();
   // The fit's abscissae and H(num_exact) do not depend on the logits either: their logs and
@@ -1669,20 +1871,38 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   const int K = block_budget_tokens(
       plan, tail, p.fit.target,
       [&](int k) { return k - 1 < kExactSmem ? s_exact[k - 1] : exact[k - 1]; }, h_exact);
+  // The union, and the members it adds to each index chunk: the row that sets a cluster's bit
+  // first adds its size, so a cluster chosen by several heads of the group counts once.
+  const auto join = [&](int c, int size) {
+    const uint32_t bit = 1u << (c % 32);
+    if (!(atomicOr(&p.bitmap[slot * p.words + c / 32], bit) & bit))
+      atomicAdd(&p.chunk_members[slot * p.chunks + c / kIndexChunk], size);
+  };
+  // The cut past the ranked top (uniform): s_logit is the histogram now.
+  if (K > top.y) {
+    __syncthreads();
+    const int selected =
+        budget_cut_by_select<ScanI>(p.keys + int64_t(row) * M, p.st.offsets_of(b, h), C, K,
+                                    reinterpret_cast<int*>(s_logit), s_pick, tmp.scan_i, join);
+    if (threadIdx.x == 0) p.sel.selected[row] = selected;
+    return;
+  }
   // Whole clusters (spec 8.2): the smallest J in [1, C] with prefix[J] >= K. prefix is
   // nondecreasing, so J = 1 + #{j in [1, C) : prefix[j] < K}: one coalesced pass of the block
-  // instead of a serial binary search of dependent loads.
+  // instead of a serial binary search of dependent loads. prefix[top.x] >= K, so the count
+  // stops at the top's end.
+  const int R = min(C, top.x);
   int below = 0;
 #pragma unroll
   for (int i = 0; i < kBudgetPrefix; ++i)
-    below += 1 + int(threadIdx.x) + i * kRowThreads < C && pre[i] < K ? 1 : 0;
-  for (int j0 = 1 + int(threadIdx.x) + kBudgetPrefix * kRowThreads; j0 < C;
+    below += 1 + int(threadIdx.x) + i * kRowThreads < R && pre[i] < K ? 1 : 0;
+  for (int j0 = 1 + int(threadIdx.x) + kBudgetPrefix * kRowThreads; j0 < R;
        j0 += kRowThreads * kBudgetItems) {
     int v[kBudgetItems];
 #pragma unroll
     for (int i = 0; i < kBudgetItems; ++i) {
       const int j = j0 + i * kRowThreads;
-      v[i] = j < C ? prefix[j] : K;
+      v[i] = j < R ? prefix[j] : K;
     }
 #pragma unroll
     for (int i = 0; i < kBudgetItems; ++i) below += v[i] < K ? 1 : 0;
@@ -1693,15 +1913,8 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
     p.sel.selected[row] = prefix[1 + below];
   }
   __syncthreads();
-  // The union, and the members it adds to each index chunk: the row that sets a cluster's bit
-  // first adds its size, so a cluster chosen by several heads of the group counts once.
-  for (int j = threadIdx.x; j < s_clusters; j += kRowThreads) {
-    const int c = j < kRowThreads ? first_id : ids[j];
-    const int size = prefix[j + 1] - prefix[j];
-    const uint32_t bit = 1u << (c % 32);
-    if (!(atomicOr(&p.bitmap[slot * p.words + c / 32], bit) & bit))
-      atomicAdd(&p.chunk_members[slot * p.chunks + c / kIndexChunk], size);
-  }
+  for (int j = threadIdx.x; j < s_clusters; j += kRowThreads)
+    join(j < kRowThreads ? first_id : ids[j], prefix[j + 1] - prefix[j]);
 }
 
 // Compaction of the union into the sub-request page table: one CTA per (chunk of
@@ -1792,15 +2005,9 @@ __global__ void __launch_bounds__(kIndexThreads) index_kernel(SelectParams p) {
   }
 }
 
-// CTAs per order row: as many as leave every CTA an SM of its own (one wave), up to
-// kOrderMaxParts. At batch 1 (32 rows on 132 SMs) that is 4; from batch 4 it is 1.
-int order_parts_for(int rows, int sms) {
-  return std::max(1, std::min(kOrderMaxParts, sms / rows));
-}
-
 template <int D>
 cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int batch,
-                          int order_parts, cudaStream_t stream) {
+                          int ranked_min, cudaStream_t stream) {
   const int rows = batch * p.num_q_heads;
   const int subs = batch * p.kv.num_kv_heads;
   const int M = p.st.max_clusters;
@@ -1810,8 +2017,8 @@ cudaError_t launch_select(SelectParams& p, const SelectLayout& l, char* ws, int 
   if (err != cudaSuccess) return err;
   if (M <= kOrderMax) {
     int* sorted = reinterpret_cast<int*>(ws + l.vals_b);
-    err = launch_programmatic(order_kernel, dim3(unsigned(rows), unsigned(order_parts)),
-                              dim3(kOrderThreads), sizeof(OrderSmem), stream, p, sorted);
+    err = launch_programmatic(order_kernel, dim3(unsigned(rows)), dim3(kOrderThreads),
+                              sizeof(OrderSmem), stream, p, sorted, ranked_min);
     if (err != cudaSuccess) return err;
     p.sorted = sorted;
   } else {
@@ -1983,24 +2190,17 @@ size_t select_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, 
 cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, float scale,
                                const FitParams& fit, const ClusterState& st, const Selection& sel,
                                unsigned long long* counters, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream, int order_parts) {
+                               size_t workspace_bytes, cudaStream_t stream, int ranked_min) {
   const int d = kv.head_dim;
   if ((d != 64 && d != 128) || st.head_dim != d || kv.num_kv_heads != st.num_kv_heads ||
       kv.batch > st.max_batch || num_q_heads % kv.num_kv_heads != 0 ||
       num_q_heads / kv.num_kv_heads > kMaxGroup || !q || !workspace || !sel.rows || !sel.tokens ||
-      !sel.counts || !sel.selected || sel.max_tokens < st.max_tokens || order_parts < 0 ||
-      order_parts > kOrderMaxParts)
+      !sel.counts || !sel.selected || sel.max_tokens < st.max_tokens || ranked_min < -1)
     return cudaErrorInvalidValue;
   if (kv.batch <= 0) return cudaSuccess;
   const cudaError_t prepared = prepare_cuda(d);  // order_kernel's shared memory
   if (prepared != cudaSuccess) return prepared;
-  int parts = order_parts;
-  if (parts == 0) {
-    int sms = 0;
-    const cudaError_t counted = sm_count(&sms);
-    if (counted != cudaSuccess) return counted;
-    parts = order_parts_for(kv.batch * num_q_heads, sms);
-  }
+  if (ranked_min < 0) ranked_min = kOrderRankedMin;
   const SelectLayout l = select_layout(st.max_batch, num_q_heads, st.num_kv_heads, st.max_clusters,
                                        st.max_tokens, fit);
   if (workspace_bytes < l.total) return cudaErrorInvalidValue;
@@ -2022,6 +2222,7 @@ cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv
   p.vals = reinterpret_cast<int*>(ws + l.vals_a);
   p.sorted = nullptr;
   p.prefix = reinterpret_cast<int*>(ws + l.prefix);
+  p.ranked = reinterpret_cast<int2*>(ws + l.ranked);
   p.sample_keys = reinterpret_cast<int*>(ws + l.sample_keys);
   p.logits = reinterpret_cast<float*>(ws + l.logits);
   p.exact = reinterpret_cast<double*>(ws + l.exact);
@@ -2029,8 +2230,8 @@ cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv
   p.chunk_members = reinterpret_cast<int*>(ws + l.chunk_members);
   p.chunks = l.chunks;
   p.counters = counters;
-  return d == 64 ? launch_select<64>(p, l, ws, kv.batch, parts, stream)
-                 : launch_select<128>(p, l, ws, kv.batch, parts, stream);
+  return d == 64 ? launch_select<64>(p, l, ws, kv.batch, ranked_min, stream)
+                 : launch_select<128>(p, l, ws, kv.batch, ranked_min, stream);
 }
 
 }  // namespace kvs::kernels::tactic

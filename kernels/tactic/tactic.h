@@ -158,15 +158,16 @@ struct Selection {
 PagedKV subrequest_view(const PagedKV& kv, const Selection& sel);
 
 // Device counters the selection adds to when non-null: [0] rows attended (sum of counts),
-// [1] selection bytes read (centroids + sampled keys). order_parts is the number of CTAs
-// that share each (sequence, query head) row of the cluster order (1 to 4; 0 picks the most
-// that leave every CTA an SM of its own); every value gives the same selection.
+// [1] selection bytes read (centroids + sampled keys). ranked_min is the number of clusters
+// at the top of each (sequence, query head) order that the order kernel ranks at least, beside
+// those of the exact and window samples (-1: 512); the budget's cut past them is found by a
+// radix select of its own (slower). Every value gives the same selection.
 size_t select_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
                               int max_clusters, int max_tokens, const FitParams& fit);
 cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, float scale,
                                const FitParams& fit, const ClusterState& state,
                                const Selection& sel, unsigned long long* counters, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream, int order_parts = 0);
+                               size_t workspace_bytes, cudaStream_t stream, int ranked_min = -1);
 
 // Largest number of samples (exact + windows) one head takes for lists of <= max_tokens.
 int max_samples(int max_tokens, const FitParams& fit);

@@ -486,12 +486,14 @@ TEST(TacticCuda, EqualScoresTakeTheRadixSortFallback) {
   check_decode(8, 2, 128, {1500, 300}, 0.75, 26, 4096, true);
 }
 
-// The order kernel may split a row over 1-4 CTAs, each ranking a share of the sorted
-// positions after repeating the row's histogram (tactic.cu). Every split must give the
-// selection of one CTA bit for bit: the tokens, their count and each head's budget, on
-// workspaces poisoned beforehand so that a position no part wrote is caught.
-void check_order_parts(int hq, int hkv, const std::vector<int>& lens, int max_context,
-                       uint32_t seed, bool zero_queries = false) {
+// The order kernel ranks only the top of each head's order (at least ranked_min clusters) and
+// the fit windows; a budget whose cut falls past the top finds it by a radix select of its own
+// (tactic.cu). Every ranked_min must give the selection of a fully ranked order bit for bit:
+// the tokens, their count and each head's budget, on workspaces poisoned beforehand so that a
+// position nobody wrote is caught. ranked_min 0 ranks the exact samples' clusters alone, so
+// that most cuts take the radix select.
+void check_ranked_top(int hq, int hkv, const std::vector<int>& lens, int max_context, uint32_t seed,
+                      bool zero_queries = false) {
   const ModelShape s = shape(hq, hkv, 128);
   const int B = int(lens.size());
   Pair p(s, lens, std::max(4096, *std::max_element(lens.begin(), lens.end())), seed);
@@ -513,7 +515,7 @@ void check_order_parts(int hq, int hkv, const std::vector<int>& lens, int max_co
     std::vector<int32_t> counts, selected;
     std::vector<std::vector<int32_t>> tokens;
   };
-  auto run = [&](int parts) {
+  auto run = [&](int ranked_min) {
     const size_t list = size_t(st.max_tokens);
     DeviceBuffer<int32_t> rows(size_t(B) * hkv * list), tokens(size_t(B) * hkv * list),
         counts(size_t(B) * hkv), selected(size_t(B) * hq);
@@ -526,7 +528,7 @@ void check_order_parts(int hq, int hkv, const std::vector<int>& lens, int max_co
     sel.selected = selected.get();
     sel.max_tokens = st.max_tokens;
     KVS_CUDA_CHECK(tk::select_tokens_cuda(dq.get(), hq, kv, s.scale(), fit, st, sel, nullptr,
-                                          scratch.get(), bytes, nullptr, parts));
+                                          scratch.get(), bytes, nullptr, ranked_min));
     KVS_CUDA_CHECK(cudaDeviceSynchronize());
     Out o;
     o.counts = counts.download();
@@ -537,29 +539,34 @@ void check_order_parts(int hq, int hkv, const std::vector<int>& lens, int max_co
                             all.begin() + int64_t(x * list) + o.counts[x]);
     return o;
   };
-  const Out one = run(1);
-  for (int parts = 2; parts <= 4; ++parts) {
-    const Out got = run(parts);
-    const std::string tag = "parts " + std::to_string(parts);
+  const Out one = run(st.max_clusters);  // every cluster ranked
+  for (int ranked_min : {0, 1, 17, -1}) {
+    const Out got = run(ranked_min);
+    const std::string tag = "ranked_min " + std::to_string(ranked_min);
     EXPECT_EQ(got.selected, one.selected) << tag;
     EXPECT_EQ(got.counts, one.counts) << tag;
     EXPECT_EQ(got.tokens, one.tokens) << tag;
   }
-  // The budgets are not trivially empty or whole.
+  // The budgets are not trivially empty or whole, and some cut falls well past the exact
+  // samples' clusters, where ranked_min 0 leaves it to the radix select.
+  bool past_top = false;
   for (size_t r = 0; r < one.selected.size(); ++r) {
+    const int n = lens[r / size_t(hq)];
     EXPECT_GT(one.selected[r], 0) << "row " << r;
-    EXPECT_LE(one.selected[r], lens[r / size_t(hq)]) << "row " << r;
+    EXPECT_LE(one.selected[r], n) << "row " << r;
+    past_top = past_top || one.selected[r] > n / 10;
   }
+  EXPECT_TRUE(past_top);
   EXPECT_EQ(tk::select_tokens_cuda(dq.get(), hq, kv, s.scale(), fit, st, te.last_selection(),
-                                   nullptr, ws.get(), bytes, nullptr, 5),
+                                   nullptr, ws.get(), bytes, nullptr, -2),
             cudaErrorInvalidValue);
 }
 
-TEST(TacticCuda, OrderRowsSplitOverCtasGiveTheSameSelection) {
+TEST(TacticCuda, CutsPastTheRankedTopGiveTheFullySortedSelection) {
   KVS_SKIP_WITHOUT_CUDA();
-  check_order_parts(8, 2, {1500, 200, 777}, 4096, 41);
-  check_order_parts(8, 2, {131072}, 131072, 42);  // 8192 clusters a list
-  check_order_parts(8, 2, {1500, 300}, 4096, 43, true);  // the radix-sort fallback
+  check_ranked_top(8, 2, {1500, 200, 777}, 4096, 41);
+  check_ranked_top(8, 2, {131072}, 131072, 42);         // 8192 clusters a list
+  check_ranked_top(8, 2, {1500, 300}, 4096, 43, true);  // the radix-sort fallback
 }
 
 TEST(TacticCuda, TargetOneIsDenseAttention) {
