@@ -1005,8 +1005,9 @@ constexpr int kRowThreads = 256;
 // kernel finds its cut itself when it falls past the ranked top (budget_cut_by_select). Every
 // position had been ranked, prefixed and written before, by four CTAs a row that each repeated
 // the histogram and the scan: on an H200 the 128K step at batch 1 took 52.7 us against 49.8
-// now, 182 against 162 at batch 8 (docs/gpu.md). This kernel is bound by instruction issue (32
-// warps on one SM), so what it does not execute is what it saves.
+// now, 182 against 162 at batch 8, at P 0.9 (higher targets: budget_cut_by_select; docs/gpu.md).
+// This kernel is bound by instruction issue (32 warps on one SM), so what it does not execute is
+// what it saves.
 //
 // The list's CSR offsets are staged into shared memory with the scores (one coalesced round
 // trip). With the prefix of the ranked positions and their first members in shared memory the
@@ -1674,7 +1675,8 @@ __device__ int block_budget_tokens(const FitPlan& f, const TailModel& t, double 
 // and one scan of its 256 bins, a bin a thread. Every cluster up to B in that order joins the
 // union (join(c, size)); returns the tokens up to B's end, the row's selection. Rows get here
 // when their heads are flat (K past about 6 % of the tokens at the defaults), where the
-// selection is large anyway.
+// selection is large anyway, but the rounds cost: at 128K on an H200 a step at P 0.99 (every
+// row here) took 117 us against 88 when the order kernel ranked every position (docs/gpu.md).
 template <typename Scan, typename Join>
 __device__ int budget_cut_by_select(const float* scores, const int32_t* off, int C, int K,
                                     int* hist, int* pick, typename Scan::TempStorage& scan,
