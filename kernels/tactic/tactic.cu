@@ -1669,63 +1669,106 @@ __device__ int block_budget_tokens(const FitPlan& f, const TailModel& t, double 
 
 // The budget's cut when K falls past the top of the order that the order kernel ranked
 // (OrderRuns): B, the first cluster in the CPU's order at which the prefix of cluster sizes
-// reaches K, by a radix select over the row's scores weighted by the clusters' sizes: four
-// 8-bit digits of the score's order key (descending score), then two of the cluster id among
-// the clusters of B's score (ascending id). Each round is a histogram of the candidates left
-// and one scan of its 256 bins, a bin a thread. Every cluster up to B in that order joins the
-// union (join(c, size)); returns the tokens up to B's end, the row's selection. Rows get here
-// when their heads are flat (K past about 6 % of the tokens at the defaults), where the
-// selection is large anyway, but the rounds cost: at 128K on an H200 a step at P 0.99 (every
-// row here) took 117 us against 88 when the order kernel ranked every position (docs/gpu.md).
+// reaches K, by a radix select over the row's clusters weighted by their sizes, staged in
+// registers (kSelectItems a thread): three rounds over the score's order key (11, 11 and 10
+// bits; descending score), then, only when several clusters share B's score, two over their
+// ids (ascending). A round is a histogram of the candidates left in shared memory and one scan
+// of its bins. Every cluster up to B in that order joins the union (join(c, size)); returns the
+// tokens up to B's end, the row's selection. Rows get here when their heads are flat (K past
+// about 6 % of the tokens at the defaults, or P near 1), where the selection is large anyway.
+// Six rounds of 8 bits over the scores in global memory, id rounds always, took a 128K step at
+// P 0.99 on an H200 117 us against 102 now (88 with every position ranked; docs/gpu.md).
+constexpr int kSelectItems = kOrderMax / kRowThreads;  // clusters a thread (C <= kOrderMax)
+constexpr int kSelectBins = 2048;                      // bins of the widest round (11 bits)
+
 template <typename Scan, typename Join>
 __device__ int budget_cut_by_select(const float* scores, const int32_t* off, int C, int K,
                                     int* hist, int* pick, typename Scan::TempStorage& scan,
                                     Join join) {
-  static_assert(kRowThreads == 256, "a bin a thread");
   const int tid = threadIdx.x;
-  unsigned key = 0, key_mask = 0;  // the score key's digits chosen so far
-  int id = 0, id_mask = 0;         // and the id's, among equal scores
+  unsigned u[kSelectItems];  // ascending in the CPU's order: ~float_order_key
+  int w[kSelectItems];       // sizes; 0 past C
+#pragma unroll
+  for (int j = 0; j < kSelectItems; ++j) {
+    const int c = tid + j * kRowThreads;
+    u[j] = c < C ? ~float_order_key(scores[c]) : ~0u;
+    w[j] = c < C ? off[c + 1] - off[c] : 0;
+  }
+  unsigned key = 0, key_mask = 0;  // the score key's bits chosen so far
+  unsigned id = 0, id_mask = 0;    // and the id's, among the clusters of that score
   int before = 0;                  // tokens of the clusters sorted before every candidate left
-  bool all = false;                // K beyond the list (not reached: K <= n)
-  for (int round = 0; round < 6; ++round) {
-    const bool by_id = round >= 4;
-    const int shift = by_id ? 8 * (5 - round) : 8 * (3 - round);
-    hist[tid] = 0;
+  // One round over bits [shift, shift + bits) of the score key (or of the id), 8 to 11 of them
+  // (a run of whole bins a thread): false when K is past every candidate (not reached: K <= n).
+  const auto round = [&](int shift, int bits, bool by_id) {
+    const int bins = 1 << bits, per = bins / kRowThreads;
+    for (int x = tid; x < bins; x += kRowThreads) hist[x] = 0;
     if (tid == 0) pick[0] = -1;
     __syncthreads();
-    for (int c = tid; c < C; c += kRowThreads) {
-      const unsigned u = ~float_order_key(scores[c]);
-      const int w = off[c + 1] - off[c];
-      const bool in = by_id ? u == key && (c & id_mask) == id : (u & key_mask) == key;
-      if (in && w > 0) atomicAdd(&hist[((by_id ? unsigned(c) : u) >> shift) & 255u], w);
+#pragma unroll
+    for (int j = 0; j < kSelectItems; ++j) {
+      const unsigned c = unsigned(tid + j * kRowThreads);
+      const bool in = by_id ? u[j] == key && (c & id_mask) == id : (u[j] & key_mask) == key;
+      if (in && w[j] > 0)
+        atomicAdd(&hist[((by_id ? c : u[j]) >> shift) & unsigned(bins - 1)], w[j]);
     }
     __syncthreads();
-    const int v = hist[tid];
-    int incl;
-    Scan(scan).InclusiveSum(v, incl);
-    if (v > 0 && before + incl >= K && before + incl - v < K) {
-      pick[0] = tid;
-      pick[1] = before + incl - v;
+    int sum = 0;
+    for (int i = 0; i < per; ++i) sum += hist[tid * per + i];
+    int acc;
+    Scan(scan).ExclusiveSum(sum, acc);
+    acc += before;
+    if (acc < K && acc + sum >= K) {
+      for (int i = 0; i < per; ++i) {
+        const int h = hist[tid * per + i];
+        if (h > 0 && acc + h >= K) {
+          pick[0] = tid * per + i;
+          pick[1] = acc;
+          break;
+        }
+        acc += h;
+      }
     }
     __syncthreads();
     const int d = pick[0];
     before = pick[1];
     __syncthreads();  // every thread has read pick before the next round resets it
-    if (d < 0) {      // uniform
-      all = true;
-      break;
-    }
+    if (d < 0) return false;
     if (by_id) {
-      id |= d << shift;
-      id_mask |= 255 << shift;
+      id |= unsigned(d) << shift;
+      id_mask |= unsigned(bins - 1) << shift;
     } else {
       key |= unsigned(d) << shift;
-      key_mask |= 255u << shift;
+      key_mask |= unsigned(bins - 1) << shift;
     }
+    return true;
+  };
+  static_assert(kSelectBins % kRowThreads == 0 && kRowThreads == 256, "whole runs of bins");
+  bool all = !round(21, 11, false) || !round(10, 11, false) || !round(0, 10, false);
+  if (!all) {
+    // The clusters of B's score: usually B alone, whose id then needs no rounds.
+    int ties = 0, last = 0;
+#pragma unroll
+    for (int j = 0; j < kSelectItems; ++j)
+      if (u[j] == key) ++ties, last = tid + j * kRowThreads;
+    if (tid == 0) pick[0] = 0;
+    __syncthreads();
+    if (ties > 0) {
+      atomicAdd(&pick[0], ties);
+      pick[1] = last;  // read only when this thread holds the one tie
+    }
+    __syncthreads();
+    const int n_ties = pick[0], only = pick[1];
+    __syncthreads();
+    static_assert(kOrderMax <= 1 << 16, "ids of 16 bits: two rounds");
+    if (n_ties == 1)
+      id = unsigned(only);
+    else
+      all = !round(8, 8, true) || !round(0, 8, true);
   }
-  for (int c = tid; c < C; c += kRowThreads) {
-    const unsigned u = ~float_order_key(scores[c]);
-    if (all || u < key || (u == key && c <= id)) join(c, off[c + 1] - off[c]);
+#pragma unroll
+  for (int j = 0; j < kSelectItems; ++j) {
+    const int c = tid + j * kRowThreads;
+    if (c < C && (all || u[j] < key || (u[j] == key && unsigned(c) <= id))) join(c, w[j]);
   }
   return all ? off[C] - off[0] : before + off[id + 1] - off[id];
 }
@@ -1883,6 +1926,7 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   // The cut past the ranked top (uniform): s_logit is the histogram now.
   if (K > top.y) {
     __syncthreads();
+    static_assert(kSelectBins <= kLogitSmem, "the histogram fits s_logit");
     const int selected =
         budget_cut_by_select<ScanI>(p.keys + int64_t(row) * M, p.st.offsets_of(b, h), C, K,
                                     reinterpret_cast<int*>(s_logit), s_pick, tmp.scan_i, join);
