@@ -36,7 +36,8 @@
 //           token (one coalesced key-row read, shuffle sum), several tokens per group
 //   budget  max, exact prefix (in shared memory), window means, fit, K (a block-parallel
 //           search), round up to clusters by a block-wide count over the prefix (or, past the
-//           ranked top, a radix select over the scores), bitmap OR (union), and the members
+//           ranked top, the order kernel's bucket group of token K - 1 and a rank of its
+//           clusters), bitmap OR (union), and the members
 //           each newly set bit adds to its index chunk
 //   index   compaction of the union's members + recent tokens into the sub-request page
 //           table: a CTA per 256-cluster chunk (its start from the earlier chunks' counts),
@@ -771,10 +772,31 @@ constexpr int kIndexChunk = kIndexThreads;  // clusters per index CTA (and per m
 constexpr int kOrderThreads = 1024;
 constexpr int kOrderItems = 8;
 constexpr int kOrderMax = kOrderThreads * kOrderItems;  // clusters per list
+constexpr int kOrderBuckets = 8192;                     // the order kernel's score buckets
+constexpr int kOrderCounts = kOrderBuckets / kOrderThreads;  // buckets a thread scans: a group
+// A row's first sorted token of every group of kOrderCounts buckets, and one past the last (the
+// row's tokens), padded to 16 bytes: written by the order kernel (a word a thread), read by the
+// budget kernel when its cut falls past the ranked top (budget_cut_in_group).
+constexpr int kGroupFirstStride = kOrderThreads + 4;
+
+// What the order kernel leaves a row for the budget kernel: the top of the order whose sorted
+// ids and prefix it wrote (clusters, tokens; all of them after the long lists' sort), and its
+// buckets' scale (order_bucket).
+struct OrderTop {
+  int clusters, tokens;
+  float hi, inv;
+};
+
+// A score's bucket in the order kernel's bucket sort over [lo, hi]: kOrderBuckets equal-width
+// buckets, the index nonincreasing in the score ((hi - s) and the product are monotone in s
+// under rounding). inv = kOrderBuckets / (hi - lo).
+__device__ __forceinline__ int order_bucket(float hi, float inv, float s) {
+  return min(kOrderBuckets - 1, int((hi - s) * inv));
+}
 
 struct SelectLayout {
-  size_t keys_a, keys_b, vals_a, vals_b, prefix, ranked, sample_keys, logits, exact, bitmap,
-      chunk_members, temp, temp_bytes, total;
+  size_t keys_a, keys_b, vals_a, vals_b, prefix, top, group_first, sample_keys, logits, exact,
+      bitmap, chunk_members, temp, temp_bytes, total;
   int smax, words, chunks;
 };
 
@@ -835,8 +857,10 @@ SelectLayout select_layout(int max_batch, int Hq, int Hkv, int max_clusters, int
   o += up(items * sizeof(int));
   l.prefix = o;
   o += up(rows * (size_t(max_clusters) + 1) * sizeof(int));
-  l.ranked = o;
-  o += up(rows * sizeof(int2));
+  l.top = o;
+  o += up(rows * sizeof(OrderTop));
+  l.group_first = o;
+  o += long_lists ? 0 : up(rows * size_t(kGroupFirstStride) * sizeof(int));
   l.sample_keys = o;
   o += up(rows * size_t(l.smax) * sizeof(int));
   l.logits = o;
@@ -867,9 +891,8 @@ struct SelectParams {
   int* vals;                      // unsorted ids
   const int* sorted;              // sorted ids (the sort's current buffer)
   int* prefix;
-  // [rows] (clusters, tokens) at the top of the order whose ids and prefix the order kernel
-  // wrote (all of them after the long lists' sort)
-  int2* ranked;
+  OrderTop* top;     // [rows]
+  int* group_first;  // [rows, kGroupFirstStride] (short lists only)
   // [rows, smax] the key of each sampled sorted position: its page row where the state keeps
   // member rows, its token id otherwise (sampled_key)
   int* sample_keys;
@@ -999,22 +1022,20 @@ constexpr int kRowThreads = 256;
 // or a bucket above kOrderMaxBucket, where ranking by comparison costs more than sorting) the
 // CTA sorts the row with a block radix sort instead; both give the same order.
 //
-// Only the buckets that hold a position somebody reads are ranked (OrderRuns): the top of the
-// order (the exact samples' tokens, and at least ranked_min clusters: the budget's cut in the
-// common case) and the two fit windows, a few hundred clusters of 8192 at 128K. The budget
-// kernel finds its cut itself when it falls past the ranked top (budget_cut_by_select). Every
-// position had been ranked, prefixed and written before, by four CTAs a row that each repeated
-// the histogram and the scan: on an H200 the 128K step at batch 1 took 52.7 us against 49.8
-// now, 182 against 162 at batch 8, at P 0.9 (higher targets: budget_cut_by_select; docs/gpu.md).
-// This kernel is bound by instruction issue (32 warps on one SM), so what it does not execute is
-// what it saves.
+// Only the buckets that hold a position somebody reads are ranked (OrderRuns): the top of the order
+// (the exact samples' tokens, and at least ranked_min clusters: the budget's cut in the common
+// case) and the two fit windows, a few hundred clusters of 8192 at 128K. The budget kernel finds
+// its cut itself when it falls past the ranked top, from the first sorted token of every group of a
+// thread's buckets, which this kernel writes (group_first; budget_cut_in_group). Every position had
+// been ranked, prefixed and written before, by four CTAs a row that each repeated the histogram and
+// the scan: on an H200 the 128K step at batch 1 took 52.7 us against 49.8 now, 182 against 162 at
+// batch 8, at P 0.9 (docs/gpu.md). This kernel is bound by instruction issue (32 warps on one SM),
+// so what it does not execute is what it saves.
 //
 // The list's CSR offsets are staged into shared memory with the scores (one coalesced round
 // trip). With the prefix of the ranked positions and their first members in shared memory the
 // CTA also maps every sampled position to its key, so the sample kernel is left with the key
 // rows.
-constexpr int kOrderBuckets = 8192;
-constexpr int kOrderCounts = kOrderBuckets / kOrderThreads;  // counters a thread scans
 constexpr int kOrderMaxBucket = 128;
 constexpr int kOrderRankedMin = 512;  // clusters ranked at the top at least (the default)
 // A bucket's clusters and their tokens are counted in two 32-bit arrays: shared memory has no
@@ -1309,11 +1330,10 @@ __global__ void __launch_bounds__(kOrderThreads)
       e[4] = v.x, e[5] = v.y, e[6] = v.z, e[7] = v.w;
       e[8] = sm.offsets[c0 + kOrderItems];
     }
-    // (hi - s) and the product are monotone in s under rounding, so is the bucket.
 #pragma unroll
     for (int i = 0; i < kOrderItems; ++i) {
       const bool valid = c0 + i < C;
-      const int bucket = valid ? min(kOrderBuckets - 1, int((hi - k[i]) * inv)) : 0;
+      const int bucket = valid ? order_bucket(hi, inv, k[i]) : 0;
       int slot_in = 0;
       if (valid) {
         slot_in = atomicAdd(&sm.u.buckets.count[padded(bucket)], 1);
@@ -1351,6 +1371,11 @@ __global__ void __launch_bounds__(kOrderThreads)
     bool mine = holds(top_token, first.y, sum.y) || holds(top_rank, first.x, sum.x);
 #pragma unroll
     for (int w = 0; w < 4; ++w) mine = mine || holds(at[w], first.y, sum.y);
+    // Its group's first token, for a budget whose cut falls past the ranked top. (Every
+    // bucket's, as two int4 stores a thread, made the 128K step 0.9 us slower on an H200.)
+    int* group_first = p.group_first + int64_t(row) * kGroupFirstStride;
+    group_first[tid] = first.y;
+    if (tid == kOrderThreads - 1) group_first[kOrderThreads] = first.y + sum.y;
     int rn = first.x, rt = first.y;
 #pragma unroll
     for (int i = 0; i < kOrderCounts; ++i) {
@@ -1396,7 +1421,7 @@ __global__ void __launch_bounds__(kOrderThreads)
     for (int f = tid; f < F; f += kOrderThreads) {
       const float ka = sm.u.buckets.key[f];
       const int ca = sm.u.buckets.id[f];
-      const int bk = min(kOrderBuckets - 1, int((hi - ka) * inv));  // the scatter's bucket
+      const int bk = order_bucket(hi, inv, ka);  // the scatter's bucket
       const int rs = sm.u.buckets.count[padded(bk)];
       const int re = bk + 1 < kOrderBuckets ? sm.u.buckets.count[padded(bk + 1)] : C;
       const int ri = runs.of_flat(f);
@@ -1437,7 +1462,7 @@ __global__ void __launch_bounds__(kOrderThreads)
   }
   if (tid == 0) {
     prefix[R] = T;
-    p.ranked[row] = make_int2(R, T);
+    p.top[row] = OrderTop{R, T, hi, inv};
   }
   // Sample keys: kOrderRun consecutive samples per thread (consecutive sorted positions within
   // a run), one binary search per run of samples and a forward walk, then the run's member (or
@@ -1669,108 +1694,145 @@ __device__ int block_budget_tokens(const FitPlan& f, const TailModel& t, double 
 
 // The budget's cut when K falls past the top of the order that the order kernel ranked
 // (OrderRuns): B, the first cluster in the CPU's order at which the prefix of cluster sizes
-// reaches K, by a radix select over the row's clusters weighted by their sizes, staged in
-// registers (kSelectItems a thread): three rounds over the score's order key (11, 11 and 10
-// bits; descending score), then, only when several clusters share B's score, two over their
-// ids (ascending). A round is a histogram of the candidates left in shared memory and one scan
-// of its bins. Every cluster up to B in that order joins the union (join(c, size)); returns the
-// tokens up to B's end, the row's selection. Rows get here when their heads are flat (K past
-// about 6 % of the tokens at the defaults, or P near 1), where the selection is large anyway.
-// Six rounds of 8 bits over the scores in global memory, id rounds always, took a 128K step at
-// P 0.99 on an H200 117 us against 102 now (88 with every position ranked; docs/gpu.md).
-constexpr int kSelectItems = kOrderMax / kRowThreads;  // clusters a thread (C <= kOrderMax)
-constexpr int kSelectBins = 2048;                      // bins of the widest round (11 bits)
+// reaches K, from the order kernel's bucket groups. The group that holds sorted token K - 1 is
+// the one whose first token (group_first) is at most K - 1 and whose successor's is past it;
+// every cluster of an earlier group is selected, and the group's own clusters (at most
+// kOrderCounts * kOrderMaxBucket: a larger bucket sends the row to the radix sort, which ranks
+// it whole) are ranked among themselves. Each thread holds kCutItems clusters (c = tid + j *
+// kRowThreads), so a warp's item j is the 32 clusters of one bitmap word: the union is joined
+// a word at a time, lane j's word in one atomic (join_words). Returns the tokens up to B's end,
+// the row's selection. Rows get here when their heads are flat (K past about 6 % of the tokens
+// at the defaults, or P near 1). A radix select over the scores instead (three rounds of a
+// histogram in shared memory, whose atomics pile onto a few bins of a flat row, then a join a
+// cluster at a time, each waiting on its atomic's return) took a 128K step at P 0.99 on an H200
+// 102.6 us against 88.6 (docs/gpu.md).
+constexpr int kCutItems = kOrderMax / kRowThreads;  // clusters a thread (C <= kOrderMax)
+static_assert(kCutItems == 32 && kRowThreads % 32 == 0, "a warp's item is a bitmap word");
+constexpr int kCutGroups = kOrderThreads / kRowThreads;  // groups' first tokens a thread
+static_assert(kCutGroups == 4, "a thread's first tokens as one int4 load");
+constexpr int kCutMax = kOrderCounts * kOrderMaxBucket;  // candidates: a group's clusters
 
-template <typename Scan, typename Join>
-__device__ int budget_cut_by_select(const float* scores, const int32_t* off, int C, int K,
-                                    int* hist, int* pick, typename Scan::TempStorage& scan,
-                                    Join join) {
+// The chosen clusters of a warp's items (bit j of chosen: item j, cluster tid + j *
+// kRowThreads): lane j sets item j's bitmap word in one atomic, then each word's newly set
+// clusters add their sizes to its index chunk (the row that sets a cluster's bit first adds its
+// size). Called by the whole block. The sizes' loads are all issued before the barrier: left
+// to itself the compiler issued them two at a time between the sums below, waiting a round
+// trip each (16 of them, about 13 us of a 128K step on an H200; ncu, docs/gpu.md).
+__device__ __forceinline__ void join_words(uint32_t* bitmap, int* chunk_members, unsigned chosen,
+                                           const int32_t* off) {
+  static_assert(kIndexChunk % 32 == 0, "a word's clusters lie in one chunk");
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int size[kCutItems];
+#pragma unroll
+  for (int j = 0; j < kCutItems; ++j) {
+    const int c = int(threadIdx.x) + j * kRowThreads;
+    size[j] = chosen >> j & 1u ? off[c + 1] - off[c] : 0;
+  }
+  unsigned word = 0;  // lane j: the chosen clusters of item j
+#pragma unroll
+  for (int j = 0; j < kCutItems; ++j) {
+    const unsigned m = __ballot_sync(0xffffffffu, chosen >> j & 1u);
+    if (lane == j) word = m;
+  }
+  const int c0 = lane * kRowThreads + warp * 32;  // lane j's word's first cluster
+  const unsigned was = word ? atomicOr(&bitmap[c0 / 32], word) : 0u;
+  __syncthreads();
+  const unsigned added = word & ~was;
+  int tokens = 0;  // lane j: what item j's newly set clusters add
+#pragma unroll
+  for (int j = 0; j < kCutItems; ++j) {
+    const unsigned a = __shfl_sync(0xffffffffu, added, j);
+    const int t = __reduce_add_sync(0xffffffffu, a >> lane & 1u ? size[j] : 0);
+    if (lane == j) tokens = t;
+  }
+  if (tokens > 0) atomicAdd(&chunk_members[c0 / kIndexChunk], tokens);
+}
+
+// cand: shared memory for kCutSmem words: kCutMax candidates (3 words each), 4 words of picks,
+// a word of marks a thread. Out of line: inlined, it changed how the budget kernel's common
+// path (a cut within the ranked top) was compiled, and batch 8 at P 0.9 took 164.5 us against
+// 162.7 (H200).
+constexpr int kCutSmem = 3 * kCutMax + 4 + kRowThreads;
+__device__ __noinline__ int budget_cut_in_group(const float* scores, const int32_t* off,
+                                                const int* first, const OrderTop& top, int C, int K,
+                                                int* cand, uint32_t* bitmap, int* chunk_members) {
   const int tid = threadIdx.x;
-  unsigned u[kSelectItems];  // ascending in the CPU's order: ~float_order_key
-  int w[kSelectItems];       // sizes; 0 past C
-#pragma unroll
-  for (int j = 0; j < kSelectItems; ++j) {
-    const int c = tid + j * kRowThreads;
-    u[j] = c < C ? ~float_order_key(scores[c]) : ~0u;
-    w[j] = c < C ? off[c + 1] - off[c] : 0;
+  // The candidates' scores (as bits), ids and sizes.
+  int *cs = cand, *cc = cand + kCutMax, *cw = cand + 2 * kCutMax;
+  int* pick = cand + 3 * kCutMax;  // group, its first token, count, cut index
+  unsigned* mark = reinterpret_cast<unsigned*>(pick + 4);  // chosen candidates by owner
+  // One round of loads: the thread's groups' first tokens (with the next thread's first) and
+  // its clusters' scores.
+  int f[kCutGroups + 1];
+  {
+    const int4 v = reinterpret_cast<const int4*>(first)[tid];
+    f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
+    f[kCutGroups] = first[(tid + 1) * kCutGroups];
   }
-  unsigned key = 0, key_mask = 0;  // the score key's bits chosen so far
-  unsigned id = 0, id_mask = 0;    // and the id's, among the clusters of that score
-  int before = 0;                  // tokens of the clusters sorted before every candidate left
-  // One round over bits [shift, shift + bits) of the score key (or of the id), 8 to 11 of them
-  // (a run of whole bins a thread): false when K is past every candidate (not reached: K <= n).
-  const auto round = [&](int shift, int bits, bool by_id) {
-    const int bins = 1 << bits, per = bins / kRowThreads;
-    for (int x = tid; x < bins; x += kRowThreads) hist[x] = 0;
-    if (tid == 0) pick[0] = -1;
-    __syncthreads();
+  float sc[kCutItems];
 #pragma unroll
-    for (int j = 0; j < kSelectItems; ++j) {
-      const unsigned c = unsigned(tid + j * kRowThreads);
-      const bool in = by_id ? u[j] == key && (c & id_mask) == id : (u[j] & key_mask) == key;
-      if (in && w[j] > 0)
-        atomicAdd(&hist[((by_id ? c : u[j]) >> shift) & unsigned(bins - 1)], w[j]);
-    }
-    __syncthreads();
-    int sum = 0;
-    for (int i = 0; i < per; ++i) sum += hist[tid * per + i];
-    int acc;
-    Scan(scan).ExclusiveSum(sum, acc);
-    acc += before;
-    if (acc < K && acc + sum >= K) {
-      for (int i = 0; i < per; ++i) {
-        const int h = hist[tid * per + i];
-        if (h > 0 && acc + h >= K) {
-          pick[0] = tid * per + i;
-          pick[1] = acc;
-          break;
-        }
-        acc += h;
-      }
-    }
-    __syncthreads();
-    const int d = pick[0];
-    before = pick[1];
-    __syncthreads();  // every thread has read pick before the next round resets it
-    if (d < 0) return false;
-    if (by_id) {
-      id |= unsigned(d) << shift;
-      id_mask |= unsigned(bins - 1) << shift;
-    } else {
-      key |= unsigned(d) << shift;
-      key_mask |= unsigned(bins - 1) << shift;
-    }
-    return true;
+  for (int j = 0; j < kCutItems; ++j) {
+    const int c = tid + j * kRowThreads;
+    sc[j] = c < C ? scores[c] : 0.f;
+  }
+  if (tid == 0) pick[0] = -1, pick[2] = 0, pick[3] = -1;
+  mark[tid] = 0;
+  __syncthreads();
+  const int x = K - 1;  // the last selected token
+#pragma unroll
+  for (int i = 0; i < kCutGroups; ++i)
+    if (f[i] <= x && x < f[i + 1]) pick[0] = tid * kCutGroups + i, pick[1] = f[i];
+  __syncthreads();
+  const int G = pick[0];
+  unsigned chosen = 0;
+  if (G < 0) {  // K past the row's tokens (a state whose offsets disagree with its length)
+#pragma unroll
+    for (int j = 0; j < kCutItems; ++j) chosen |= (tid + j * kRowThreads < C ? 1u : 0u) << j;
+    join_words(bitmap, chunk_members, chosen, off);
+    return off[C] - off[0];
+  }
+  const int need = K - pick[1];  // tokens still to select within group G
+  // Earlier groups' clusters are chosen; G's are the candidates, a few a thread at most: they
+  // are listed by a loop that is not unrolled (a copy for each of 32 items was 17 KB of code,
+  // run once, cold in the instruction cache).
+  unsigned in_g = 0;
+#pragma unroll
+  for (int j = 0; j < kCutItems; ++j) {
+    const int g =
+        tid + j * kRowThreads < C ? order_bucket(top.hi, top.inv, sc[j]) / kOrderCounts : G + 1;
+    chosen |= (g < G ? 1u : 0u) << j;
+    in_g |= (g == G ? 1u : 0u) << j;
+  }
+  for (unsigned m = in_g; m != 0; m &= m - 1) {
+    const int c = tid + (__ffs(m) - 1) * kRowThreads;
+    const int n = atomicAdd(&pick[2], 1);  // < kCutMax: the order kernel's bound
+    cs[n] = __float_as_int(scores[c]), cc[n] = c, cw[n] = off[c + 1] - off[c];
+  }
+  __syncthreads();
+  const int n = pick[2];
+  // The candidate whose span in G's order holds the need-th token is the cut; G's order is the
+  // CPU's (descending score, ties to the lower id; the bucket is monotone in the score).
+  const auto precedes = [&](int i, float s, int c) {  // candidate i before (s, c)
+    const float si = __int_as_float(cs[i]);
+    return si > s || (si == s && cc[i] < c);
   };
-  static_assert(kSelectBins % kRowThreads == 0 && kRowThreads == 256, "whole runs of bins");
-  bool all = !round(21, 11, false) || !round(10, 11, false) || !round(0, 10, false);
-  if (!all) {
-    // The clusters of B's score: usually B alone, whose id then needs no rounds.
-    int ties = 0, last = 0;
-#pragma unroll
-    for (int j = 0; j < kSelectItems; ++j)
-      if (u[j] == key) ++ties, last = tid + j * kRowThreads;
-    if (tid == 0) pick[0] = 0;
-    __syncthreads();
-    if (ties > 0) {
-      atomicAdd(&pick[0], ties);
-      pick[1] = last;  // read only when this thread holds the one tie
-    }
-    __syncthreads();
-    const int n_ties = pick[0], only = pick[1];
-    __syncthreads();
-    static_assert(kOrderMax <= 1 << 16, "ids of 16 bits: two rounds");
-    if (n_ties == 1)
-      id = unsigned(only);
-    else
-      all = !round(8, 8, true) || !round(0, 8, true);
+  for (int t = tid; t < n; t += kRowThreads) {
+    const float s = __int_as_float(cs[t]);
+    const int c = cc[t];
+    int before = 0;
+    for (int i = 0; i < n; ++i) before += precedes(i, s, c) ? cw[i] : 0;
+    if (before < need && need <= before + cw[t]) pick[3] = t, pick[1] += before + cw[t];
   }
-#pragma unroll
-  for (int j = 0; j < kSelectItems; ++j) {
-    const int c = tid + j * kRowThreads;
-    if (c < C && (all || u[j] < key || (u[j] == key && unsigned(c) <= id))) join(c, w[j]);
-  }
-  return all ? off[C] - off[0] : before + off[id + 1] - off[id];
+  __syncthreads();
+  // The candidates up to the cut are chosen: each marks its owner's item.
+  const int cut = pick[3];  // found: G's tokens, the candidates' sizes, reach need
+  for (int t = tid; t < n && cut >= 0; t += kRowThreads)
+    if (t == cut || precedes(t, __int_as_float(cs[cut]), cc[cut]))
+      atomicOr(&mark[cc[t] % kRowThreads], 1u << (cc[t] / kRowThreads));
+  __syncthreads();
+  chosen |= mark[tid];
+  join_words(bitmap, chunk_members, chosen, off);  // a barrier: pick[1] is visible after it
+  return pick[1];
 }
 
 __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
@@ -1778,10 +1840,8 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   using ReduceF = cub::BlockReduce<float, kRowThreads>;
   using ReduceD = cub::BlockReduce<double, kRowThreads>;
   using ReduceI = cub::BlockReduce<int, kRowThreads>;
-  using ScanI = cub::BlockScan<int, kRowThreads>;
   __shared__ union {
     typename ScanD::TempStorage scan;
-    typename ScanI::TempStorage scan_i;
     typename ReduceF::TempStorage rf;
     typename ReduceD::TempStorage rd;
     typename ReduceI::TempStorage ri;
@@ -1790,7 +1850,7 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   __shared__ __align__(16) float s_logit[kLogitSmem];  // logits [0, kLogitSmem): one read each
   __shared__ float s_max;
   __shared__ double s_windows[2];
-  __shared__ int s_clusters, s_pick[2];
+  __shared__ int s_clusters;
   const int row = blockIdx.x;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
@@ -1813,7 +1873,7 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   const int first_id = int(threadIdx.x) < M ? ids[threadIdx.x] : 0;
   const int C = p.st.num_clusters[slot];
   // The top of the order whose ids and prefix are written; all of it after the long lists' sort.
-  const int2 top = p.sort_keys ? make_int2(M, INT_MAX) : p.ranked[row];
+  const OrderTop top = p.sort_keys ? OrderTop{M, INT_MAX, 0.f, 0.f} : p.top[row];
   const FitPlan plan = make_fit_plan(p.st.clustered_len[slot], p.fit);
   const int S = plan.num_samples();
   // The fit's abscissae and H(num_exact) do not depend on the logits either: their logs and
@@ -1923,21 +1983,23 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
     if (!(atomicOr(&p.bitmap[slot * p.words + c / 32], bit) & bit))
       atomicAdd(&p.chunk_members[slot * p.chunks + c / kIndexChunk], size);
   };
-  // The cut past the ranked top (uniform): s_logit is the histogram now.
-  if (K > top.y) {
+  // The cut past the ranked top (uniform): s_logit holds its candidates now.
+  if (K > top.tokens) {
     __syncthreads();
-    static_assert(kSelectBins <= kLogitSmem, "the histogram fits s_logit");
+    static_assert(kCutSmem <= kLogitSmem, "the candidates fit s_logit");
     const int selected =
-        budget_cut_by_select<ScanI>(p.keys + int64_t(row) * M, p.st.offsets_of(b, h), C, K,
-                                    reinterpret_cast<int*>(s_logit), s_pick, tmp.scan_i, join);
+        budget_cut_in_group(p.keys + int64_t(row) * M, p.st.offsets_of(b, h),
+                            p.group_first + int64_t(row) * kGroupFirstStride, top, C, K,
+                            reinterpret_cast<int*>(s_logit), p.bitmap + slot * p.words,
+                            p.chunk_members + slot * p.chunks);
     if (threadIdx.x == 0) p.sel.selected[row] = selected;
     return;
   }
   // Whole clusters (spec 8.2): the smallest J in [1, C] with prefix[J] >= K. prefix is
   // nondecreasing, so J = 1 + #{j in [1, C) : prefix[j] < K}: one coalesced pass of the block
-  // instead of a serial binary search of dependent loads. prefix[top.x] >= K, so the count
-  // stops at the top's end.
-  const int R = min(C, top.x);
+  // instead of a serial binary search of dependent loads. prefix[top.clusters] >= K, so the
+  // count stops at the top's end.
+  const int R = min(C, top.clusters);
   int below = 0;
 #pragma unroll
   for (int i = 0; i < kBudgetPrefix; ++i)
@@ -2268,7 +2330,8 @@ cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv
   p.vals = reinterpret_cast<int*>(ws + l.vals_a);
   p.sorted = nullptr;
   p.prefix = reinterpret_cast<int*>(ws + l.prefix);
-  p.ranked = reinterpret_cast<int2*>(ws + l.ranked);
+  p.top = reinterpret_cast<OrderTop*>(ws + l.top);
+  p.group_first = reinterpret_cast<int*>(ws + l.group_first);
   p.sample_keys = reinterpret_cast<int*>(ws + l.sample_keys);
   p.logits = reinterpret_cast<float*>(ws + l.logits);
   p.exact = reinterpret_cast<double*>(ws + l.exact);

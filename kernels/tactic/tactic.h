@@ -160,8 +160,9 @@ PagedKV subrequest_view(const PagedKV& kv, const Selection& sel);
 // Device counters the selection adds to when non-null: [0] rows attended (sum of counts),
 // [1] selection bytes read (centroids + sampled keys). ranked_min is the number of clusters
 // at the top of each (sequence, query head) order that the order kernel ranks at least, beside
-// those of the exact and window samples (-1: 512); the budget's cut past them is found by a
-// radix select of its own (slower). Every value gives the same selection.
+// those of the exact and window samples (-1: 512); the budget's cut past them is found from
+// the order kernel's bucket groups and a rank of the cut's group (slower than within the ranked
+// top). Every value gives the same selection.
 size_t select_workspace_bytes(int max_batch, int num_q_heads, int num_kv_heads, int head_dim,
                               int max_clusters, int max_tokens, const FitParams& fit);
 cudaError_t select_tokens_cuda(const bf16* q, int num_q_heads, const PagedKV& kv, float scale,

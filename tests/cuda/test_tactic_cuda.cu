@@ -487,18 +487,18 @@ TEST(TacticCuda, EqualScoresTakeTheRadixSortFallback) {
 }
 
 // The order kernel ranks only the top of each head's order (at least ranked_min clusters) and
-// the fit windows; a budget whose cut falls past the top finds it by a radix select of its own
-// (tactic.cu). Every ranked_min must give the selection of a fully ranked order bit for bit:
-// the tokens, their count and each head's budget, on workspaces poisoned beforehand so that a
-// position nobody wrote is caught. ranked_min 0 ranks the exact samples' clusters alone, so
-// that most cuts take the radix select.
+// the fit windows; a budget whose cut falls past the top finds it in the order kernel's bucket
+// groups, ranking the cut's group itself (tactic.cu). Every ranked_min must give the selection
+// of a fully ranked order bit for bit: the tokens, their count and each head's budget, on
+// workspaces poisoned beforehand so that a position nobody wrote is caught. ranked_min 0 ranks
+// the exact samples' clusters alone, so that most cuts go to the groups.
 void check_ranked_top(int hq, int hkv, const std::vector<int>& lens, int max_context, uint32_t seed,
-                      bool zero_queries = false) {
+                      bool zero_queries = false, double target = 0.9) {
   const ModelShape s = shape(hq, hkv, 128);
   const int B = int(lens.size());
   Pair p(s, lens, std::max(4096, *std::max_element(lens.begin(), lens.end())), seed);
   if (zero_queries) std::fill(p.q.begin(), p.q.end(), float_to_bf16(0.f));
-  auto ge = make(s, Backend::Cuda, B, 0.9, 2048, max_context);
+  auto ge = make(s, Backend::Cuda, B, target, 2048, max_context);
   auto& te = dynamic_cast<TacticEngine&>(*ge);
   DeviceBuffer<char> ws(ge->workspace_bytes());
   ge->bind_workspace({ws.get(), ws.size()});
@@ -508,7 +508,7 @@ void check_ranked_top(int hq, int hkv, const std::vector<int>& lens, int max_con
   const PagedKV kv = p.gpu.view(1);
   DeviceBuffer<bf16> dq(p.q);
   tk::FitParams fit;
-  fit.target = 0.9;
+  fit.target = target;
   const size_t bytes =
       tk::select_workspace_bytes(B, hq, hkv, 128, st.max_clusters, st.max_tokens, fit);
   struct Out {
@@ -542,13 +542,14 @@ void check_ranked_top(int hq, int hkv, const std::vector<int>& lens, int max_con
   const Out one = run(st.max_clusters);  // every cluster ranked
   for (int ranked_min : {0, 1, 17, -1}) {
     const Out got = run(ranked_min);
-    const std::string tag = "ranked_min " + std::to_string(ranked_min);
+    const std::string tag =
+        "ranked_min " + std::to_string(ranked_min) + ", target " + std::to_string(target);
     EXPECT_EQ(got.selected, one.selected) << tag;
     EXPECT_EQ(got.counts, one.counts) << tag;
     EXPECT_EQ(got.tokens, one.tokens) << tag;
   }
   // The budgets are not trivially empty or whole, and some cut falls well past the exact
-  // samples' clusters, where ranked_min 0 leaves it to the radix select.
+  // samples' clusters, where ranked_min 0 leaves it to the groups.
   bool past_top = false;
   for (size_t r = 0; r < one.selected.size(); ++r) {
     const int n = lens[r / size_t(hq)];
@@ -566,6 +567,7 @@ TEST(TacticCuda, CutsPastTheRankedTopGiveTheFullySortedSelection) {
   KVS_SKIP_WITHOUT_CUDA();
   check_ranked_top(8, 2, {1500, 200, 777}, 4096, 41);
   check_ranked_top(8, 2, {131072}, 131072, 42);         // 8192 clusters a list
+  check_ranked_top(8, 2, {131072, 5000}, 131072, 44, false, 0.99);  // every cut past the top
   check_ranked_top(8, 2, {1500, 300}, 4096, 43, true);  // the radix-sort fallback
 }
 
