@@ -1053,6 +1053,11 @@ struct RangeOp {
     return make_float2(fminf(a.x, b.x), fmaxf(a.y, b.y));
   }
 };
+struct SumD2Op {
+  __device__ __forceinline__ double2 operator()(double2 a, double2 b) const {
+    return make_double2(a.x + b.x, a.y + b.y);
+  }
+};
 
 // The sorted positions a row ranks: up to three runs of whole buckets, in ascending order and
 // disjoint, run i holding buckets [ba, be), ranks [ra, rb) and sorted tokens [ta, tb), stored
@@ -1838,12 +1843,12 @@ __device__ __noinline__ int budget_cut_in_group(const float* scores, const int32
 __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   using ScanD = cub::BlockScan<double, kRowThreads>;
   using ReduceF = cub::BlockReduce<float, kRowThreads>;
-  using ReduceD = cub::BlockReduce<double, kRowThreads>;
+  using ReduceD2 = cub::BlockReduce<double2, kRowThreads>;
   using ReduceI = cub::BlockReduce<int, kRowThreads>;
   __shared__ union {
     typename ScanD::TempStorage scan;
     typename ReduceF::TempStorage rf;
-    typename ReduceD::TempStorage rd;
+    typename ReduceD2::TempStorage rd2;
     typename ReduceI::TempStorage ri;
   } tmp;
   __shared__ double s_exact[kExactSmem];
@@ -1919,7 +1924,12 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   m = ReduceF(tmp.rf).Reduce(m, MaxOp());
   if (threadIdx.x == 0) s_max = m;
   __syncthreads();
-  const double mx = s_max;
+  // The exponentials in fp32 (expf, a few FP32 instructions and one MUFU), their sums in fp64.
+  // exp in fp64 (tens of FP64 instructions each, 3,279 a row at 128K on one SM) took 3.4 us of
+  // the budget's 6 on an H200 (docs/gpu.md). expf is within 2 ulp; the logits themselves are
+  // fp32 dot products of bf16 rows, so the CPU's fp64 budget is matched up to near-ties either
+  // way (test_tactic_cuda's tolerance).
+  const float mx = s_max;
   double carry = 0.0;
   for (int s0 = 0; s0 < plan.num_exact; s0 += kRowThreads * kBudgetItems) {
     // Blocked: a thread's kBudgetItems logits as two 16-byte shared loads where staged (scalar
@@ -1942,7 +1952,7 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
 #pragma unroll
     for (int i = 0; i < kBudgetItems; ++i) {
       const int s = s0 + int(threadIdx.x) * kBudgetItems + i;
-      e[i] = s < plan.num_exact ? exp(double(l[i]) - mx) : 0.0;
+      e[i] = s < plan.num_exact ? double(expf(l[i] - mx)) : 0.0;
     }
     double total;
     ScanD(tmp.scan).InclusiveSum(e, e, total);
@@ -1957,17 +1967,17 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
     }
     carry += total;
   }
-  double w1 = 0.0, w2 = 0.0;
+  // Both windows' sums in one reduction.
+  double2 w = make_double2(0.0, 0.0);
+#pragma unroll 4
   for (int i = threadIdx.x; i < plan.w; i += kRowThreads) {
-    w1 += exp(double(logit(plan.num_exact + i)) - mx);
-    w2 += exp(double(logit(plan.num_exact + plan.w + i)) - mx);
+    w.x += double(expf(logit(plan.num_exact + i) - mx));
+    w.y += double(expf(logit(plan.num_exact + plan.w + i) - mx));
   }
-  w1 = ReduceD(tmp.rd).Sum(w1);
-  __syncthreads();
-  w2 = ReduceD(tmp.rd).Sum(w2);
+  w = ReduceD2(tmp.rd2).Reduce(w, SumD2Op());
   if (threadIdx.x == 0) {
-    s_windows[0] = w1;
-    s_windows[1] = w2;
+    s_windows[0] = w.x;
+    s_windows[1] = w.y;
   }
   __syncthreads();  // the window sums and the whole exact prefix are visible to every thread
   TailModel tail;
