@@ -1671,6 +1671,12 @@ constexpr int kBudgetPrefix = 4;   // sorted-prefix entries per thread loaded at
 constexpr int kBudgetStage = 16;   // logits per thread staged in shared memory (4096 a row)
 constexpr int kLogitSmem = kBudgetStage * kRowThreads;
 
+// The shared-memory slot of exact prefix s (< kExactSmem). A thread's kBudgetItems blocked
+// prefixes, stored in place, are 64 bytes apart across the warp: 16-way bank conflicts, 0.5 us
+// of the budget kernel at 128K on an H200 (ncu). The low 3 bits xor-ed with bits 4-6 (the
+// thread's bits 1-3) put each store instruction's 32 lanes on every bank twice.
+__device__ __forceinline__ int exact_slot(int s) { return s ^ ((s >> 4) & 7); }
+
 // budget_tokens (tactic_fit.h) with its search spread over the block: the same problem
 // (BudgetSearch), so the same K. Each round every thread tests one of blockDim.x evenly
 // spaced candidates of [lo, hi] and one barrier counts the failures (the predicate is
@@ -1678,10 +1684,10 @@ constexpr int kLogitSmem = kBudgetStage * kRowThreads;
 // double-precision logs and divisions on one thread (about 13K cycles in all on an H100).
 template <typename ExactPrefix>
 __device__ int block_budget_tokens(const FitPlan& f, const TailModel& t, double target,
-                                   ExactPrefix exact_prefix, double h_exact) {
-  const BudgetSearch<ExactPrefix> s = budget_search(f, t, target, exact_prefix, h_exact);
+                                   ExactPrefix exact_prefix, double h_exact, double h_n) {
+  const BudgetSearch<ExactPrefix> s = budget_search(f, t, target, exact_prefix, h_exact, h_n);
   int lo = s.lo, hi = s.hi;
-  const int T = blockDim.x;
+  constexpr int T = kRowThreads;  // the budget kernel's block (the rounds' divisions are shifts)
   while (lo < hi) {  // lo and hi are the same in every thread
     const int step = (hi - lo + T) / T;  // ceil((hi - lo + 1) / T)
     const int m = min(hi, lo + (int(threadIdx.x) + 1) * step - 1);
@@ -1856,6 +1862,7 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   __shared__ float s_max;
   __shared__ double s_windows[2];
   __shared__ int s_clusters;
+  __shared__ int s_prefix[kRowThreads + 1];  // the sorted prefix's first kRowThreads + 1 entries
   const int row = blockIdx.x;
   const int b = row / p.num_q_heads, h = (row % p.num_q_heads) / p.group;
   const int64_t slot = p.st.slot(b, h);
@@ -1876,6 +1883,10 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
     pre[i] = j < M ? prefix[j] : 0;
   }
   const int first_id = int(threadIdx.x) < M ? ids[threadIdx.x] : 0;
+  // The sizes of the first kRowThreads ranked clusters and the selection's tokens come from
+  // here after the search, not from two more round trips to L2.
+  s_prefix[threadIdx.x + 1] = pre[0];
+  if (threadIdx.x == 0) s_prefix[0] = prefix[0];
   const int C = p.st.num_clusters[slot];
   // The top of the order whose ids and prefix are written; all of it after the long lists' sort.
   const OrderTop top = p.sort_keys ? OrderTop{M, INT_MAX, 0.f, 0.f} : p.top[row];
@@ -1884,7 +1895,8 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   // The fit's abscissae and H(num_exact) do not depend on the logits either: their logs and
   // divisions (a dependent chain of double-precision sequences) run here too.
   const double x1 = plan.fitted ? plan.x1() : 0.0, x2 = plan.fitted ? plan.x2() : 0.0;
-  const double h_exact = harmonic(plan.num_exact);
+  const double span = plan.fitted ? fit_span(x1, x2) : 0.0;
+  const double h_exact = harmonic(plan.num_exact), h_n = plan.fitted ? harmonic(plan.n) : 0.0;
   // Launched programmatically behind the sample kernel, which lets it get resident only after
   // the order kernel has ended: everything above was written by then, so those loads and that
   // arithmetic overlap the sample kernel's end; the logits are its output.
@@ -1961,7 +1973,7 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
     for (int i = 0; i < kBudgetItems; ++i) {
       const int s = s0 + int(threadIdx.x) * kBudgetItems + i;
       if (s < kExactSmem)
-        s_exact[s] = carry + e[i];
+        s_exact[exact_slot(s)] = carry + e[i];
       else if (s < plan.num_exact)
         exact[s] = carry + e[i];
     }
@@ -1982,10 +1994,11 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   __syncthreads();  // the window sums and the whole exact prefix are visible to every thread
   TailModel tail;
   if (plan.fitted)
-    tail = fit_tail(s_windows[0] / plan.w, s_windows[1] / plan.w, x1, x2, plan.n);
+    tail = fit_tail_span(s_windows[0] / plan.w, s_windows[1] / plan.w, x1, span, plan.n);
   const int K = block_budget_tokens(
       plan, tail, p.fit.target,
-      [&](int k) { return k - 1 < kExactSmem ? s_exact[k - 1] : exact[k - 1]; }, h_exact);
+      [&](int k) { return k - 1 < kExactSmem ? s_exact[exact_slot(k - 1)] : exact[k - 1]; },
+      h_exact, h_n);
   // The union, and the members it adds to each index chunk: the row that sets a cluster's bit
   // first adds its size, so a cluster chosen by several heads of the group counts once.
   const auto join = [&](int c, int size) {
@@ -2026,13 +2039,13 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
     for (int i = 0; i < kBudgetItems; ++i) below += v[i] < K ? 1 : 0;
   }
   below = ReduceI(tmp.ri).Sum(below);
-  if (threadIdx.x == 0) {
-    s_clusters = 1 + below;
-    p.sel.selected[row] = prefix[1 + below];
-  }
+  if (threadIdx.x == 0) s_clusters = 1 + below;
   __syncthreads();
-  for (int j = threadIdx.x; j < s_clusters; j += kRowThreads)
-    join(j < kRowThreads ? first_id : ids[j], prefix[j + 1] - prefix[j]);
+  const int J = s_clusters;
+  if (threadIdx.x == 0) p.sel.selected[row] = J <= kRowThreads ? s_prefix[J] : prefix[J];
+  for (int j = threadIdx.x; j < J; j += kRowThreads)
+    join(j < kRowThreads ? first_id : ids[j],
+         j < kRowThreads ? s_prefix[j + 1] - s_prefix[j] : prefix[j + 1] - prefix[j]);
 }
 
 // Compaction of the union into the sub-request page table: one CTA per (chunk of

@@ -110,10 +110,13 @@ struct TailModel {
 // Solves a, b from the window means (mu1 at x1, mu2 at x2), with the guards of spec 8.7:
 // a <= 0 (the second window is as heavy as the first: no decay to exploit) falls back to a
 // flat tail at the windows' mean, which spreads the remaining mass evenly and so asks for a
-// conservative (large) K; b < 0 clamps y at 0 from x0 = a / -b on.
-KVS_HOST_DEVICE TailModel fit_tail(double mu1, double mu2, double x1, double x2, int n) {
+// conservative (large) K; b < 0 clamps y at 0 from x0 = a / -b on. span = fit_span(x1, x2),
+// which the CUDA budget kernel computes before its inputs arrive.
+KVS_HOST_DEVICE double fit_span(double x1, double x2) { return 1.0 / x1 - 1.0 / x2; }
+
+KVS_HOST_DEVICE TailModel fit_tail_span(double mu1, double mu2, double x1, double span, int n) {
   TailModel t;
-  t.a = (mu1 - mu2) / (1.0 / x1 - 1.0 / x2);
+  t.a = (mu1 - mu2) / span;
   t.b = mu1 - t.a / x1;
   t.end = n;
   if (!(t.a > 0.0)) {
@@ -127,12 +130,22 @@ KVS_HOST_DEVICE TailModel fit_tail(double mu1, double mu2, double x1, double x2,
   return t;
 }
 
-// sum_{x = from+1}^{to} y(x), closed form through harmonic numbers; h_from = harmonic(from)
-// (searches over `to` compute it once).
+KVS_HOST_DEVICE TailModel fit_tail(double mu1, double mu2, double x1, double x2, int n) {
+  return fit_tail_span(mu1, mu2, x1, fit_span(x1, x2), n);
+}
+
+// sum_{x = from+1}^{to} y(x) for to <= t.end, closed form through harmonic numbers: h_from =
+// harmonic(from), h_to = harmonic(to).
+KVS_HOST_DEVICE double tail_sum_known(const TailModel& t, int from, double h_from, int to,
+                                      double h_to) {
+  if (to <= from) return 0.0;
+  return t.a * (h_to - h_from) + t.b * double(to - from);
+}
+
+// The same for any `to` (searches over `to` compute h_from once).
 KVS_HOST_DEVICE double tail_sum_from(const TailModel& t, int from, double h_from, int to) {
   if (to > t.end) to = t.end;
-  if (to <= from) return 0.0;
-  return t.a * (harmonic(to) - h_from) + t.b * double(to - from);
+  return to > from ? tail_sum_known(t, from, h_from, to, harmonic(to)) : 0.0;
 }
 
 KVS_HOST_DEVICE double tail_sum(const TailModel& t, int from, int to) {
@@ -162,12 +175,12 @@ struct BudgetSearch {
   }
 };
 
-// h_exact is harmonic(f.num_exact), which the CUDA budget kernel computes before its inputs
-// arrive.
+// h_exact and h_n are harmonic(f.num_exact) and harmonic(f.n), which the CUDA budget kernel
+// computes before its inputs arrive.
 template <typename ExactPrefix>
 KVS_HOST_DEVICE BudgetSearch<ExactPrefix> budget_search(const FitPlan& f, const TailModel& t,
                                                         double target, ExactPrefix exact_prefix,
-                                                        double h_exact) {
+                                                        double h_exact, double h_n) {
   BudgetSearch<ExactPrefix> s{exact_prefix, t};
   s.num_exact = f.num_exact;
   if (f.n <= 0) return s;  // [0, 0]: K = 0
@@ -177,8 +190,10 @@ KVS_HOST_DEVICE BudgetSearch<ExactPrefix> budget_search(const FitPlan& f, const 
   }
   s.exact_sum = exact_prefix(f.num_exact);
   s.h_exact = h_exact;
-  const double total =
-      s.exact_sum + (f.fitted ? tail_sum_from(t, f.num_exact, s.h_exact, f.n) : 0.0);
+  const double tail_mass = !f.fitted      ? 0.0
+                           : t.end >= f.n ? tail_sum_known(t, f.num_exact, s.h_exact, f.n, h_n)
+                                          : tail_sum_from(t, f.num_exact, s.h_exact, f.n);
+  const double total = s.exact_sum + tail_mass;
   s.goal = target * total;
   s.in_exact = s.exact_sum >= s.goal;
   s.lo = s.in_exact ? 1 : f.num_exact + 1;
@@ -190,7 +205,7 @@ template <typename ExactPrefix>
 KVS_HOST_DEVICE int budget_tokens(const FitPlan& f, const TailModel& t, double target,
                                   ExactPrefix exact_prefix) {
   const BudgetSearch<ExactPrefix> s =
-      budget_search(f, t, target, exact_prefix, harmonic(f.num_exact));
+      budget_search(f, t, target, exact_prefix, harmonic(f.num_exact), harmonic(f.n));
   int lo = s.lo, hi = s.hi;
   while (lo < hi) {
     const int mid = lo + (hi - lo) / 2;
