@@ -57,6 +57,10 @@ void Engine::bind_workspace(Workspace ws) {
                                 std::to_string(ws.bytes) + " bytes, needs " +
                                 std::to_string(need) + " for max_batch " +
                                 std::to_string(config_.max_batch));
+  if (need > 0 && reinterpret_cast<uintptr_t>(ws.ptr) % kWorkspaceAlignment != 0)
+    throw std::invalid_argument(std::string(to_string(method())) + " engine: workspace at " +
+                                std::to_string(reinterpret_cast<uintptr_t>(ws.ptr)) + " is not " +
+                                std::to_string(kWorkspaceAlignment) + "-byte aligned");
   workspace_ = ws;
 }
 

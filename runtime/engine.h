@@ -77,6 +77,9 @@ class Engine {
   const ModelShape& shape() const { return shape_; }
 
   // Workspace decode() needs for up to config.max_batch sequences; bind it before decode().
+  // Its pointer must be kWorkspaceAlignment-aligned (cudaMalloc's are): the kernels read
+  // their parts of it with 16-byte loads.
+  static constexpr size_t kWorkspaceAlignment = 256;
   virtual size_t workspace_bytes() const = 0;
   void bind_workspace(Workspace ws);
 

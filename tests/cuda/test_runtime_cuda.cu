@@ -26,14 +26,20 @@ T* to_device(const std::vector<T>& h) {
   return d;
 }
 
-TEST(RuntimeCuda, GraphCapturedDecodeStepsMatchCpu) {
-  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+// A Llama-like shape: 32 query heads, 8 kv heads, head_dim 128.
+ModelShape llama_shape(int layers) {
   ModelShape s;
-  s.num_layers = 2;
+  s.num_layers = layers;
   s.num_q_heads = 32;
   s.num_kv_heads = 8;
   s.head_dim = 128;
   s.max_position = 1 << 16;
+  return s;
+}
+
+TEST(RuntimeCuda, GraphCapturedDecodeStepsMatchCpu) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  const ModelShape s = llama_shape(2);
   const std::vector<int> prompt{1000, 77, 4099};
   const int batch = int(prompt.size()), steps = 5, max_len = 4200;
   KVCacheConfig cc;
@@ -144,6 +150,30 @@ TEST(RuntimeCuda, GraphCapturedDecodeStepsMatchCpu) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
   for (void* p : {(void*)dq, (void*)dk, (void*)dv, (void*)dout, ws}) cudaFree(p);
+}
+
+// A workspace pointer that is not 256-byte aligned is refused with an error that says so, and
+// an aligned one inside the same allocation is taken.
+TEST(RuntimeCuda, WorkspaceMustBeAligned) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  const ModelShape s = llama_shape(1);
+  EngineConfig cfg;
+  cfg.max_batch = 2;
+  for (Method m : {Method::Dense, Method::Tactic}) {
+    auto e = make_engine(m, s, cfg);
+    const size_t bytes = e->workspace_bytes();
+    ASSERT_GT(bytes, 0u);
+    char* ws = nullptr;
+    KVS_CUDA_CHECK(cudaMalloc(&ws, bytes + Engine::kWorkspaceAlignment));
+    try {
+      e->bind_workspace({ws + 16, bytes});
+      ADD_FAILURE() << to_string(m) << ": a workspace 16 bytes past an allocation was bound";
+    } catch (const std::invalid_argument& err) {
+      EXPECT_NE(std::string(err.what()).find("256-byte aligned"), std::string::npos) << err.what();
+    }
+    EXPECT_NO_THROW(e->bind_workspace({ws + Engine::kWorkspaceAlignment, bytes}));
+    KVS_CUDA_CHECK(cudaFree(ws));
+  }
 }
 
 // set_lengths and release, called while a kernel queued on a non-blocking stream has yet to
