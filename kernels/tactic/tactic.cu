@@ -34,10 +34,10 @@
 //           sample's cluster searched there)
 //   sample  logits of the exact and window positions: a group of d / 8 lanes per sampled
 //           token (one coalesced key-row read, shuffle sum), several tokens per group
-//   budget  max, exact prefix (in shared memory), window means, fit, K (a block-parallel
-//           search), round up to clusters by a block-wide count over the prefix (or, past the
-//           ranked top, the order kernel's bucket group of token K - 1 and a rank of its
-//           clusters), bitmap OR (union), and the members
+//   budget  max, exact prefix (in shared memory), window means (exponentials in fp32, their sums
+//           and the prefix in fp64), fit, K (a block-parallel search), round up to clusters by a
+//           block-wide count over the prefix (or, past the ranked top, the order kernel's bucket
+//           group of token K - 1 and a rank of its clusters), bitmap OR (union), and the members
 //           each newly set bit adds to its index chunk
 //   index   compaction of the union's members + recent tokens into the sub-request page
 //           table: a CTA per 256-cluster chunk (its start from the earlier chunks' counts),
