@@ -1672,9 +1672,10 @@ constexpr int kBudgetStage = 16;   // logits per thread staged in shared memory 
 constexpr int kLogitSmem = kBudgetStage * kRowThreads;
 
 // The shared-memory slot of exact prefix s (< kExactSmem). A thread's kBudgetItems blocked
-// prefixes, stored in place, are 64 bytes apart across the warp: 16-way bank conflicts, 0.5 us
-// of the budget kernel at 128K on an H200 (ncu). The low 3 bits xor-ed with bits 4-6 (the
-// thread's bits 1-3) put each store instruction's 32 lanes on every bank twice.
+// prefixes, stored in place, are 64 bytes apart across the warp: 16 wavefronts a store where 2
+// are ideal (ncu), about 0.1 us of the budget kernel at 128K on an H200. The low 3 bits xor-ed
+// with bits 4-6 (the thread's bits 1-3) put each store instruction's 32 lanes on every bank
+// twice.
 __device__ __forceinline__ int exact_slot(int s) { return s ^ ((s >> 4) & 7); }
 
 // budget_tokens (tactic_fit.h) with its search spread over the block: the same problem
@@ -1937,10 +1938,11 @@ __global__ void __launch_bounds__(kRowThreads) budget_kernel(SelectParams p) {
   if (threadIdx.x == 0) s_max = m;
   __syncthreads();
   // The exponentials in fp32 (expf, a few FP32 instructions and one MUFU), their sums in fp64.
-  // exp in fp64 (tens of FP64 instructions each, 3,279 a row at 128K on one SM) took 3.4 us of
-  // the budget's 6 on an H200 (docs/gpu.md). expf is within 2 ulp; the logits themselves are
-  // fp32 dot products of bf16 rows, so the CPU's fp64 budget is matched up to near-ties either
-  // way (test_tactic_cuda's tolerance).
+  // With exp in fp64 (tens of FP64 instructions each, 3,279 a row at 128K on one SM) the exact
+  // prefix and the windows took 3.4 us of the budget's 6.4 on an H200, with expf 2.1 (docs/
+  // gpu.md). expf is within 2 ulp; the logits themselves are fp32 dot products of bf16 rows,
+  // so the CPU's fp64 budget is matched up to near-ties either way (test_tactic_cuda's
+  // tolerance).
   const float mx = s_max;
   double carry = 0.0;
   for (int s0 = 0; s0 < plan.num_exact; s0 += kRowThreads * kBudgetItems) {
