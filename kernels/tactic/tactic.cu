@@ -772,7 +772,11 @@ constexpr int kIndexChunk = kIndexThreads;  // clusters per index CTA (and per m
 constexpr int kOrderThreads = 1024;
 constexpr int kOrderItems = 8;
 constexpr int kOrderMax = kOrderThreads * kOrderItems;  // clusters per list
-constexpr int kOrderBuckets = 8192;                     // the order kernel's score buckets
+// The order kernel's score buckets: two clusters a bucket on average at 128K. 8192 (one a
+// bucket) scanned longer than the ranking of the doubled buckets saves; on an H200 the 128K
+// step at batch 1 took 48.2-48.3 us with 8192 against 47.8 with 4096 or 2048, batch 8 160.9 /
+// 161.6 against 159.0 / 159.8 (docs/gpu.md).
+constexpr int kOrderBuckets = 4096;
 constexpr int kOrderCounts = kOrderBuckets / kOrderThreads;  // buckets a thread scans: a group
 // A row's first sorted token of every group of kOrderCounts buckets, and one past the last (the
 // row's tokens), padded to 16 bytes: written by the order kernel (a word a thread), read by the
@@ -1015,7 +1019,7 @@ constexpr int kRowThreads = 256;
 // order is the CPU's: descending score, ties to the lower cluster id.
 //
 // A bucket sort over the score range: kOrderBuckets equal-width buckets of [min, max] (bucket
-// index nonincreasing in the score) hold a cluster or two each, and a cluster's rank is its
+// index nonincreasing in the score) hold two clusters or so each, and a cluster's rank is its
 // bucket's first rank plus the number of bucket mates that precede it. Each bucket counts its
 // clusters and their tokens, so after one scan every bucket knows both its first rank and its
 // first sorted token position. When the spread is degenerate (non-finite scores, all equal,
