@@ -39,6 +39,11 @@ def errors(exe, fixture):
         rc, out, err = bench(exe, fixture, *args)
         check(rc != 0, f"{args}: exit code {rc}, want an error")
         check(want in err and fixture in err, f"{args}: stderr {err.strip()!r} lacks {want!r}")
+    # A cluster size the re-clustering cannot take (its blocks of 2048 tokens split into whole
+    # clusters) is refused before any GPU work.
+    rc, out, err = bench(exe, fixture, "--cluster-size", "3")
+    check(rc != 0 and "--cluster-size must divide" in err and "got 3" in err,
+          f"--cluster-size 3: exit {rc}, stderr {err.strip()!r}")
     rc, out, err = bench(exe, fixture + ".missing")
     check(rc != 0 and ".missing" in err, f"a missing file: exit {rc}, stderr {err.strip()!r}")
 
@@ -60,6 +65,7 @@ def rows(exe, fixture, work):
     check(meta.get("scene") == "capture " + fixture, f"meta scene {meta.get('scene')!r}")
     check((meta.get("hq"), meta.get("hkv"), meta.get("head_dim"), meta.get("layers")) ==
           (4, 1, 128, 2), f"meta shape {meta}")
+    check(meta.get("cluster_size") == 16, f"meta cluster_size {meta.get('cluster_size')}")
     check(len(got) == 1, f"{len(got)} rows, want 1 (context 640, batch 1)")
     for r in got:
         check((r["context"], r["batch"]) == (640, 1), f"row at {r['context']}, {r['batch']}")

@@ -187,6 +187,7 @@ bool bench_one(const TacticBenchArgs& a, const CaptureFile* cap, int n, int B, c
   const int64_t num_pages = int64_t(B) * pages;
   const size_t kv_elems = size_t(num_pages) * a.page_size * a.hkv * a.d;
   tk::KMeansParams km;
+  km.cluster_size = a.cluster_size;
   tk::FitParams fit;
   fit.target = a.p;
   fit.exact_fraction = a.exact_fraction;
@@ -443,6 +444,10 @@ int run_tactic_bench(const TacticBenchArgs& given) {
   if (a.hq / a.hkv > 8) throw std::invalid_argument("--method tactic supports GQA groups up to 8");
   if (a.layers < 1 || a.components < 1)
     throw std::invalid_argument("--layers and --components must be >= 1");
+  if (a.cluster_size < 1 || kBlockTokens % a.cluster_size != 0)
+    throw std::invalid_argument("--cluster-size must divide the re-clustered block of " +
+                                std::to_string(kBlockTokens) + " tokens, got " +
+                                std::to_string(a.cluster_size));
   if (!(a.exact_fraction > 0.0 && a.exact_fraction <= 1.0))
     throw std::invalid_argument("--exact-fraction must be in (0, 1]");
   if (!(a.window_fraction >= 0.0 && a.window_fraction < 0.5) || a.window_min < 1)
@@ -463,6 +468,7 @@ int run_tactic_bench(const TacticBenchArgs& given) {
                      {"page_size", a.page_size},
                      {"layers", a.layers},
                      {"components", a.components},
+                     {"cluster_size", a.cluster_size},
                      {"exact_fraction", a.exact_fraction},
                      {"window_fraction", a.window_fraction},
                      {"window_min", a.window_min},
@@ -484,9 +490,9 @@ int run_tactic_bench(const TacticBenchArgs& given) {
           : std::to_string(a.components) + " key components";
   std::printf(
       "kvs-bench tactic decode: %s, %d SMs; Hq %d Hkv %d d %d page %d; P %.2f; %d layers "
-      "per replay; %s; exact %.4f, window %.4f (min %d); member rows %s\n",
+      "per replay; %s; clusters of %d tokens; exact %.4f, window %.4f (min %d); member rows %s\n",
       prop.name, prop.multiProcessorCount, a.hq, a.hkv, a.d, a.page_size, a.p, a.layers,
-      scene.c_str(), a.exact_fraction, a.window_fraction, a.window_min,
+      scene.c_str(), a.cluster_size, a.exact_fraction, a.window_fraction, a.window_min,
       a.member_rows ? "kept with the clusters" : "through the page table");
   std::printf("%8s %5s | %9s %9s %7s %8s %9s | %9s %9s %9s %9s %7s | %7s %7s %6s %6s %7s\n",
               "context", "batch", "clust_ms", "pfill_ms", "ratio", "km_TFLOP", "reclu_ms",

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/tactic/tactic.h"
 #include "kernels/tactic/tactic_fit.h"
 
 namespace kvs {
@@ -17,6 +18,8 @@ struct TacticBenchArgs {
   double p = 0.9;               ///< target cumulative attention mass P
   int layers = 4;               ///< KV sets (layers) per replay, rotated to defeat the L2
   int components = 512;         ///< Gaussian key components per (sequence, kv head)
+  /// KMeansParams::cluster_size: average tokens per cluster at prefill (the spec's 16)
+  int cluster_size = kernels::tactic::KMeansParams{}.cluster_size;
   // The fit's sampling knobs (TacticConfig's), defaults from FitParams.
   double exact_fraction = kernels::tactic::FitParams{}.exact_fraction;    ///< N / n
   double window_fraction = kernels::tactic::FitParams{}.window_fraction;  ///< w / n

@@ -177,6 +177,8 @@ int run(int argc, char** argv) {
       "tactic: KV sets (layers) decoded per graph replay")(
       "components", po::value(&tactic.components)->default_value(512),
       "tactic: Gaussian key components per sequence and kv head")(
+      "cluster-size", po::value(&tactic.cluster_size)->default_value(tactic.cluster_size),
+      "tactic: average tokens per cluster of the prefill's k-means")(
       "exact-fraction", po::value(&tactic.exact_fraction)->default_value(tactic.exact_fraction),
       "tactic: leading sorted tokens with exact exponentials, fraction of the list")(
       "window-fraction", po::value(&tactic.window_fraction)->default_value(tactic.window_fraction),
