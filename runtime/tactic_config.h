@@ -9,7 +9,14 @@ namespace kvs {
 
 struct TacticConfig {
   double target = 0.9;         ///< P, cumulative attention mass per query head, (0, 1]; 1 = dense
-  int cluster_size = 16;       ///< average tokens per k-means cluster: C = ceil(n / 16)
+  /// Average tokens per k-means cluster: C = ceil(n / cluster_size). 16 is the paper's (smaller
+  /// clusters fit better and cost more). The CUDA decode orders a list of up to 8,192 clusters
+  /// in one CTA a query head; longer lists (past 128K tokens at 16) take one radix sort of every
+  /// row, which is much slower: on an H200 at batch 1, P 0.9, 256K took 175 us a layer at 16
+  /// against 64 at 32, and 512K 282 at 16 against 92 at 64, selecting as many tokens for as
+  /// much mass on kvs-bench's synthetic keys (docs/gpu.md, 2026-12-01). At 128K, 32 took 44.8
+  /// us against 47.8; on kvs-tiny-a's 4K captures it read 41 % of the KV against 37 %.
+  int cluster_size = 16;
   int kmeans_iterations = 10;  ///< Lloyd iterations (>= 1)
   uint64_t seed = 0x7AC71C;    ///< k-means initialisation seed
   double exact_fraction = 0.015;  ///< leading sorted tokens with exact exponentials (N)
