@@ -772,10 +772,10 @@ constexpr int kIndexChunk = kIndexThreads;  // clusters per index CTA (and per m
 constexpr int kOrderThreads = 1024;
 constexpr int kOrderItems = 8;
 constexpr int kOrderMax = kOrderThreads * kOrderItems;  // clusters per list
-// The order kernel's score buckets: two clusters a bucket on average at 128K. 8192 (one a
-// bucket) scanned longer than the ranking of the doubled buckets saves; on an H200 the 128K
-// step at batch 1 took 48.2-48.3 us with 8192 against 47.8 with 4096 or 2048, batch 8 160.9 /
-// 161.6 against 159.0 / 159.8 (docs/gpu.md).
+// The order kernel's score buckets: two clusters a bucket on average at 128K. 8192 (one cluster
+// a bucket) cost more in the scan and the zeroing than it saved in the ranking; on an H200 the
+// 128K step at batch 1 took 48.2-48.3 us with 8192 against 47.8 with 4096 or 2048, batch 8
+// 160.9 / 161.6 against 159.0 / 159.8 (docs/gpu.md).
 constexpr int kOrderBuckets = 4096;
 constexpr int kOrderCounts = kOrderBuckets / kOrderThreads;  // buckets a thread scans: a group
 // A row's first sorted token of every group of kOrderCounts buckets, and one past the last (the
