@@ -899,6 +899,14 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       c0 += kThreads * kScanIlp;
     }
     __syncthreads();  // rows_s is written (and the scan's scan_tmp may be reused)
+    // The merge, launched programmatically behind this grid, may launch once every CTA has
+    // triggered (later calls have no effect; a part with no rows triggers at its end, below).
+    // Here, before the part's tiles, every CTA is resident already (the last ones, on the
+    // route's SMs, trigger only once they run), so the merge's CTAs can take only the room of
+    // parts that have left, and their launch overlaps the last parts' tiles instead of
+    // following them: 31.8-31.9 -> 31.2 us at 128K batch 1 over 32 layers on an H200
+    // (docs/gpu.md). They wait for the whole grid before they read a state.
+    if (count > 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (count > 0) attend_rows(count);
   }
   if (window_part) {
@@ -919,9 +927,8 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       atomicAdd(p.counters + 1, p.router_bytes + 8ull * probes + 4ull * max(0, indexed - csr));
     }
   }
-  // The merge, launched programmatically behind this grid, may launch once every CTA is here
-  // (its CTAs wait for the whole grid before they read a state). At the end, not at the
-  // start: a merge resident early took room from late parts (docs/gpu.md).
+  // A part that attended nothing triggers the merge here. Not at the kernel's start: a merge
+  // resident before the late parts took their room (docs/gpu.md).
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   // The part's state.
   const int64_t prow0 = (int64_t(sv) * gridDim.y + part) * p.group;
@@ -2218,9 +2225,10 @@ cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, 
   e = launch_programmatic(attend_kernel<Cfg>, dim3(unsigned(subrequests), unsigned(parts)),
                           dim3(Cfg::kThreads), smem, stream, p);
   if (e != cudaSuccess) return e;
-  // Launched programmatically: the attention triggers at the end of each CTA's work, so the
-  // merge's launch overlaps the last parts and its CTAs cannot take their room early. Its
-  // rows, then a CTA per slot for the index step's commit and the fold.
+  // Launched programmatically: each attention CTA triggers before its tiles, once every CTA
+  // of the grid is resident, so the merge's launch overlaps the last parts' tiles and its CTAs
+  // cannot take a part's room. Its rows, then a CTA per slot for the index step's commit and
+  // the fold.
   const int rows = batch * p.num_q_heads;
   return launch_programmatic(
       attend_merge_kernel<D>, dim3(unsigned(rows + subrequests)), dim3(kAttendMergeWarps * 32),
