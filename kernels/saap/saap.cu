@@ -901,9 +901,9 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     __syncthreads();  // rows_s is written (and the scan's scan_tmp may be reused)
     // The merge, launched programmatically behind this grid, may launch once every CTA has
     // triggered (later calls have no effect; a part with no rows triggers at its end, below).
-    // Here, before the part's tiles, every CTA is resident already (the last ones, on the
-    // route's SMs, trigger only once they run), so the merge's CTAs can take only the room of
-    // parts that have left, and their launch overlaps the last parts' tiles instead of
+    // A CTA triggers only once it runs, so when all have, no part is left waiting for room
+    // (the last ones run on the SMs the route held), the merge's CTAs can take only the room
+    // of parts that have left, and their launch overlaps the last parts' tiles instead of
     // following them: 31.8-31.9 -> 31.2 us at 128K batch 1 over 32 layers on an H200
     // (docs/gpu.md). They wait for the whole grid before they read a state.
     if (count > 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -2225,10 +2225,10 @@ cudaError_t launch_attend(const AttendParams& p, int batch, size_t smem, bf* o, 
   e = launch_programmatic(attend_kernel<Cfg>, dim3(unsigned(subrequests), unsigned(parts)),
                           dim3(Cfg::kThreads), smem, stream, p);
   if (e != cudaSuccess) return e;
-  // Launched programmatically: each attention CTA triggers before its tiles, once every CTA
-  // of the grid is resident, so the merge's launch overlaps the last parts' tiles and its CTAs
-  // cannot take a part's room. Its rows, then a CTA per slot for the index step's commit and
-  // the fold.
+  // Launched programmatically: each attention CTA triggers before its tiles, so the merge
+  // launches once every CTA of the grid has run that far (none is left waiting for room), and
+  // its launch overlaps the last parts' tiles. Its rows, then a CTA per slot for the index
+  // step's commit and the fold.
   const int rows = batch * p.num_q_heads;
   return launch_programmatic(
       attend_merge_kernel<D>, dim3(unsigned(rows + subrequests)), dim3(kAttendMergeWarps * 32),
