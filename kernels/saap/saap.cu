@@ -906,8 +906,10 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     // of parts that have left, and their launch overlaps the last parts' tiles instead of
     // following them: 31.8-31.9 -> 31.2 us at 128K batch 1 over 32 layers on an H200
     // (docs/gpu.md). They wait for the whole grid before they read a state.
-    if (count > 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    if (count > 0) attend_rows(count);
+    if (count > 0) {
+      asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+      attend_rows(count);
+    }
   }
   if (window_part) {
     if (shares)
